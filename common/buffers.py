@@ -1,0 +1,77 @@
+"""Descriptions of the memory regions a runner exposes for KV transfer.
+
+The runner owns the tensors; these dataclasses say where they live and how they are laid out,
+which is all the transfer plan needs. They map one to one onto `protos.BufferInfo`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+
+
+@dataclass(frozen=True)
+class PagedKVBuffer:
+    """A paged per-token KV cache stored as one tensor [layer, k/v, page, token, head, dim]
+    (layout "LKPSHD"). `num_heads` heads starting at global head `head_start` are held here;
+    `num_heads == 0` means latent (MLA-style) KV with `head_dim` elements per token."""
+
+    name: str
+    base_addr: int
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_heads: int
+    head_start: int
+    total_heads: int
+    head_dim: int
+    dtype: str
+    kv_planes: int = 2  # 2 for K and V; 1 for latent KV
+    layout: str = "LKPSHD"
+
+    @property
+    def elem_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def token_bytes(self) -> int:
+        return max(self.num_heads, 1) * self.head_dim * self.elem_bytes
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.page_size * self.token_bytes
+
+    @property
+    def length(self) -> int:
+        return self.num_layers * self.kv_planes * self.num_pages * self.bytes_per_page
+
+    def page_addr(self, layer: int, plane: int, page: int) -> int:
+        return self.base_addr + ((layer * self.kv_planes + plane) * self.num_pages + page) * self.bytes_per_page
+
+
+@dataclass(frozen=True)
+class SlotStateBuffer:
+    """Per-request fixed-size state (e.g. a linear-attention recurrent matrix), one slot per
+    request per layer, stored as [layer, slot, bytes_per_slot]."""
+
+    name: str
+    base_addr: int
+    num_layers: int
+    num_slots: int
+    bytes_per_slot: int
+    dtype: str
+
+    @property
+    def length(self) -> int:
+        return self.num_layers * self.num_slots * self.bytes_per_slot
+
+    def slot_addr(self, layer: int, slot: int) -> int:
+        return self.base_addr + (layer * self.num_slots + slot) * self.bytes_per_slot
+
+
+@dataclass
+class RoomBuffers:
+    """One side's view of a room: the buffers and the page/slot indices reserved for it."""
+
+    buffers: list[PagedKVBuffer | SlotStateBuffer]
+    indices: dict[str, list[int]] = field(default_factory=dict)  # buffer name -> pages/slots

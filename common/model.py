@@ -1,0 +1,178 @@
+"""The transformer math for Llama / Qwen2 / Qwen3 dense decoders over a paged KV cache.
+
+Only math lives here: weights come from common.weights, the KV cache and the per-batch
+attention metadata are passed in explicitly (see common.attention.AttnMeta).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.attention import AttnMeta, paged_attention
+from common.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale in the input dtype, as the reference implementations do,
+        # so fp32 and bf16 outputs match Hugging Face's.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(cfg: ModelConfig, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_position, head_dim] in fp32 for rotate-half RoPE."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope_scaling is not None:
+        inv_freq = _llama3_scale(inv_freq, cfg)
+    t = torch.arange(cfg.max_position, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    rs = cfg.rope_scaling
+    low_wavelen = rs.original_max_position / rs.low_freq_factor
+    high_wavelen = rs.original_max_position / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    mid = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; cos/sin [T, d] already gathered at the tokens' positions."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        # q, k and v in one matmul: one weight read and one kernel launch instead of three.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attn_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_layer: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        cfg = self.cfg
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(T, cfg.num_heads, cfg.head_dim)
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, kv_layer, meta)
+        return self.o_proj(out.reshape(T, cfg.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, kv_layer, meta):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """forward() returns the final-normed hidden states of the rows in `meta.logit_rows` and,
+    if asked, the residual stream after each layer in `capture_layers` (all rows)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Filled by init_rope() once the module sits on its device (it may be built on "meta").
+        self.rope_cos = self.rope_sin = torch.empty(0)
+
+    def init_rope(self, device: torch.device) -> None:
+        self.rope_cos, self.rope_sin = rope_cos_sin(self.cfg, device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttnMeta,
+                capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        h = self.embed_tokens(input_ids)
+        cos = self.rope_cos[meta.positions].to(h.dtype)
+        sin = self.rope_sin[meta.positions].to(h.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_cache[i], meta)
+            if i in capture_layers:
+                captured[i] = h
+        if meta.logit_rows is not None:
+            h = h[meta.logit_rows]
+        return self.norm(h), captured
+
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up as this module stores them."""
+        cfg = self.cfg
+        own = {}
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            own[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+                [tensors[a + "q_proj.weight"], tensors[a + "k_proj.weight"], tensors[a + "v_proj.weight"]])
+            if cfg.attn_bias:
+                own[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
+                    [tensors[a + "q_proj.bias"], tensors[a + "k_proj.bias"], tensors[a + "v_proj.bias"]])
+            if cfg.qk_norm:
+                own[f"layers.{i}.self_attn.q_norm.weight"] = tensors[a + "q_norm.weight"]
+                own[f"layers.{i}.self_attn.k_norm.weight"] = tensors[a + "k_norm.weight"]
+            own[f"layers.{i}.self_attn.o_proj.weight"] = tensors[a + "o_proj.weight"]
+            own[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+                [tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
+            own[f"layers.{i}.mlp.down_proj.weight"] = tensors[p + "mlp.down_proj.weight"]
+            own[f"layers.{i}.input_layernorm.weight"] = tensors[p + "input_layernorm.weight"]
+            own[f"layers.{i}.post_attention_layernorm.weight"] = tensors[p + "post_attention_layernorm.weight"]
+        own["embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+        own["norm.weight"] = tensors["model.norm.weight"]
+        if self.lm_head is not None:
+            own["lm_head.weight"] = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+        missing, unexpected = self.load_state_dict(own, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")

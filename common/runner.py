@@ -1,0 +1,112 @@
+"""ModelRunner: owns the model weights and the paged KV cache, and runs one forward at a time.
+
+This is the interface the services drive (an SGLang-backed runner can implement the same):
+  extend()           prefill a chunk, decode one token, or verify a block, for a batch of requests
+  reserve()/release() grow or free a request's pages;  truncate() cut its cache back to a length
+  describe_buffers() where the KV lives and how it is laid out (for transfers)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.attention import build_attn_meta
+from common.buffers import PagedKVBuffer
+from common.model import Transformer
+from common.model_config import ModelConfig
+from common.page_pool import PagePool
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class SeqCache:
+    """One request's place in the cache: its pages in token order and how many tokens are stored."""
+
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+@dataclass
+class ExtendOutput:
+    logits: torch.Tensor  # [rows, vocab] fp32, rows as asked (last token or all new tokens)
+    captured: dict[int, torch.Tensor]  # layer -> [T, hidden] residual stream of every new token
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, dtype: str = "fp32",
+                 device: str = "cpu", num_pages: int = 512, page_size: int = 64):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        model = model.to_empty(device=self.device)
+        model.load_hf_weights(tensors)
+        self.model = model.to(self.dtype).eval()
+        self.model.init_rope(self.device)  # fp32 tables whatever the weights' dtype
+        self.pool = PagePool(num_pages, page_size)
+        # One tensor for the whole cache ([layer, k/v, page, token, head, dim]) so that it is a
+        # single region to register with the transfer engine. The extra last page is scratch:
+        # padded attention reads land there and no request owns it.
+        self.kv = torch.zeros(cfg.num_layers, 2, num_pages + 1, page_size, cfg.num_kv_heads,
+                              cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.scratch_slot = num_pages * page_size
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    # ---- page management -------------------------------------------------------------------
+    def reserve(self, seq: SeqCache, num_tokens: int) -> None:
+        """Make sure seq has pages for `num_tokens` tokens (raises OutOfPages, allocating nothing)."""
+        need = self.pool.pages_for(num_tokens) - len(seq.pages)
+        if need > 0:
+            seq.pages.extend(self.pool.alloc(need))
+
+    def release(self, seq: SeqCache) -> None:
+        self.pool.free(seq.pages)
+        seq.pages = []
+        seq.length = 0
+
+    def truncate(self, seq: SeqCache, length: int) -> None:
+        """Forget tokens at positions >= length (their K/V is overwritten later). Pages are
+        kept: the caller reserved them for the request's whole budget."""
+        if length > seq.length:
+            raise ValueError(f"cannot truncate a cache of {seq.length} tokens to {length}")
+        seq.length = length
+
+    # ---- forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def extend(self, seqs: list[SeqCache], tokens: list[list[int]], *, all_logits: bool = False,
+               capture_layers: tuple[int, ...] = ()) -> ExtendOutput:
+        """Append tokens[i] to seqs[i] (pages must be reserved) and run the model over them.
+        Returns logits of each request's last new token, or of every new token if all_logits."""
+        counts = [len(t) for t in tokens]
+        starts = [s.length for s in seqs]
+        for s, n in zip(seqs, counts):
+            if s.length + n > len(s.pages) * self.page_size:
+                raise RuntimeError(f"request needs {s.length + n} tokens of cache, has pages for "
+                                   f"{len(s.pages) * self.page_size}")
+            if s.length + n > self.cfg.max_position:
+                raise ValueError(f"sequence of {s.length + n} tokens exceeds the model context "
+                                 f"({self.cfg.max_position})")
+        ends = torch.tensor(counts).cumsum(0)
+        rows = None if all_logits else (ends - 1).tolist()
+        meta = build_attn_meta(starts, counts, [s.pages for s in seqs], self.page_size,
+                               self.scratch_slot, self.device, rows)
+        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device)
+        hidden, captured = self.model(ids, self.kv, meta, capture_layers)
+        for s, n in zip(seqs, counts):
+            s.length += n
+        return ExtendOutput(self.model.logits(hidden), captured)
+
+    # ---- transfer description --------------------------------------------------------------
+    def describe_buffers(self) -> list[PagedKVBuffer]:
+        cfg = self.cfg
+        return [PagedKVBuffer(
+            name="kv", base_addr=self.kv.data_ptr(), num_layers=cfg.num_layers,
+            num_pages=self.kv.shape[2], page_size=self.page_size, num_heads=cfg.num_kv_heads,
+            head_start=0, total_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."))]

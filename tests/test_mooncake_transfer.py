@@ -1,0 +1,257 @@
+"""Real Mooncake TCP transfers between two processes on 127.0.0.1 (P2P handshake).
+
+Each peer process owns torch CPU tensors registered with its own engine and answers commands
+over a pipe: fill with seeded random data, describe its buffers (as protobuf BufferInfo, the
+way Bootstrap carries them), report per-(layer, k/v, page, head) CRC32 checksums, or write a
+room to a peer through the transfer plan. The destination's checksums are compared with the
+source's: transferred pages must match, everything else must be unchanged.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import zlib
+from typing import Any
+
+import pytest
+
+try:
+    import mooncake.engine  # noqa: F401  (fails without the wheel or without libibverbs1)
+except ImportError as e:
+    pytest.skip(f"mooncake.engine cannot be imported: {e}", allow_module_level=True)
+torch = pytest.importorskip("torch")
+
+from common.mooncake_engine import MooncakeConfig, MooncakeEngine, TransferError, check_allocator_env  # noqa: E402
+
+REPLY_TIMEOUT_S = 60
+
+# name -> (layers, pages, page_size, num_heads, head_start, total_heads, head_dim) or
+# name -> (layers, slots, bytes_per_slot) for state slots.
+EQUAL_SPECS: dict[str, tuple] = {
+    "kv": (3, 12, 4, 2, 0, 2, 8),
+    "draft_kv": (1, 6, 4, 1, 0, 1, 8),
+    "state": (3, 4, 256),
+}
+
+
+def _peer_main(conn: Any, specs: dict[str, tuple]) -> None:
+    """One P or D process: an engine, its registered tensors, and a command loop."""
+    import torch
+
+    from common.buffers import PagedKVBuffer, RoomBuffers, SlotStateBuffer
+    from common.transfer_plan import TransferEntry, TransferPlanError, build_plan
+    from common.wire import room_from_protos, room_to_protos
+    from protos import pdflash_pb2 as pb
+
+    engine = MooncakeEngine(MooncakeConfig(local_hostname="127.0.0.1"))
+    engine.start()
+    tensors: dict[str, torch.Tensor] = {}
+    buffers: dict[str, PagedKVBuffer | SlotStateBuffer] = {}
+    for name, spec in specs.items():
+        if len(spec) == 7:
+            layers, pages, page_size, heads, head_start, total, dim = spec
+            t = torch.zeros(layers, 2, pages, page_size, heads, dim, dtype=torch.float32)
+            buffers[name] = PagedKVBuffer(name, t.data_ptr(), layers, pages, page_size, heads, head_start, total,
+                                          dim, "float32")
+        else:
+            layers, slots, nbytes = spec
+            t = torch.zeros(layers, slots, nbytes // 4, dtype=torch.float32)
+            buffers[name] = SlotStateBuffer(name, t.data_ptr(), layers, slots, nbytes, "float32")
+        assert t.numel() * 4 == buffers[name].length
+        engine.register(t.data_ptr(), buffers[name].length)
+        tensors[name] = t
+
+    def checksums() -> dict[tuple, int]:
+        out = {}
+        for name, t in tensors.items():
+            if t.dim() == 6:  # [layer, k/v, page, token, head, dim]
+                for l, k, p, h in ((l, k, p, h) for l in range(t.shape[0]) for k in range(2)
+                                   for p in range(t.shape[2]) for h in range(t.shape[4])):
+                    out[name, l, k, p, h] = zlib.crc32(t[l, k, p, :, h].contiguous().numpy().tobytes())
+            else:  # [layer, slot, ...]
+                for l in range(t.shape[0]):
+                    for s in range(t.shape[1]):
+                        out[name, l, s] = zlib.crc32(t[l, s].numpy().tobytes())
+        return out
+
+    while True:
+        cmd, *args = conn.recv()
+        try:
+            if cmd == "stop":
+                engine.close()
+                conn.send(("ok", None))
+                return
+            if cmd == "fill":
+                gen = torch.Generator().manual_seed(args[0])
+                for t in tensors.values():
+                    t.copy_(torch.randn(t.shape, generator=gen))
+                result: Any = None
+            elif cmd == "describe":  # what D sends P in Bootstrap
+                room = RoomBuffers(list(buffers.values()), args[0])
+                result = (engine.session_id, [i.SerializeToString() for i in room_to_protos(room)])
+            elif cmd == "checksums":
+                result = checksums()
+            elif cmd == "write":  # P side: plan from both descriptions, then write
+                peer, dst_infos, src_indices, num_tokens = args
+                dst = room_from_protos(pb.BufferInfo.FromString(b) for b in dst_infos)
+                plan = build_plan("test-room", RoomBuffers(list(buffers.values()), src_indices), dst, num_tokens)
+                result = (engine.write(peer, plan.entries), len(plan.entries), len(plan.batches))
+            elif cmd == "write_raw":  # bypasses the plan's checks: the engine must refuse on its own
+                peer, dst_addr, length = args
+                result = engine.write(peer, [TransferEntry(buffers["kv"].base_addr, dst_addr, length)])
+            else:
+                raise ValueError(f"unknown command {cmd}")
+            conn.send(("ok", result))
+        except (TransferError, TransferPlanError) as e:
+            conn.send(("error", type(e).__name__, str(e)))
+
+
+class Peer:
+    def __init__(self, specs: dict[str, tuple]):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_peer_main, args=(child, specs), daemon=True)
+        self.proc.start()
+
+    def call(self, *cmd: Any) -> tuple:
+        self.conn.send(cmd)
+        if not self.conn.poll(REPLY_TIMEOUT_S):
+            raise AssertionError(f"peer gave no reply to {cmd[0]} (alive: {self.proc.is_alive()})")
+        return self.conn.recv()
+
+    def ok(self, *cmd: Any) -> Any:
+        reply = self.call(*cmd)
+        assert reply[0] == "ok", reply
+        return reply[1]
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.ok("stop")
+        self.proc.join(10)
+        assert self.proc.exitcode == 0
+
+
+@pytest.fixture(scope="module")
+def pair():
+    src, dst = Peer(EQUAL_SPECS), Peer(EQUAL_SPECS)
+    yield src, dst
+    src.stop()
+    dst.stop()
+
+
+def _fresh(pair, seed: int) -> None:
+    src, dst = pair
+    src.ok("fill", seed)
+    dst.ok("fill", seed + 1)
+
+
+def test_pages_arrive_intact_and_others_stay_untouched(pair):
+    src, dst = pair
+    _fresh(pair, 10)
+    src_idx = {"kv": [3, 4, 5, 9], "draft_kv": [0, 1, 2, 3], "state": [1]}
+    dst_idx = {"kv": [10, 11, 0, 7, 8], "draft_kv": [5, 4, 2, 3], "state": [3]}  # kv: one spare page
+    num_tokens = 14  # 3.5 pages: the last page goes whole
+    session, infos = dst.ok("describe", dst_idx)
+    before, src_sums = dst.ok("checksums"), src.ok("checksums")
+
+    moved, n_entries, _ = src.ok("write", session, infos, src_idx, num_tokens)
+
+    after = dst.ok("checksums")
+    kv_page, draft_page = 4 * 2 * 8 * 4, 4 * 1 * 8 * 4  # tokens x heads x dim x fp32
+    assert moved == 3 * 2 * 4 * kv_page + 1 * 2 * 4 * draft_page + 3 * 256
+    # Entries per (layer, k/v) block after merging: kv 3,4 -> 10,11 | 5 -> 0 | 9 -> 7;
+    # draft_kv 0 -> 5 | 1 -> 4 | 2,3 -> 2,3; state one per layer.
+    assert n_entries == 3 * 2 * 3 + 1 * 2 * 3 + 3
+    expected = dict(before)
+    for name, layers, heads in (("kv", 3, 2), ("draft_kv", 1, 1)):
+        for sp, dp in zip(src_idx[name], dst_idx[name]):
+            for l in range(layers):
+                for k in range(2):
+                    for h in range(heads):
+                        expected[name, l, k, dp, h] = src_sums[name, l, k, sp, h]
+    for l in range(3):
+        expected["state", l, 3] = src_sums["state", l, 1]
+    assert after == expected
+    assert after["kv", 0, 0, 8, 0] == before["kv", 0, 0, 8, 0]  # the spare page was not written
+
+
+def test_plan_error_submits_nothing_and_peer_survives(pair):
+    src, dst = pair
+    _fresh(pair, 20)
+    session, infos = dst.ok("describe", {"kv": [0, 12], "draft_kv": [0, 1], "state": [0]})  # page 12 of 12
+    before = dst.ok("checksums")
+    reply = src.call("write", session, infos, {"kv": [0, 1], "draft_kv": [0, 1], "state": [0]}, 8)
+    assert reply[0] == "error" and reply[1] == "TransferPlanError"
+    assert "room test-room, buffer kv" in reply[2] and "index 12 out of range" in reply[2]
+    assert dst.ok("checksums") == before  # not even the valid buffers were sent
+
+    session, infos = dst.ok("describe", {"kv": [0, 1], "draft_kv": [0, 1], "state": [0]})
+    assert src.ok("write", session, infos, {"kv": [0, 1], "draft_kv": [0, 1], "state": [0]}, 8)[0] > 0
+
+
+def test_unregistered_destination_raises_transfer_error(pair):
+    src, dst = pair
+    session, infos = dst.ok("describe", {})
+    from common.wire import room_from_protos
+    from protos import pdflash_pb2 as pb
+
+    kv = next(b for b in room_from_protos(pb.BufferInfo.FromString(i) for i in infos).buffers if b.name == "kv")
+    for dst_addr, length in ((kv.base_addr + kv.length - 16, 64), (0x1000, 64)):  # straddles the end; unmapped
+        reply = src.call("write_raw", session, dst_addr, length)
+        assert reply[:2] == ("error", "TransferError") and "rc=-1" in reply[2], reply
+    reply = src.call("write_raw", "127.0.0.1:1", kv.base_addr, 64)  # nobody listens there
+    assert reply[:2] == ("error", "TransferError"), reply
+    assert src.ok("write_raw", session, kv.base_addr, 64) == 64  # the engine still works afterwards
+
+
+def test_head_range_intersection_over_two_batches():
+    """P holds heads 0-3 of 4, D holds heads 2-3: per-token entries, 4 x 2 x 192 = 1536 of
+    them, so the engine must split them into two batches (<= 1024 each)."""
+    src = Peer({"kv": (4, 16, 16, 4, 0, 4, 8)})
+    dst = Peer({"kv": (4, 16, 16, 2, 2, 4, 8)})
+    try:
+        src.ok("fill", 30)
+        dst.ok("fill", 31)
+        src_pages, dst_pages = list(range(12)), [15 - p for p in range(12)]
+        session, infos = dst.ok("describe", {"kv": dst_pages})
+        before, src_sums = dst.ok("checksums"), src.ok("checksums")
+        moved, n_entries, n_batches = src.ok("write", session, infos, {"kv": src_pages}, 192)
+        assert (n_entries, n_batches) == (1536, 2)
+        assert moved == 1536 * 2 * 8 * 4
+        expected = dict(before)
+        for sp, dp in zip(src_pages, dst_pages):
+            for l in range(4):
+                for k in range(2):
+                    for h in (2, 3):  # global head h is local h-2 on D
+                        expected["kv", l, k, dp, h - 2] = src_sums["kv", l, k, sp, h]
+        assert dst.ok("checksums") == expected
+    finally:
+        src.stop()
+        dst.stop()
+
+
+def _start_rdma(conn: Any) -> None:
+    try:
+        MooncakeEngine(MooncakeConfig(protocol="rdma")).start()
+        conn.send("started")
+    except TransferError as e:
+        conn.send(str(e))
+
+
+@pytest.mark.skipif(bool(os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")),
+                    reason="this host has RDMA devices")
+def test_rdma_without_devices_is_refused():
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_start_rdma, args=(child,))
+    proc.start()
+    assert parent.poll(REPLY_TIMEOUT_S)
+    assert "no RDMA device" in parent.recv()
+    proc.join(10)
+
+
+def test_expandable_segments_are_refused(monkeypatch):
+    check_allocator_env({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6,expandable_segments:True")
+    with pytest.raises(TransferError, match="expandable"):
+        MooncakeEngine(MooncakeConfig()).start()
