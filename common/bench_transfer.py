@@ -1,0 +1,256 @@
+"""`pdflash bench transfer`: move one prompt's KV between two processes with Mooncake (TCP) and
+compare with a plain loopback TCP socket carrying the same number of bytes.
+
+The KV is shaped like SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, page size 64). Both
+sides hold twice the room's pages, so a room is a slice of each (layer, k/v) block, as in a
+serving cache. Every timed round is synchronous: a Mooncake write returns after the peer has
+acknowledged, and the socket round waits for a 1-byte acknowledgement. Bytes are checked with
+CRC32 after each method.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing as mp
+import os
+import random
+import socket
+import statistics
+import threading
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from protos import pdflash_pb2 as pb
+
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 64  # SmolLM2-135M
+REPLY_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    tokens: int
+    dtype: str
+    repeats: int
+    warmup: int
+    shuffle_pages: bool
+    host: str
+
+    @property
+    def room_pages(self) -> int:
+        return -(-self.tokens // PAGE_SIZE)
+
+    @property
+    def cache_pages(self) -> int:
+        return 2 * self.room_pages
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokens", type=int, default=2048, help="prompt length whose KV is moved")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--repeats", type=int, default=20, help="timed rounds per method")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per method first")
+    parser.add_argument("--shuffle-pages", action="store_true",
+                        help="scatter the room's pages so no entries merge (shows the cost of small entries)")
+    parser.add_argument("--host", default="127.0.0.1", help="address both processes use")
+    parser.add_argument("--out", default="bench-out/transfer.json")
+
+
+def run(args: argparse.Namespace) -> dict:
+    cfg = BenchConfig(args.tokens, args.dtype, args.repeats, args.warmup, args.shuffle_pages, args.host)
+    ctx = mp.get_context("spawn")
+    recv_conn, recv_child = ctx.Pipe()
+    send_conn, send_child = ctx.Pipe()
+    receiver = ctx.Process(target=_receiver_main, args=(recv_child, cfg), daemon=True)
+    sender = ctx.Process(target=_sender_main, args=(send_child, cfg), daemon=True)
+    receiver.start()
+    sender.start()
+    try:
+        session_id, dst_info, tcp_port = _reply(recv_conn)
+        send_conn.send(("mooncake", session_id, dst_info))
+        mc_times, entries, batches, src_crc, dst_ranges, nbytes = _reply(send_conn)
+        recv_conn.send(("crc", dst_ranges))
+        mooncake_ok = _reply(recv_conn) == src_crc
+        send_conn.send(("tcp", tcp_port, nbytes))
+        tcp_times, tcp_src_crc = _reply(send_conn)
+        dst_base = pb.BufferInfo.FromString(dst_info).base_addr
+        recv_conn.send(("crc", [(dst_base, nbytes)]))  # the socket fills the first nbytes of D's cache
+        tcp_ok = _reply(recv_conn) == tcp_src_crc
+        for conn in (send_conn, recv_conn):
+            conn.send(("stop",))
+            _reply(conn)
+    finally:
+        for proc in (sender, receiver):
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+    mooncake, tcp = _summary(mc_times, nbytes), _summary(tcp_times, nbytes)
+    result = {
+        "config": asdict(cfg),
+        "model_shape": {"layers": NUM_LAYERS, "kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE_SIZE},
+        "bytes": nbytes,
+        "entries": entries,
+        "batches": batches,
+        "mooncake_tcp": mooncake,
+        "plain_tcp": tcp,
+        "ratio_median": mooncake["median_gbps"] / tcp["median_gbps"],
+        "ratio_best": mooncake["best_gbps"] / tcp["best_gbps"],
+        "verified": {"mooncake": mooncake_ok, "plain_tcp": tcp_ok},
+    }
+    print(f"KV of {cfg.tokens} tokens, {cfg.dtype}: {nbytes / 1e6:.1f} MB in {entries} entries ({batches} batches)")
+    for name, s in (("mooncake tcp", mooncake), ("plain tcp", tcp)):
+        print(f"  {name:13s} median {s['median_gbps']:6.2f} GB/s   best {s['best_gbps']:6.2f} GB/s")
+    print(f"  mooncake / plain: median {result['ratio_median']:.2f}, best {result['ratio_best']:.2f}")
+    print(f"  bytes verified: mooncake {mooncake_ok}, plain tcp {tcp_ok}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    if not (mooncake_ok and tcp_ok):
+        raise RuntimeError(f"transferred bytes differ from the source: {result['verified']}")
+    return result
+
+
+def _summary(times: list[float], nbytes: int) -> dict:
+    median = statistics.median(times)
+    return {"median_gbps": nbytes / median / 1e9, "best_gbps": nbytes / min(times) / 1e9,
+            "median_s": median, "times_s": times}
+
+
+def _reply(conn: Any) -> Any:
+    if not conn.poll(REPLY_TIMEOUT_S):
+        raise RuntimeError("bench peer process gave no reply")
+    status, payload = conn.recv()
+    if status != "ok":
+        raise RuntimeError(f"bench peer process failed: {payload}")
+    return payload
+
+
+def _kv_cache(cfg: BenchConfig, fill: bool) -> Any:
+    import torch
+
+    from common.buffers import PagedKVBuffer
+
+    dtype = getattr(torch, cfg.dtype)
+    shape = (NUM_LAYERS, 2, cfg.cache_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype) if fill else torch.zeros(shape, dtype=dtype)
+    buf = PagedKVBuffer("kv", t.data_ptr(), NUM_LAYERS, cfg.cache_pages, PAGE_SIZE, NUM_KV_HEADS, 0, NUM_KV_HEADS,
+                        HEAD_DIM, cfg.dtype)
+    return t, buf
+
+
+def _room_pages(cfg: BenchConfig, seed: int) -> list[int]:
+    pages = list(range(cfg.cache_pages))
+    if cfg.shuffle_pages:
+        random.Random(seed).shuffle(pages)
+        return pages[: cfg.room_pages]
+    return pages[seed * cfg.room_pages : (seed + 1) * cfg.room_pages]  # P uses the low half, D the high
+
+
+def _engine(cfg: BenchConfig, addr: int, length: int) -> Any:
+    from common.mooncake_engine import MooncakeConfig, MooncakeEngine
+
+    engine = MooncakeEngine(MooncakeConfig(local_hostname=cfg.host))
+    engine.start()
+    engine.register(addr, length)
+    return engine
+
+
+def _receiver_main(conn: Any, cfg: BenchConfig) -> None:
+    """D: owns the destination cache, a Mooncake engine and a socket sink."""
+    import torch
+
+    from common.buffers import RoomBuffers
+    from common.wire import room_to_protos
+
+    try:
+        t, buf = _kv_cache(cfg, fill=False)
+        engine = _engine(cfg, buf.base_addr, buf.length)
+        sink = socket.create_server((cfg.host, 0))
+        threading.Thread(target=_socket_sink, args=(sink, memoryview(t.view(-1).view(torch.uint8).numpy())), daemon=True).start()
+        room = RoomBuffers([buf], {"kv": _room_pages(cfg, seed=1)})
+        conn.send(("ok", (engine.session_id, room_to_protos(room)[0].SerializeToString(), sink.getsockname()[1])))
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "stop":
+                engine.close()
+                conn.send(("ok", None))
+                return
+            crc = 0
+            for addr, length in args[0]:
+                crc = zlib.crc32(ctypes.string_at(addr, length), crc)
+            conn.send(("ok", crc))
+    except Exception as e:  # reported to the parent, which raises it
+        conn.send(("error", repr(e)))
+
+
+def _socket_sink(server: socket.socket, into: memoryview) -> None:
+    """Receive rounds of `nbytes` (sent first as 8 bytes) into D's cache; ack each with 1 byte."""
+    sock, _ = server.accept()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    header = bytearray(8)
+    while _recv_exact(sock, memoryview(header)):
+        nbytes = int.from_bytes(header, "little")
+        if not _recv_exact(sock, into[:nbytes]):
+            return
+        sock.sendall(b"\x01")
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def _sender_main(conn: Any, cfg: BenchConfig) -> None:
+    """P: owns the source cache; times Mooncake writes, then socket rounds, of the same room."""
+    import torch
+
+    from common.buffers import RoomBuffers
+    from common.transfer_plan import build_plan
+    from common.wire import room_from_protos
+
+    try:
+        t, buf = _kv_cache(cfg, fill=True)
+        engine = _engine(cfg, buf.base_addr, buf.length)
+        _, session_id, dst_info = conn.recv()
+        dst = room_from_protos([pb.BufferInfo.FromString(dst_info)])
+        plan = build_plan("bench", RoomBuffers([buf], {"kv": _room_pages(cfg, seed=0)}), dst, cfg.tokens)
+        times = []
+        for i in range(cfg.warmup + cfg.repeats):
+            start = time.perf_counter()
+            moved = engine.write(session_id, plan.entries)
+            if i >= cfg.warmup:
+                times.append(time.perf_counter() - start)
+        crc = 0
+        for e in plan.entries:
+            crc = zlib.crc32(ctypes.string_at(e.src_addr, e.length), crc)
+        conn.send(("ok", (times, len(plan.entries), len(plan.batches), crc,
+                          [(e.dst_addr, e.length) for e in plan.entries], moved)))
+
+        _, port, nbytes = conn.recv()
+        src = memoryview(t.view(-1).view(torch.uint8).numpy())[:nbytes]
+        with socket.create_connection((cfg.host, port)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ack = bytearray(1)
+            times = []
+            for i in range(cfg.warmup + cfg.repeats):
+                start = time.perf_counter()
+                sock.sendall(nbytes.to_bytes(8, "little"))
+                sock.sendall(src)
+                if not _recv_exact(sock, memoryview(ack)):
+                    raise RuntimeError("socket sink closed early")
+                if i >= cfg.warmup:
+                    times.append(time.perf_counter() - start)
+        conn.send(("ok", (times, zlib.crc32(src))))
+        conn.recv()  # stop
+        engine.close()
+        conn.send(("ok", None))
+    except Exception as e:  # reported to the parent, which raises it
+        conn.send(("error", repr(e)))

@@ -1,0 +1,136 @@
+"""Continuous batching over a ModelRunner: admit, prefill in chunks, decode, finish.
+
+One step is either a prefill step (chunks of waiting prompts, up to `chunk_size` tokens) or a
+decode step (one token for every running request). Requests join and leave between steps,
+each at its own length. Pages for a request's whole budget (prompt + max_new_tokens) are
+reserved at admission, so running requests never stall or get retracted.
+
+Not thread-safe: one thread calls add/abort/step (see common.engine_loop for services).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from common.page_pool import OutOfPages
+from common.request import Request
+from common.runner import ModelRunner
+from common.sampling import InvalidRequest, sample
+
+
+@dataclass
+class StepOutput:
+    req: Request
+    new_ids: list[int]
+    text: str
+    finished: bool
+    prefill_done: bool = False  # prefill-only engines: the prompt is cached, first token sampled
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], *,
+                 chunk_size: int = 8192, max_running: int = 256, prefill_only: bool = False):
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        self.chunk_size = chunk_size
+        self.max_running = max_running
+        # Prefill-only (a P instance): after the first token the request leaves the engine
+        # with its pages still held; the caller transfers them and then calls release().
+        self.prefill_only = prefill_only
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []
+
+    # ---- requests in and out ---------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.params.validate(req.prompt_len, self.runner.cfg.max_position)
+        if self.runner.pool.pages_for(req.budget) > self.runner.pool.num_pages:
+            raise InvalidRequest(f"request needs {req.budget} tokens of KV cache; this instance holds "
+                                 f"{self.runner.pool.num_pages * self.runner.page_size}")
+        self.waiting.append(req)
+
+    def add_prefilled(self, req: Request, first_token: int) -> StepOutput:
+        """Join the decode batch with a prompt whose KV is already in req.cache (sent by P)."""
+        req.append_token(first_token, self.eos_token_ids)
+        out = StepOutput(req, [first_token], req.take_text(), req.finished)
+        if req.finished:
+            self.release(req)
+        else:
+            self.running.append(req)
+        return out
+
+    def abort(self, rid: str) -> Request | None:
+        for queue in (self.waiting, self.prefilling, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    req.finish_reason = "abort"
+                    self.release(req)
+                    return req
+        return None
+
+    def release(self, req: Request) -> None:
+        if req.cache.pages:
+            self.runner.release(req.cache)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        self._admit()
+        if self.prefilling:
+            return self._prefill_step()
+        if self.running:
+            return self._decode_step()
+        return []
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.prefilling) + len(self.running) < self.max_running:
+            req = self.waiting[0]
+            try:
+                self.runner.reserve(req.cache, req.budget)
+            except OutOfPages:
+                return  # first come, first served: wait until pages return
+            self.prefilling.append(self.waiting.popleft())
+
+    def _prefill_step(self) -> list[StepOutput]:
+        batch, chunks, budget = [], [], self.chunk_size
+        for req in self.prefilling:
+            if budget == 0:
+                break
+            n = min(req.prefill_remaining, budget)
+            start = req.cache.length
+            batch.append(req)
+            chunks.append(req.prompt_ids[start:start + n])
+            budget -= n
+        logits = self.runner.extend([r.cache for r in batch], chunks).logits
+        done = [i for i, r in enumerate(batch) if r.prefill_remaining == 0]
+        if not done:
+            return []
+        tokens = sample(logits[done], [batch[i].params for i in done], [0] * len(done))
+        outputs = []
+        for i, tok in zip(done, tokens):
+            req = batch[i]
+            self.prefilling.remove(req)
+            if self.prefill_only:
+                req.append_token(tok, self.eos_token_ids)
+                outputs.append(StepOutput(req, [tok], "", req.finished, prefill_done=True))
+            else:
+                outputs.append(self.add_prefilled(req, tok))
+        return outputs
+
+    def _decode_step(self) -> list[StepOutput]:
+        batch = self.running
+        logits = self.runner.extend([r.cache for r in batch], [[r.output_ids[-1]] for r in batch]).logits
+        tokens = sample(logits, [r.params for r in batch], [len(r.output_ids) for r in batch])
+        outputs = []
+        for req, tok in zip(batch, tokens):
+            req.append_token(tok, self.eos_token_ids)
+            outputs.append(StepOutput(req, [tok], req.take_text(), req.finished))
+        for out in outputs:
+            if out.finished:
+                self.running.remove(out.req)
+                self.release(out.req)
+        return outputs

@@ -1,0 +1,18 @@
+"""The per-request meta_info reported to clients (HTTP and gRPC)."""
+from __future__ import annotations
+
+import time
+
+from common.request import Request
+
+
+def meta_info(req: Request) -> dict:
+    return {
+        "id": req.rid,
+        "prompt_tokens": req.prompt_len,
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": 0,  # no prefix cache yet
+        "finish_reason": req.finish_reason,
+        "matched_stop": req.matched_stop,
+        "e2e_latency": time.monotonic() - req.arrival,
+    }
