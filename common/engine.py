@@ -44,8 +44,8 @@ class Engine:
     # ---- requests in and out ---------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.params.validate(req.prompt_len, self.runner.cfg.max_position)
-        if self.runner.pool.pages_for(req.budget) > self.runner.pool.num_pages:
-            raise InvalidRequest(f"request needs {req.budget} tokens of KV cache; this instance holds "
+        if self.runner.pool.pages_for(self._budget(req)) > self.runner.pool.num_pages:
+            raise InvalidRequest(f"request needs {self._budget(req)} tokens of KV cache; this instance holds "
                                  f"{self.runner.pool.num_pages * self.runner.page_size}")
         self.waiting.append(req)
 
@@ -90,10 +90,13 @@ class Engine:
         while self.waiting and len(self.prefilling) + len(self.running) < self.max_running:
             req = self.waiting[0]
             try:
-                self.runner.reserve(req.cache, req.budget)
+                self.runner.reserve(req.cache, self._budget(req))
             except OutOfPages:
                 return  # first come, first served: wait until pages return
             self.prefilling.append(self.waiting.popleft())
+
+    def _budget(self, req: Request) -> int:
+        return req.prompt_len if self.prefill_only else req.budget
 
     def _prefill_step(self) -> list[StepOutput]:
         batch, chunks, budget = [], [], self.chunk_size

@@ -1,0 +1,69 @@
+"""What every pdflash service process shares: logging, uvloop, a gRPC server with the
+standard health service, and the Mooncake options."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from common.mooncake_engine import MooncakeConfig, MooncakeEngine
+
+
+def setup_logging(role: str) -> logging.Logger:
+    level = os.environ.get("PDFLASH_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    return logging.getLogger(role)
+
+
+def add_mooncake_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mooncake-host", default="127.0.0.1", help="address peers reach this host's transfer engine on")
+    p.add_argument("--mooncake-metadata", default="P2PHANDSHAKE", help="P2PHANDSHAKE or an http/etcd metadata URL")
+    p.add_argument("--mooncake-protocol", default="tcp", choices=["tcp", "rdma"])
+    p.add_argument("--mooncake-devices", default="", help="RDMA devices, e.g. mlx5_0,mlx5_1")
+
+
+def start_mooncake(args: argparse.Namespace) -> MooncakeEngine:
+    eng = MooncakeEngine(MooncakeConfig(args.mooncake_host, args.mooncake_metadata,
+                                        args.mooncake_protocol, args.mooncake_devices))
+    eng.start()
+    return eng
+
+
+async def serve_grpc(host: str, port: int, add_servicers) -> grpc.aio.Server:
+    """Start a grpc.aio server with our servicers and the standard health service (SERVING)."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20),
+                                      ("grpc.max_send_message_length", 256 << 20)])
+    add_servicers(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server
+
+
+def run_service(main_coro) -> None:
+    """Run a service's async main on uvloop until SIGINT/SIGTERM, then stop it cleanly."""
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+
+    async def runner():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main_coro(stop)
+
+    asyncio.run(runner())

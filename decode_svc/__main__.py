@@ -1,0 +1,52 @@
+"""python -m decode_svc: a decode instance (KV from prefill over Mooncake) or, with
+--role colocated, a replica that also prefills locally."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from common.engine import Engine
+from common.engine_loop import EngineLoop
+from common.loader import ModelOptions, add_model_args, load_model
+from common.service_base import add_mooncake_args, run_service, serve_grpc, setup_logging, start_mooncake
+from decode_svc.kv_receiver import KVReceiver
+from decode_svc.service import DecodeServicer
+from protos import pdflash_pb2_grpc as pb_grpc
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m decode_svc", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--role", default="decode", choices=["decode", "colocated"])
+    p.add_argument("--chunk-size", type=int, default=8192, help="prefill chunk (colocated)")
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--deadline", type=float, default=60.0, help="seconds for bootstrap + KV transfer")
+    add_model_args(p)
+    add_mooncake_args(p)
+    return p.parse_args(argv)
+
+
+async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    log = setup_logging(f"{args.role}:{args.port}")
+    runner, tokenizer = load_model(ModelOptions.from_args(args))
+    engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, max_running=args.max_running)
+    loop = EngineLoop(engine, asyncio.get_running_loop())
+    receiver = None
+    if args.role == "decode":
+        mooncake = start_mooncake(args)
+        mooncake.register(runner.kv.data_ptr(), runner.kv.numel() * runner.kv.element_size())
+        receiver = KVReceiver(loop, mooncake.session_id, f"{args.host}:{args.port}")
+    servicer = DecodeServicer(loop, tokenizer, receiver, args.role, runner.cfg.name, args.deadline)
+    loop.start()
+    server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_DecodeServiceServicer_to_server(servicer, s))
+    log.info("ready on %s:%d (%s, %d KV pages of %d tokens)", args.host, args.port, args.role,
+             runner.pool.num_pages, runner.page_size)
+    await stop.wait()
+    await server.stop(grace=2)
+    loop.stop()
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    run_service(lambda stop: main(args, stop))

@@ -1,0 +1,100 @@
+"""DecodeService: streams a room's tokens.
+
+Generate(room):
+  1. validate the request                                   (INVALID_ARGUMENT on bad input)
+  2. PD: receive the prompt's KV from P (kv_receiver)       colocated: queue a local prefill
+  3. decode in the shared batch (engine thread), streaming token and text deltas
+  4. last chunk carries meta_info; on any exit the room's pages return to the pool
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from common.engine_loop import EngineFailure, EngineLoop
+from common.messages import meta_to_proto, sampling_from_proto
+from common.meta import meta_info
+from common.request import Request
+from common.sampling import InvalidRequest
+from common.tokenizer import IncrementalDecoder, Tokenizer
+from decode_svc.kv_receiver import HandoffError, KVReceiver
+from protos import pdflash_pb2 as pb
+from protos import pdflash_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("decode")
+
+
+class DecodeServicer(pb_grpc.DecodeServiceServicer):
+    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, receiver: KVReceiver | None,
+                 role: str, model_name: str, default_deadline_s: float):
+        self.loop = loop
+        self.tokenizer = tokenizer
+        self.receiver = receiver  # None: this instance only prefills locally
+        self.role = role
+        self.model_name = model_name
+        self.default_deadline_s = default_deadline_s
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        params = sampling_from_proto(request.sampling)
+        req = Request(request.room, list(request.input_ids), params, IncrementalDecoder(self.tokenizer, params.stop))
+        outputs = self.loop.open(req.rid)
+        try:
+            if request.prefill_addr:
+                if self.receiver is None:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this instance has no KV receiver")
+                first = await self._handoff(req, request, context)
+                outputs.put_nowait(await self.loop.call(lambda e: e.add_prefilled(req, first)))
+            else:
+                try:
+                    await self.loop.call(lambda e: e.add(req))
+                except InvalidRequest as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            while True:
+                out = await outputs.get()
+                if isinstance(out, EngineFailure):
+                    await context.abort(grpc.StatusCode.INTERNAL, str(out))
+                chunk = pb.GenerateChunk(room=req.rid, token_ids=out.new_ids, text=out.text, finished=out.finished)
+                if out.finished:
+                    if req.finish_reason == "abort":
+                        await context.abort(grpc.StatusCode.ABORTED, f"room {req.rid} was aborted")
+                    chunk.meta.CopyFrom(meta_to_proto(meta_info(req)))
+                    yield chunk
+                    return
+                yield chunk
+        finally:
+            # Whatever ended the stream (finish, error, client gone), the room's pages go back.
+            self.loop.close(req.rid)
+            if not req.finished or req.cache.pages:
+                await self.loop.call(lambda e: e.abort(req.rid) or e.release(req))
+
+    async def _handoff(self, req: Request, request: pb.GenerateRequest, context) -> int:
+        try:
+            req.params.validate(req.prompt_len, self.loop.engine.runner.cfg.max_position)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        deadline = time.monotonic() + (request.deadline_s or self.default_deadline_s)
+        try:
+            first = await self.receiver.receive(req, request.prefill_addr, deadline)
+        except HandoffError as e:
+            logger.warning("room %s: %s", req.rid, e)
+            await context.abort(e.code, str(e))
+        req.cache.length = req.prompt_len  # P wrote the prompt's KV into our pages
+        return first
+
+    async def TransferDone(self, request: pb.TransferDoneRequest, context) -> pb.TransferDoneReply:
+        ok = self.receiver is not None and self.receiver.transfer_done(request)
+        return pb.TransferDoneReply(ok=ok)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:
+        found = self.receiver is not None and self.receiver.abort(request.room, request.reason)
+        aborted = await self.loop.abort(request.room)
+        return pb.AbortReply(found=found or aborted)
+
+    async def Health(self, request, context) -> pb.HealthReply:
+        pool = self.loop.engine.runner.pool
+        return pb.HealthReply(ok=True, role=self.role, free_pages=pool.num_free, total_pages=pool.num_pages,
+                              running=len(self.loop.engine.running), model=self.model_name,
+                              mooncake_session=self.receiver.session_id if self.receiver else "")

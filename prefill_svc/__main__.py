@@ -1,0 +1,46 @@
+"""python -m prefill_svc: a prefill instance that ships KV to decode instances over Mooncake."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from common.engine import Engine
+from common.engine_loop import EngineLoop
+from common.loader import ModelOptions, add_model_args, load_model
+from common.service_base import add_mooncake_args, run_service, serve_grpc, setup_logging, start_mooncake
+from prefill_svc.kv_sender import KVSender
+from prefill_svc.service import PrefillServicer
+from protos import pdflash_pb2_grpc as pb_grpc
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m prefill_svc", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--chunk-size", type=int, default=8192, help="tokens per prefill step")
+    p.add_argument("--deadline", type=float, default=60.0, help="seconds a room may take end to end")
+    add_model_args(p)
+    add_mooncake_args(p)
+    return p.parse_args(argv)
+
+
+async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    log = setup_logging(f"prefill:{args.port}")
+    runner, tokenizer = load_model(ModelOptions.from_args(args))
+    engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, prefill_only=True)
+    loop = EngineLoop(engine, asyncio.get_running_loop())
+    mooncake = start_mooncake(args)
+    mooncake.register(runner.kv.data_ptr(), runner.kv.numel() * runner.kv.element_size())
+    servicer = PrefillServicer(loop, KVSender(mooncake, runner, args.deadline), runner.cfg.name, args.deadline)
+    loop.start()
+    server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_PrefillServiceServicer_to_server(servicer, s))
+    log.info("ready on %s:%d (mooncake %s, %d KV pages of %d tokens)", args.host, args.port,
+             mooncake.session_id, runner.pool.num_pages, runner.page_size)
+    await stop.wait()
+    await server.stop(grace=2)
+    loop.stop()
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    run_service(lambda stop: main(args, stop))

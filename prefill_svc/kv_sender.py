@@ -1,0 +1,77 @@
+"""P's side of a KV handoff: match D's bootstrap to the room, plan the copy, move the bytes,
+and acknowledge to D."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from common.buffers import RoomBuffers
+from common.mooncake_engine import MooncakeEngine
+from common.request import Request
+from common.runner import ModelRunner
+from common.transfer_plan import build_plan
+from common.wire import room_from_protos
+from protos import pdflash_pb2 as pb
+from protos import pdflash_pb2_grpc as pb_grpc
+
+
+class KVSender:
+    def __init__(self, mooncake: MooncakeEngine, runner: ModelRunner, bootstrap_ttl_s: float):
+        self.mooncake = mooncake
+        self.runner = runner
+        self.bootstrap_ttl_s = bootstrap_ttl_s
+        self._boots: dict[str, asyncio.Future] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    # Bootstrap and Prefill for one room arrive in either order: whichever comes first
+    # creates the future; a bootstrap nobody claims is dropped after its TTL.
+    def _future(self, room: str) -> asyncio.Future:
+        fut = self._boots.get(room)
+        if fut is None:
+            fut = self._boots[room] = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_later(self.bootstrap_ttl_s, self._expire, room, fut)
+        return fut
+
+    def _expire(self, room: str, fut: asyncio.Future) -> None:
+        if self._boots.get(room) is fut:
+            del self._boots[room]
+        if not fut.done():
+            fut.cancel()
+
+    def bootstrap(self, msg: pb.BootstrapRequest) -> None:
+        fut = self._future(msg.room)
+        if not fut.done():
+            fut.set_result(msg)
+
+    def abort(self, room: str, reason: str) -> bool:
+        fut = self._boots.get(room)
+        if fut is None or fut.done():
+            return False
+        fut.set_exception(RuntimeError(f"aborted: {reason or 'by request'}"))
+        return True
+
+    async def wait_bootstrap(self, room: str, deadline: float) -> pb.BootstrapRequest:
+        fut = self._future(room)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), deadline - time.monotonic())
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"room {room}: no bootstrap from decode before the deadline")
+        finally:
+            self._boots.pop(room, None)
+
+    async def send(self, req: Request, boot: pb.BootstrapRequest) -> int:
+        """Copy the prompt's KV into the pages D reserved. Plan errors (bounds, layouts) are
+        raised before any byte moves; a failed Mooncake batch raises TransferError."""
+        src = RoomBuffers(self.runner.describe_buffers(), {"kv": list(req.cache.pages)})
+        plan = build_plan(req.rid, src, room_from_protos(boot.buffers), num_tokens=req.prompt_len)
+        return await asyncio.to_thread(self.mooncake.write, boot.session_id, plan.entries)
+
+    async def ack(self, decode_addr: str, msg: pb.TransferDoneRequest, timeout: float) -> None:
+        if decode_addr not in self._channels:
+            self._channels[decode_addr] = grpc.aio.insecure_channel(decode_addr)
+        stub = pb_grpc.DecodeServiceStub(self._channels[decode_addr])
+        reply = await stub.TransferDone(msg, timeout=max(timeout, 1.0))
+        if not reply.ok:
+            raise RuntimeError(f"decode {decode_addr} no longer waits for room {msg.room}")

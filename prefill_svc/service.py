@@ -1,0 +1,86 @@
+"""PrefillService: computes a room's prompt KV and ships it to the decode instance.
+
+Prefill(room):
+  1. validate and queue the prompt in the prefill engine (chunked, batched with other rooms)
+  2. the engine samples the first token; the prompt's KV stays in our pages
+  3. wait for D's Bootstrap (where to write), bounded by the deadline
+  4. plan + Mooncake write of the KV pages into D's pages
+  5. TransferDone to D (ok + first token, or the error); free our pages; reply to the router
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from common.engine_loop import EngineFailure, EngineLoop
+from common.messages import sampling_from_proto
+from common.request import Request
+from prefill_svc.kv_sender import KVSender
+from protos import pdflash_pb2 as pb
+from protos import pdflash_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("prefill")
+
+
+class PrefillServicer(pb_grpc.PrefillServiceServicer):
+    def __init__(self, loop: EngineLoop, sender: KVSender, model_name: str, default_deadline_s: float):
+        self.loop = loop
+        self.sender = sender
+        self.model_name = model_name
+        self.default_deadline_s = default_deadline_s
+        self.bytes_sent = 0
+        self.failures = 0
+
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
+        deadline = time.monotonic() + (request.deadline_s or self.default_deadline_s)
+        req = Request(request.room, list(request.input_ids), sampling_from_proto(request.sampling))
+        outputs = self.loop.open(req.rid)
+        try:
+            await self.loop.call(lambda e: e.add(req))
+            out = await asyncio.wait_for(outputs.get(), deadline - time.monotonic())
+            if isinstance(out, EngineFailure):
+                raise out
+            if not out.prefill_done:
+                raise RuntimeError(f"room {req.rid} was aborted during prefill")
+            boot = await self.sender.wait_bootstrap(req.rid, deadline)
+            nbytes = await self.sender.send(req, boot)
+            done = pb.TransferDoneRequest(room=req.rid, ok=True, first_token=out.new_ids[0],
+                                          prompt_tokens=req.prompt_len, bytes=nbytes)
+            await self.sender.ack(boot.decode_addr or request.decode_addr, done, deadline - time.monotonic())
+            self.bytes_sent += nbytes
+            return pb.PrefillReply(ok=True)
+        except Exception as e:  # every failure is reported to D and to the router, never dropped
+            self.failures += 1
+            error = "prefill deadline exceeded" if isinstance(e, asyncio.TimeoutError) else str(e)
+            logger.warning("room %s failed: %s", req.rid, error)
+            await self._nack(request.decode_addr, req.rid, error)
+            return pb.PrefillReply(ok=False, error=error)
+        finally:
+            self.loop.close(req.rid)
+            await self.loop.call(lambda e: e.abort(req.rid) or e.release(req))
+
+    async def _nack(self, decode_addr: str, room: str, error: str) -> None:
+        if not decode_addr:
+            return
+        try:
+            await self.sender.ack(decode_addr, pb.TransferDoneRequest(room=room, ok=False, error=error), 2.0)
+        except Exception:  # D may be the one that is gone; the router fails the request anyway
+            pass
+
+    async def Bootstrap(self, request: pb.BootstrapRequest, context) -> pb.BootstrapReply:
+        self.sender.bootstrap(request)
+        return pb.BootstrapReply(ok=True)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:
+        found = self.sender.abort(request.room, request.reason)
+        aborted = await self.loop.abort(request.room)
+        return pb.AbortReply(found=found or aborted)
+
+    async def Health(self, request, context) -> pb.HealthReply:
+        pool = self.loop.engine.runner.pool
+        return pb.HealthReply(ok=True, role="prefill", free_pages=pool.num_free, total_pages=pool.num_pages,
+                              running=len(self.loop.engine.prefilling), model=self.model_name,
+                              mooncake_session=self.sender.mooncake.session_id)
