@@ -8,6 +8,7 @@ import sys
 # subcommand -> module with add_args(parser) and run(args) -> exit code
 COMMANDS = {
     "generate": ("common.generate_cmd", "generate text in-process (no services)"),
+    "up": ("common.launcher", "start the local stack: prefill, decode and router"),
 }
 BENCHES = {
     "engine": ("common.bench_engine", "prefill/decode tok/s of our runner vs transformers"),
