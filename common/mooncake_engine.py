@@ -133,7 +133,7 @@ class MooncakeEngine:
             rc = engine.batch_transfer_sync_write(
                 peer_session_id, [e.src_addr for e in batch], [e.dst_addr for e in batch], lengths
             )
-            if False:
+            if rc != 0:  # 0 is the only success code; failures come back as -1, not exceptions
                 raise TransferError(
                     f"Mooncake write to {peer_session_id} failed (rc={rc}) in batch {i + 1}/{len(batches)} "
                     f"of {len(batch)} entries; {moved} bytes landed before it"

@@ -92,7 +92,9 @@ def build_plan(room: str, src: RoomBuffers, dst: RoomBuffers, num_tokens: int) -
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # src addrs, dst addrs, lengths (int64)
 
 
-def _paged(room: str, s: PagedKVBuffer, d: PagedKVBuffer, s_idx: list[int], d_idx: list[int], num_tokens: int) -> Arrays:
+def _paged(
+    room: str, s: PagedKVBuffer, d: PagedKVBuffer, s_idx: list[int], d_idx: list[int], num_tokens: int
+) -> Arrays:
     where = f"room {room}, buffer {s.name}"
     for field in ("layout", "num_layers", "kv_planes", "page_size", "head_dim", "dtype", "total_heads"):
         if getattr(s, field) != getattr(d, field):
@@ -104,7 +106,8 @@ def _paged(room: str, s: PagedKVBuffer, d: PagedKVBuffer, s_idx: list[int], d_id
     for side, b in (("source", s), ("destination", d)):
         if b.head_start + b.num_heads > b.total_heads:
             raise TransferPlanError(
-                f"{where}: {side} heads [{b.head_start}, {b.head_start + b.num_heads}) exceed total_heads {b.total_heads}"
+                f"{where}: {side} heads [{b.head_start}, {b.head_start + b.num_heads}) "
+                f"exceed total_heads {b.total_heads}"
             )
     n_pages = -(-num_tokens // s.page_size)
     s_pages = _checked_indices(where, "source", s_idx, n_pages, s.num_pages)

@@ -22,6 +22,8 @@ except ImportError as e:
 torch = pytest.importorskip("torch")
 
 from common.mooncake_engine import MooncakeConfig, MooncakeEngine, TransferError, check_allocator_env  # noqa: E402
+from common.wire import room_from_protos  # noqa: E402
+from protos import pdflash_pb2 as pb  # noqa: E402
 
 REPLY_TIMEOUT_S = 60
 
@@ -40,8 +42,7 @@ def _peer_main(conn: Any, specs: dict[str, tuple]) -> None:
 
     from common.buffers import PagedKVBuffer, RoomBuffers, SlotStateBuffer
     from common.transfer_plan import TransferEntry, TransferPlanError, build_plan
-    from common.wire import room_from_protos, room_to_protos
-    from protos import pdflash_pb2 as pb
+    from common.wire import room_to_protos
 
     engine = MooncakeEngine(MooncakeConfig(local_hostname="127.0.0.1"))
     engine.start()
@@ -192,9 +193,6 @@ def test_plan_error_submits_nothing_and_peer_survives(pair):
 def test_unregistered_destination_raises_transfer_error(pair):
     src, dst = pair
     session, infos = dst.ok("describe", {})
-    from common.wire import room_from_protos
-    from protos import pdflash_pb2 as pb
-
     kv = next(b for b in room_from_protos(pb.BufferInfo.FromString(i) for i in infos).buffers if b.name == "kv")
     for dst_addr, length in ((kv.base_addr + kv.length - 16, 64), (0x1000, 64)):  # straddles the end; unmapped
         reply = src.call("write_raw", session, dst_addr, length)

@@ -64,7 +64,8 @@ def slots(mem: FakeMemory, base: int, name: str = "state", *, layers: int = 3, n
 
 
 def room(buf_indices: dict) -> RoomBuffers:
-    return RoomBuffers(buffers=[b for b, _ in buf_indices.values()], indices={k: i for k, (_, i) in buf_indices.items()})
+    """{name: (buffer, indices)} -> RoomBuffers."""
+    return RoomBuffers([b for b, _ in buf_indices.values()], {k: i for k, (_, i) in buf_indices.items()})
 
 
 @pytest.fixture
