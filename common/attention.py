@@ -31,9 +31,12 @@ class AttnMeta:
 
 def build_attn_meta(starts: list[int], counts: list[int], page_tables: list[list[int]],
                     page_size: int, scratch_slot: int, device: torch.device,
-                    logit_rows: list[int] | None) -> AttnMeta:
+                    logit_rows: list[int] | None, causal: bool = True,
+                    window: int | None = None) -> AttnMeta:
     """starts[i] tokens of request i are cached; counts[i] new ones follow. `scratch_slot` is a
-    slot no request owns: padded keys read it (and are masked out)."""
+    slot no request owns: padded keys read it (and are masked out).
+    causal=False: the new tokens see each other both ways (a DFlash draft block); then
+    `window` limits how many cached tokens before the block they see."""
     positions: list[int] = []
     write_slots: list[int] = []
     for start, n, pages in zip(starts, counts, page_tables):
@@ -43,7 +46,7 @@ def build_attn_meta(starts: list[int], counts: list[int], page_tables: list[list
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
     meta = AttnMeta(as_long(positions), as_long(write_slots),
                     None if logit_rows is None else as_long(logit_rows))
-    if len(starts) == 1 and starts[0] == 0:
+    if causal and len(starts) == 1 and starts[0] == 0:
         meta.fresh_causal = True
         return meta
 
@@ -62,14 +65,19 @@ def build_attn_meta(starts: list[int], counts: list[int], page_tables: list[list
         slots = (slot_pages[:, None] * page_size + torch.arange(page_size)).flatten()[:kv_len]
         kv_slots[b, :kv_len] = slots
         row += n
-    needs_mask = max_q > 1 or len(set(kv_lens)) > 1
+    needs_mask = (causal and max_q > 1) or len(set(kv_lens)) > 1 or window is not None
     if needs_mask:
-        # Query i of request b (position start_b + i) sees keys at positions <= its own.
-        q_pos = torch.tensor(starts)[:, None] + torch.arange(max_q)[None, :]  # [B, maxQ]
         k_pos = torch.arange(max_kv)[None, None, :]
-        mask = k_pos <= q_pos[:, :, None]
-        mask &= k_pos < torch.tensor(kv_lens)[:, None, None]
-        mask[:, :, 0] = True  # padded query rows must see something, or SDPA yields NaN
+        mask = k_pos < torch.tensor(kv_lens)[:, None, None]
+        if causal:
+            # Query i of request b (position start_b + i) sees keys at positions <= its own.
+            q_pos = torch.tensor(starts)[:, None] + torch.arange(max_q)[None, :]  # [B, maxQ]
+            mask = mask & (k_pos <= q_pos[:, :, None])
+        if window is not None:
+            mask = mask & (k_pos >= torch.tensor(starts)[:, None, None] - window)
+        mask = mask.expand(B, max_q, max_kv).clone()
+        padded = torch.arange(max_q)[None, :] >= torch.tensor(counts)[:, None]
+        mask[padded] = True  # padded query rows must see something, or SDPA yields NaN
         meta.mask = mask.unsqueeze(1).to(device)
     meta.q_index, meta.kv_slots, meta.out_rows = q_index.to(device), kv_slots.to(device), out_rows.to(device)
     return meta

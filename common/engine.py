@@ -12,6 +12,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
+from common.dflash.proposer import DFlashProposer
+from common.dflash.spec_step import SpecStats, speculative_step
 from common.page_pool import OutOfPages
 from common.request import Request
 from common.runner import ModelRunner
@@ -29,8 +33,11 @@ class StepOutput:
 
 class Engine:
     def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], *,
-                 chunk_size: int = 8192, max_running: int = 256, prefill_only: bool = False):
+                 chunk_size: int = 8192, max_running: int = 256, prefill_only: bool = False,
+                 proposer: DFlashProposer | None = None):
         self.runner = runner
+        # With a proposer, prefill also builds the prompt's draft KV and decode is speculative.
+        self.proposer = proposer
         self.eos_token_ids = eos_token_ids
         self.chunk_size = chunk_size
         self.max_running = max_running
@@ -51,6 +58,8 @@ class Engine:
 
     def add_prefilled(self, req: Request, first_token: int) -> StepOutput:
         """Join the decode batch with a prompt whose KV is already in req.cache (sent by P)."""
+        if self.proposer is not None and req.spec is None:
+            req.spec = SpecStats(self.proposer.block_size)
         req.append_token(first_token, self.eos_token_ids)
         out = StepOutput(req, [first_token], req.take_text(), req.finished)
         if req.finished:
@@ -72,6 +81,30 @@ class Engine:
     def release(self, req: Request) -> None:
         if req.cache.pages:
             self.runner.release(req.cache)
+        if req.draft_cache.pages:
+            self.proposer.release(req.draft_cache)
+
+    def describe_buffers(self) -> list:
+        """Every buffer a peer may read or write for a room: target KV (+ draft KV)."""
+        return self.runner.describe_buffers() + (self.proposer.describe_buffers() if self.proposer else [])
+
+    def room_pages(self, req: Request) -> dict[str, list[int]]:
+        pages = {"kv": list(req.cache.pages)}
+        if self.proposer is not None:
+            pages["draft_kv"] = list(req.draft_cache.pages)
+        return pages
+
+    def reserve(self, req: Request) -> None:
+        """Pages for the request's budget in the target (and draft) cache, or OutOfPages with
+        nothing held."""
+        budget = self._budget(req)
+        try:
+            self.runner.reserve(req.cache, budget)
+            if self.proposer is not None:
+                self.proposer.reserve(req.draft_cache, budget)
+        except OutOfPages:
+            self.release(req)
+            raise
 
     @property
     def has_work(self) -> bool:
@@ -90,13 +123,16 @@ class Engine:
         while self.waiting and len(self.prefilling) + len(self.running) < self.max_running:
             req = self.waiting[0]
             try:
-                self.runner.reserve(req.cache, self._budget(req))
+                self.reserve(req)
             except OutOfPages:
                 return  # first come, first served: wait until pages return
             self.prefilling.append(self.waiting.popleft())
 
     def _budget(self, req: Request) -> int:
-        return req.prompt_len if self.prefill_only else req.budget
+        if self.prefill_only:
+            return req.prompt_len
+        # A verify step writes a whole block past the committed length before truncating.
+        return req.budget + (self.proposer.block_size if self.proposer else 0)
 
     def _prefill_step(self) -> list[StepOutput]:
         batch, chunks, budget = [], [], self.chunk_size
@@ -108,7 +144,13 @@ class Engine:
             batch.append(req)
             chunks.append(req.prompt_ids[start:start + n])
             budget -= n
-        logits = self.runner.extend([r.cache for r in batch], chunks).logits
+        capture = self.proposer.capture_layers if self.proposer else ()
+        out = self.runner.extend([r.cache for r in batch], chunks, capture_layers=capture)
+        if self.proposer:
+            ends = torch.tensor([len(c) for c in chunks]).cumsum(0).tolist()
+            rows = [torch.arange(e - len(c), e) for c, e in zip(chunks, ends)]
+            self.proposer.append_context([r.draft_cache for r in batch], out.captured, rows)
+        logits = out.logits
         done = [i for i, r in enumerate(batch) if r.prefill_remaining == 0]
         if not done:
             return []
@@ -126,12 +168,16 @@ class Engine:
 
     def _decode_step(self) -> list[StepOutput]:
         batch = self.running
-        logits = self.runner.extend([r.cache for r in batch], [[r.output_ids[-1]] for r in batch]).logits
-        tokens = sample(logits, [r.params for r in batch], [len(r.output_ids) for r in batch])
-        outputs = []
-        for req, tok in zip(batch, tokens):
-            req.append_token(tok, self.eos_token_ids)
-            outputs.append(StepOutput(req, [tok], req.take_text(), req.finished))
+        if self.proposer is not None:
+            committed = speculative_step(self.runner, self.proposer, batch, self.eos_token_ids)
+        else:
+            logits = self.runner.extend([r.cache for r in batch], [[r.output_ids[-1]] for r in batch]).logits
+            tokens = sample(logits, [r.params for r in batch], [len(r.output_ids) for r in batch])
+            committed = []
+            for req, tok in zip(batch, tokens):
+                req.append_token(tok, self.eos_token_ids)
+                committed.append([tok])
+        outputs = [StepOutput(req, new, req.take_text(), req.finished) for req, new in zip(batch, committed)]
         for out in outputs:
             if out.finished:
                 self.running.remove(out.req)

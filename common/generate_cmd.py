@@ -6,7 +6,7 @@ import json
 import uuid
 
 from common.engine import Engine
-from common.loader import ModelOptions, add_model_args, load_model
+from common.loader import ModelOptions, add_model_args, add_spec_args, load_model, load_proposer
 from common.meta import meta_info
 from common.request import Request
 from common.sampling import SamplingParams
@@ -24,6 +24,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help='print {"text", "output_ids", "meta_info"}')
     add_model_args(p, kv_pages=0)
+    add_spec_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,10 +36,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     opts = ModelOptions.from_args(args)
     # One request: size the pool for it alone unless told otherwise.
-    pages = args.kv_pages or -(-(len(args.prompt) * 2 + args.max_new_tokens + 1) // args.page_size) + 1
+    pages = args.kv_pages or -(-(len(args.prompt) * 2 + args.max_new_tokens + 64) // args.page_size) + 1
     runner, tok = load_model(ModelOptions(opts.model, opts.dtype, opts.device, opts.page_size, pages))
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
-    engine = Engine(runner, tok.eos_token_ids)
+    engine = Engine(runner, tok.eos_token_ids, proposer=load_proposer(args, runner))
     req = Request(uuid.uuid4().hex, ids, params, IncrementalDecoder(tok, params.stop))
     engine.add(req)
     text = []

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.loader import add_spec_args, spec_flags
+
 STARTUP_TIMEOUT_S = 300.0
 
 
@@ -44,6 +46,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=8192)
     p.add_argument("--deadline", type=float, default=60.0, help="seconds for a room's bootstrap + KV transfer")
     p.add_argument("--request-timeout", type=float, default=600.0, help="router: seconds per request")
+    add_spec_args(p)
 
 
 def free_port(host: str) -> int:
@@ -166,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child]:
-    common = model_flags(args) + ["--host", args.host, "--chunk-size", str(args.chunk_size),
+    common = model_flags(args) + spec_flags(args) + ["--host", args.host, "--chunk-size", str(args.chunk_size),
                                   "--deadline", str(args.deadline)]
     if args.mode == "pd":
         groups = [("prefill", "prefill_svc", args.prefill, []), ("decode", "decode_svc", args.decode, ["--role", "decode"])]

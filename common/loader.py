@@ -32,6 +32,34 @@ def add_model_args(p: argparse.ArgumentParser, kv_pages: int = 512) -> None:
     p.add_argument("--kv-pages", type=int, default=kv_pages, help="KV pages in the pool")
 
 
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", default="none", choices=["none", "dflash"], help="speculative decoding")
+    p.add_argument("--draft-model", default=None, help="DFlash drafter folder (default: the shipped drafter for the embedded model)")
+    p.add_argument("--spec-block", type=int, default=None, help="DFlash block size (default: the drafter's)")
+
+
+def spec_flags(args: argparse.Namespace) -> list[str]:
+    """The speculative options as command-line flags, for child processes."""
+    flags = ["--spec", args.spec]
+    if args.draft_model:
+        flags += ["--draft-model", args.draft_model]
+    if args.spec_block:
+        flags += ["--spec-block", str(args.spec_block)]
+    return flags
+
+
+def load_proposer(args: argparse.Namespace, runner: ModelRunner):
+    """The DFlash proposer asked for by --spec/--draft-model/--spec-block, or None."""
+    if args.spec == "none":
+        return None
+    from common.dflash.drafter import Drafter, shipped_drafter_path
+    from common.dflash.proposer import DFlashProposer
+
+    path = args.draft_model or shipped_drafter_path(args.model)
+    drafter = Drafter.load(path, device=runner.device, dtype=runner.dtype)
+    return DFlashProposer(drafter, runner, runner.pool.num_pages, block_size=args.spec_block)
+
+
 def load_model(opts: ModelOptions) -> tuple[ModelRunner, Tokenizer]:
     src = resolve_model(opts.model)
     cfg, tensors = load_weights(src)

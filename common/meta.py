@@ -7,7 +7,8 @@ from common.request import Request
 
 
 def meta_info(req: Request) -> dict:
-    return {
+    spec = req.spec.meta(len(req.output_ids)) if req.spec is not None else {}
+    return spec | {
         "id": req.rid,
         "prompt_tokens": req.prompt_len,
         "completion_tokens": len(req.output_ids),

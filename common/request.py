@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.runner import SeqCache
 from common.sampling import SamplingParams
 from common.tokenizer import IncrementalDecoder
+
+if TYPE_CHECKING:
+    from common.dflash.spec_step import SpecStats
 
 
 @dataclass
@@ -16,6 +20,8 @@ class Request:
     params: SamplingParams
     decoder: IncrementalDecoder | None = None  # None: no text (prefill-only engines)
     cache: SeqCache = field(default_factory=SeqCache)
+    draft_cache: SeqCache = field(default_factory=SeqCache)  # DFlash draft KV (speculative engines)
+    spec: "SpecStats | None" = None  # acceptance counters (speculative engines)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "abort"
     matched_stop: str | int | None = None

@@ -7,7 +7,7 @@ import asyncio
 
 from common.engine import Engine
 from common.engine_loop import EngineLoop
-from common.loader import ModelOptions, add_model_args, load_model
+from common.loader import ModelOptions, add_model_args, add_spec_args, load_model, load_proposer
 from common.service_base import add_mooncake_args, run_service, serve_grpc, setup_logging, start_mooncake
 from decode_svc.kv_receiver import KVReceiver
 from decode_svc.service import DecodeServicer
@@ -23,6 +23,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--deadline", type=float, default=60.0, help="seconds for bootstrap + KV transfer")
     add_model_args(p)
+    add_spec_args(p)
     add_mooncake_args(p)
     return p.parse_args(argv)
 
@@ -30,12 +31,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
     log = setup_logging(f"{args.role}:{args.port}")
     runner, tokenizer = load_model(ModelOptions.from_args(args))
-    engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, max_running=args.max_running)
+    engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, max_running=args.max_running,
+                    proposer=load_proposer(args, runner))
     loop = EngineLoop(engine, asyncio.get_running_loop())
     receiver = None
     if args.role == "decode":
         mooncake = start_mooncake(args)
-        mooncake.register(runner.kv.data_ptr(), runner.kv.numel() * runner.kv.element_size())
+        for buf in engine.describe_buffers():
+            mooncake.register(buf.base_addr, buf.length)
         receiver = KVReceiver(loop, mooncake.session_id, f"{args.host}:{args.port}")
     servicer = DecodeServicer(loop, tokenizer, receiver, args.role, runner.cfg.name, args.deadline)
     loop.start()

@@ -76,7 +76,7 @@ class KVReceiver:
     async def _reserve(self, req: Request, deadline: float) -> None:
         def reserve(engine) -> bool:
             try:
-                engine.runner.reserve(req.cache, req.budget)
+                engine.reserve(req)
                 return True
             except OutOfPages:
                 return False
@@ -88,10 +88,10 @@ class KVReceiver:
             await asyncio.sleep(0.01)
 
     async def _bootstrap(self, req: Request, prefill_addr: str, deadline: float) -> None:
-        buffers = self.loop.engine.runner.describe_buffers()
+        engine = self.loop.engine
         msg = pb.BootstrapRequest(
             room=req.rid, session_id=self.session_id, tp_rank=0, tp_size=1, decode_addr=self.self_addr,
-            buffers=room_to_protos(RoomBuffers(buffers, {"kv": list(req.cache.pages)})))
+            buffers=room_to_protos(RoomBuffers(engine.describe_buffers(), engine.room_pages(req))))
         stub = pb_grpc.PrefillServiceStub(self._channel(prefill_addr))
         try:
             reply = await stub.Bootstrap(msg, timeout=max(_left(deadline), 0.001))

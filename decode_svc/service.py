@@ -81,7 +81,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         except HandoffError as e:
             logger.warning("room %s: %s", req.rid, e)
             await context.abort(e.code, str(e))
-        req.cache.length = req.prompt_len  # P wrote the prompt's KV into our pages
+        req.cache.length = req.prompt_len  # P wrote the prompt's KV (and draft KV) into our pages
+        req.draft_cache.length = req.prompt_len if req.draft_cache.pages else 0
         return first
 
     async def TransferDone(self, request: pb.TransferDoneRequest, context) -> pb.TransferDoneReply:

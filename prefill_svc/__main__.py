@@ -6,7 +6,7 @@ import asyncio
 
 from common.engine import Engine
 from common.engine_loop import EngineLoop
-from common.loader import ModelOptions, add_model_args, load_model
+from common.loader import ModelOptions, add_model_args, add_spec_args, load_model, load_proposer
 from common.service_base import add_mooncake_args, run_service, serve_grpc, setup_logging, start_mooncake
 from prefill_svc.kv_sender import KVSender
 from prefill_svc.service import PrefillServicer
@@ -20,6 +20,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=8192, help="tokens per prefill step")
     p.add_argument("--deadline", type=float, default=60.0, help="seconds a room may take end to end")
     add_model_args(p)
+    add_spec_args(p)
     add_mooncake_args(p)
     return p.parse_args(argv)
 
@@ -27,11 +28,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
     log = setup_logging(f"prefill:{args.port}")
     runner, tokenizer = load_model(ModelOptions.from_args(args))
-    engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, prefill_only=True)
+    engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, prefill_only=True,
+                    proposer=load_proposer(args, runner))
     loop = EngineLoop(engine, asyncio.get_running_loop())
     mooncake = start_mooncake(args)
-    mooncake.register(runner.kv.data_ptr(), runner.kv.numel() * runner.kv.element_size())
-    servicer = PrefillServicer(loop, KVSender(mooncake, runner, args.deadline), runner.cfg.name, args.deadline)
+    for buf in engine.describe_buffers():
+        mooncake.register(buf.base_addr, buf.length)
+    servicer = PrefillServicer(loop, KVSender(mooncake, engine, args.deadline), runner.cfg.name, args.deadline)
     loop.start()
     server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_PrefillServiceServicer_to_server(servicer, s))
     log.info("ready on %s:%d (mooncake %s, %d KV pages of %d tokens)", args.host, args.port,

@@ -10,7 +10,7 @@ import grpc
 from common.buffers import RoomBuffers
 from common.mooncake_engine import MooncakeEngine
 from common.request import Request
-from common.runner import ModelRunner
+from common.engine import Engine
 from common.transfer_plan import build_plan
 from common.wire import room_from_protos
 from protos import pdflash_pb2 as pb
@@ -18,9 +18,9 @@ from protos import pdflash_pb2_grpc as pb_grpc
 
 
 class KVSender:
-    def __init__(self, mooncake: MooncakeEngine, runner: ModelRunner, bootstrap_ttl_s: float):
+    def __init__(self, mooncake: MooncakeEngine, engine: Engine, bootstrap_ttl_s: float):
         self.mooncake = mooncake
-        self.runner = runner
+        self.engine = engine
         self.bootstrap_ttl_s = bootstrap_ttl_s
         self._boots: dict[str, asyncio.Future] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -64,7 +64,7 @@ class KVSender:
     async def send(self, req: Request, boot: pb.BootstrapRequest) -> int:
         """Copy the prompt's KV into the pages D reserved. Plan errors (bounds, layouts) are
         raised before any byte moves; a failed Mooncake batch raises TransferError."""
-        src = RoomBuffers(self.runner.describe_buffers(), {"kv": list(req.cache.pages)})
+        src = RoomBuffers(self.engine.describe_buffers(), self.engine.room_pages(req))
         plan = build_plan(req.rid, src, room_from_protos(boot.buffers), num_tokens=req.prompt_len)
         return await asyncio.to_thread(self.mooncake.write, boot.session_id, plan.entries)
 

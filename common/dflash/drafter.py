@@ -1,0 +1,167 @@
+"""The DFlash drafter: a few Llama-style layers that denoise a block of MASK tokens into draft
+tokens, conditioned on the target's hidden states.
+
+  fused context  = RMSNorm(fc(concat(hidden after each capture layer)))     [tokens, H]
+  draft KV       = per draft layer, k/v projections of the fused context   (paged, grows as
+                   tokens are committed; this is what P ships to D beside the target KV)
+  block          = [last committed token, MASK x (B-1)], embedded with the target's embedding
+  each layer     : Q from the block; K/V from context + block; bidirectional inside the block
+  draft tokens   = argmax of the target's LM head over the final-normed block positions 1..B-1
+
+The drafter owns neither the embedding nor the LM head: both are the target's.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.model import MLP, RMSNorm, apply_rope
+from common.model_config import ModelConfig
+
+
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafters", "smollm2-135m-instruct-dflash")
+
+
+def shipped_drafter_path(model: str | None) -> str:
+    """The drafter shipped for the embedded default model; other models need --draft-model."""
+    if model not in (None, "", "default"):
+        raise ValueError("--spec dflash with a model of your own needs --draft-model "
+                         "(train one with `pdflash dflash train`)")
+    if not os.path.isfile(os.path.join(SHIPPED, "config.json")):
+        raise FileNotFoundError(f"the shipped drafter is missing from this installation ({SHIPPED})")
+    return SHIPPED
+
+
+def default_capture_layers(target_layers: int, n: int = 5) -> tuple[int, ...]:
+    """The DFlash rule: n target layers spread over the depth, round(1 + i*(L-4)/(n-1))."""
+    return tuple(round(1 + i * (target_layers - 4) / (n - 1)) for i in range(n))
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float
+    rms_eps: float
+    capture_layers: tuple[int, ...]
+    block_size: int = 16
+    mask_token_id: int = 0
+    sliding_window: int | None = None  # draft context window in tokens (None = all)
+    max_position: int = 8192
+    target_hidden_size: int = 0  # 0 = hidden_size
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, num_layers: int = 2, **overrides) -> "DrafterConfig":
+        base = dict(num_layers=num_layers, hidden_size=target.hidden_size, num_heads=target.num_heads,
+                    num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+                    intermediate_size=target.intermediate_size, rope_theta=target.rope_theta,
+                    rms_eps=target.rms_eps, capture_layers=default_capture_layers(target.num_layers),
+                    max_position=target.max_position, target_hidden_size=target.hidden_size)
+        base.update(overrides)
+        return cls(**base)
+
+    @property
+    def as_model_config(self) -> ModelConfig:
+        """The draft layers are Llama layers with q/k norm; this lets them reuse common.model."""
+        return ModelConfig(arch="qwen3", num_layers=self.num_layers, hidden_size=self.hidden_size,
+                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           intermediate_size=self.intermediate_size, vocab_size=1, rope_theta=self.rope_theta,
+                           rms_eps=self.rms_eps, max_position=self.max_position, tie_embeddings=True,
+                           qk_norm=True)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=False)
+        self.kv_proj = nn.Linear(cfg.hidden_size, 2 * cfg.kv_size, bias=False)  # shared by context and block
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed, rotated) and V of tokens x [T, H] at the positions of cos/sin."""
+        k, v = self.kv_proj(x).view(x.shape[0], 2, self.cfg.num_kv_heads, self.cfg.head_dim).unbind(1)
+        return apply_rope(self.k_norm(k), cos, sin), v
+
+    def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x).view(x.shape[0], self.cfg.num_heads, self.cfg.head_dim)
+        return apply_rope(self.q_norm(q), cos, sin)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        mcfg = cfg.as_model_config
+        self.fc = nn.Linear(len(cfg.capture_layers) * (cfg.target_hidden_size or cfg.hidden_size), cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.layers = nn.ModuleList(DraftLayer(mcfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+
+    # ---- context ---------------------------------------------------------------------------
+    def fuse(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Captured target hidden states (layer -> [T, H]) -> fused context [T, H]."""
+        feats = torch.cat([captured[layer] for layer in self.cfg.capture_layers], dim=-1)
+        return self.hidden_norm(self.fc(feats.to(self.fc.weight.dtype)))
+
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The draft KV of context tokens: (K, V) [T, kv_heads, d] for every draft layer."""
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    # ---- one pass over blocks --------------------------------------------------------------
+    def blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+        """x [N, H]: embedded block tokens (all blocks flattened). attend(layer_idx, q, k, v)
+        runs attention of the block queries over context + block keys and returns [N, Hq, d].
+        Returns the final-normed hidden states [N, H] (logits via the target's LM head)."""
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            k, v = a.kv(h, cos, sin)
+            out = attend(i, a.q(h, cos, sin), k, v)
+            x = x + a.o_proj(out.reshape(x.shape[0], -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    # ---- files -----------------------------------------------------------------------------
+    def save(self, folder: str) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({"architecture": "dflash", **asdict(self.cfg)}, f, indent=2)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, os.path.join(folder, "model.safetensors"))
+
+    @classmethod
+    def load(cls, folder: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "Drafter":
+        from safetensors.torch import load_file
+
+        path = os.path.join(folder, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no drafter at {folder!r} (config.json missing)")
+        with open(path) as f:
+            raw = json.load(f)
+        raw.pop("architecture", None)
+        raw["capture_layers"] = tuple(raw["capture_layers"])
+        model = cls(DrafterConfig(**raw))
+        model.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
+        return model.to(device=device, dtype=dtype).eval()
