@@ -88,6 +88,12 @@ class Engine:
         """Every buffer a peer may read or write for a room: target KV (+ draft KV)."""
         return self.runner.describe_buffers() + (self.proposer.describe_buffers() if self.proposer else [])
 
+    def kv_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = {"kv": self.runner.kv}
+        if self.proposer is not None:
+            tensors["draft_kv"] = self.proposer.kv
+        return tensors
+
     def room_pages(self, req: Request) -> dict[str, list[int]]:
         pages = {"kv": list(req.cache.pages)}
         if self.proposer is not None:

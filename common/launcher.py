@@ -46,6 +46,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=8192)
     p.add_argument("--deadline", type=float, default=60.0, help="seconds for a room's bootstrap + KV transfer")
     p.add_argument("--request-timeout", type=float, default=600.0, help="router: seconds per request")
+    p.add_argument("--verify-transfer", action="store_true", help="checksum every KV page P sends and D receives")
     add_spec_args(p)
 
 
@@ -172,7 +173,8 @@ def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child
     common = model_flags(args) + spec_flags(args) + ["--host", args.host, "--chunk-size", str(args.chunk_size),
                                   "--deadline", str(args.deadline)]
     if args.mode == "pd":
-        groups = [("prefill", "prefill_svc", args.prefill, []), ("decode", "decode_svc", args.decode, ["--role", "decode"])]
+        verify = ["--verify-transfer"] if args.verify_transfer else []
+        groups = [("prefill", "prefill_svc", args.prefill, verify), ("decode", "decode_svc", args.decode, ["--role", "decode"])]
     else:
         groups = [("replica", "decode_svc", args.replicas, ["--role", "colocated"])]
     workers: list[Child] = []

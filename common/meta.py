@@ -16,4 +16,5 @@ def meta_info(req: Request) -> dict:
         "finish_reason": req.finish_reason,
         "matched_stop": req.matched_stop,
         "e2e_latency": time.monotonic() - req.arrival,
+        "verified_pages": req.verified_pages,
     }

@@ -25,6 +25,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "abort"
     matched_stop: str | int | None = None
+    verified_pages: int = 0  # KV pages checksummed after a transfer (PD with --verify-transfer)
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 

@@ -15,6 +15,7 @@ import grpc
 
 from common.buffers import RoomBuffers
 from common.engine_loop import EngineLoop
+from common.kv_checksum import room_checksums
 from common.page_pool import OutOfPages
 from common.request import Request
 from common.wire import room_to_protos
@@ -55,6 +56,8 @@ class KVReceiver:
                                    f"KV transfer from prefill {prefill_addr} did not finish within the deadline")
             if not done.ok:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"prefill {prefill_addr} failed: {done.error}")
+            if done.page_checksums:
+                await self._verify(req, list(done.page_checksums))
             return done.first_token
         finally:
             self._acks.pop(req.rid, None)
@@ -72,6 +75,15 @@ class KVReceiver:
             return False
         ack.set_exception(HandoffError(grpc.StatusCode.ABORTED, f"aborted: {reason or 'by request'}"))
         return True
+
+    async def _verify(self, req: Request, expected: list[int]) -> None:
+        engine = self.loop.engine
+        got = await asyncio.to_thread(room_checksums, engine.kv_tensors(), engine.room_pages(req), req.prompt_len)
+        bad = sum(a != b for a, b in zip(got, expected)) + abs(len(got) - len(expected))
+        if bad:
+            raise HandoffError(grpc.StatusCode.DATA_LOSS,
+                               f"KV transfer corrupted: {bad} of {len(expected)} page checksums differ")
+        req.verified_pages = len(got)
 
     async def _reserve(self, req: Request, deadline: float) -> None:
         def reserve(engine) -> bool:

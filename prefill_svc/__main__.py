@@ -19,6 +19,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--chunk-size", type=int, default=8192, help="tokens per prefill step")
     p.add_argument("--deadline", type=float, default=60.0, help="seconds a room may take end to end")
+    p.add_argument("--verify-transfer", action="store_true", help="send page checksums; D checks every page it received")
     add_model_args(p)
     add_spec_args(p)
     add_mooncake_args(p)
@@ -34,7 +35,7 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
     mooncake = start_mooncake(args)
     for buf in engine.describe_buffers():
         mooncake.register(buf.base_addr, buf.length)
-    servicer = PrefillServicer(loop, KVSender(mooncake, engine, args.deadline), runner.cfg.name, args.deadline)
+    servicer = PrefillServicer(loop, KVSender(mooncake, engine, args.deadline, args.verify_transfer), runner.cfg.name, args.deadline)
     loop.start()
     server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_PrefillServiceServicer_to_server(servicer, s))
     log.info("ready on %s:%d (mooncake %s, %d KV pages of %d tokens)", args.host, args.port,

@@ -11,6 +11,7 @@ from common.buffers import RoomBuffers
 from common.mooncake_engine import MooncakeEngine
 from common.request import Request
 from common.engine import Engine
+from common.kv_checksum import room_checksums
 from common.transfer_plan import build_plan
 from common.wire import room_from_protos
 from protos import pdflash_pb2 as pb
@@ -18,9 +19,10 @@ from protos import pdflash_pb2_grpc as pb_grpc
 
 
 class KVSender:
-    def __init__(self, mooncake: MooncakeEngine, engine: Engine, bootstrap_ttl_s: float):
+    def __init__(self, mooncake: MooncakeEngine, engine: Engine, bootstrap_ttl_s: float, verify: bool):
         self.mooncake = mooncake
         self.engine = engine
+        self.verify = verify  # send page checksums so D can verify what it received
         self.bootstrap_ttl_s = bootstrap_ttl_s
         self._boots: dict[str, asyncio.Future] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -67,6 +69,11 @@ class KVSender:
         src = RoomBuffers(self.engine.describe_buffers(), self.engine.room_pages(req))
         plan = build_plan(req.rid, src, room_from_protos(boot.buffers), num_tokens=req.prompt_len)
         return await asyncio.to_thread(self.mooncake.write, boot.session_id, plan.entries)
+
+    async def checksums(self, req: Request) -> list[int]:
+        if not self.verify:
+            return []
+        return await asyncio.to_thread(room_checksums, self.engine.kv_tensors(), self.engine.room_pages(req), req.prompt_len)
 
     async def ack(self, decode_addr: str, msg: pb.TransferDoneRequest, timeout: float) -> None:
         if decode_addr not in self._channels:

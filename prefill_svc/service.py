@@ -48,7 +48,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             boot = await self.sender.wait_bootstrap(req.rid, deadline)
             nbytes = await self.sender.send(req, boot)
             done = pb.TransferDoneRequest(room=req.rid, ok=True, first_token=out.new_ids[0],
-                                          prompt_tokens=req.prompt_len, bytes=nbytes)
+                                          prompt_tokens=req.prompt_len, bytes=nbytes,
+                                          page_checksums=await self.sender.checksums(req))
             await self.sender.ack(boot.decode_addr or request.decode_addr, done, deadline - time.monotonic())
             self.bytes_sent += nbytes
             return pb.PrefillReply(ok=True)

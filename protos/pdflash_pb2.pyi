@@ -157,7 +157,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, room: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_addr: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class MetaInfo(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "e2e_latency", "matched_stop", "spec_verify_ct", "spec_accept_histogram", "spec_accepted_drafts", "spec_proposed_drafts")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "e2e_latency", "matched_stop", "spec_verify_ct", "spec_accept_histogram", "spec_accepted_drafts", "spec_proposed_drafts", "verified_pages")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class MetaInfo(_message.Message):
     SPEC_ACCEPT_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SPEC_PROPOSED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_PAGES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -178,7 +179,8 @@ class MetaInfo(_message.Message):
     spec_accept_histogram: _containers.RepeatedScalarFieldContainer[int]
     spec_accepted_drafts: int
     spec_proposed_drafts: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., e2e_latency: _Optional[float] = ..., matched_stop: _Optional[str] = ..., spec_verify_ct: _Optional[int] = ..., spec_accept_histogram: _Optional[_Iterable[int]] = ..., spec_accepted_drafts: _Optional[int] = ..., spec_proposed_drafts: _Optional[int] = ...) -> None: ...
+    verified_pages: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., e2e_latency: _Optional[float] = ..., matched_stop: _Optional[str] = ..., spec_verify_ct: _Optional[int] = ..., spec_accept_histogram: _Optional[_Iterable[int]] = ..., spec_accepted_drafts: _Optional[int] = ..., spec_proposed_drafts: _Optional[int] = ..., verified_pages: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("room", "token_ids", "text", "finished", "meta")
@@ -195,20 +197,22 @@ class GenerateChunk(_message.Message):
     def __init__(self, room: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., meta: _Optional[_Union[MetaInfo, _Mapping]] = ...) -> None: ...
 
 class TransferDoneRequest(_message.Message):
-    __slots__ = ("room", "ok", "first_token", "prompt_tokens", "error", "bytes")
+    __slots__ = ("room", "ok", "first_token", "prompt_tokens", "error", "bytes", "page_checksums")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     room: str
     ok: bool
     first_token: int
     prompt_tokens: int
     error: str
     bytes: int
-    def __init__(self, room: _Optional[str] = ..., ok: _Optional[bool] = ..., first_token: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+    page_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, room: _Optional[str] = ..., ok: _Optional[bool] = ..., first_token: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., page_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferDoneReply(_message.Message):
     __slots__ = ("ok",)
