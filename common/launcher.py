@@ -137,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         workers = start_workers(args, children)
-        router_args = ["--host", args.host, "--port", str(args.port), "--request-timeout", str(args.request_timeout)]
+        router_args = ["--host", args.host, "--port", str(args.port), "--request-timeout", str(args.request_timeout),
+                       "--transfer-deadline", str(args.deadline)]
         if args.model:
             router_args += ["--model", args.model]
         if args.mode == "pd":

@@ -17,4 +17,5 @@ def meta_info(req: Request) -> dict:
         "matched_stop": req.matched_stop,
         "e2e_latency": time.monotonic() - req.arrival,
         "verified_pages": req.verified_pages,
+        "transfer_bytes": req.transfer_bytes,
     }

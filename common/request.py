@@ -26,6 +26,7 @@ class Request:
     finish_reason: str | None = None  # "stop", "length", "abort"
     matched_stop: str | int | None = None
     verified_pages: int = 0  # KV pages checksummed after a transfer (PD with --verify-transfer)
+    transfer_bytes: int = 0  # KV bytes received from P (PD)
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 

@@ -58,6 +58,7 @@ class KVReceiver:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"prefill {prefill_addr} failed: {done.error}")
             if done.page_checksums:
                 await self._verify(req, list(done.page_checksums))
+            req.transfer_bytes = done.bytes
             return done.first_token
         finally:
             self._acks.pop(req.rid, None)

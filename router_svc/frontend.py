@@ -1,0 +1,143 @@
+"""The request path every API shares: prompt -> token ids -> validated sampling params -> dispatch
+-> chunks, with the outcome recorded in the metrics. The HTTP and gRPC layers only parse and format."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
+
+from jinja2 import TemplateError
+
+from common.sampling import InvalidRequest, SamplingParams
+from common.tokenizer import Tokenizer
+from protos import pdflash_pb2 as pb
+from router_svc.dispatch import Dispatcher
+from router_svc.errors import INVALID, ApiError, invalid
+from router_svc.metrics import Metrics
+from router_svc.model_info import ModelInfo
+
+log = logging.getLogger("router_svc")
+
+
+@dataclass(frozen=True)
+class ChatMessages:
+    messages: list[dict[str, str]]  # {"role", "content"}, already checked by the OpenAI parser
+
+
+Prompt = str | tuple[int, ...] | ChatMessages
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: Prompt
+    sampling: SamplingParams
+    # No max-token limit was given (OpenAI chat): generate up to the end of the context.
+    fill_context: bool = False
+
+
+@dataclass
+class Generation:
+    """One dispatched request and what has come back for it so far."""
+
+    endpoint: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    room: str = field(default_factory=lambda: uuid.uuid4().hex)
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    chunks: int = 0
+    meta: pb.MetaInfo | None = None  # from the last chunk
+    created: int = field(default_factory=lambda: int(time.time()))
+    start: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+    def add(self, chunk: pb.GenerateChunk) -> None:
+        if chunk.token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.chunks += 1
+        self.output_ids.extend(chunk.token_ids)
+        self.text += chunk.text
+        if chunk.finished:
+            self.meta = chunk.meta
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.meta.prompt_tokens if self.meta else len(self.input_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.meta.completion_tokens if self.meta else len(self.output_ids)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.meta.cached_tokens if self.meta else 0
+
+
+class Frontend:
+    def __init__(self, model: ModelInfo, tokenizer: Tokenizer, dispatcher: Dispatcher, metrics: Metrics):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+
+    def start(self, endpoint: str, job: Job) -> Generation:
+        """Tokenize and validate; raises InvalidRequest before anything is dispatched."""
+        input_ids = self._tokenize(job.prompt)
+        sampling = job.sampling
+        if job.fill_context:  # at least 1, so an over-long prompt gets validate's clear message
+            sampling = replace(sampling, max_new_tokens=max(1, self.model.max_context - len(input_ids)))
+        sampling.validate(len(input_ids), self.model.max_context)
+        self._check_vocab(sampling.stop_token_ids, "stop_token_ids")
+        return Generation(endpoint, input_ids, sampling)
+
+    def reject(self, endpoint: str, err: InvalidRequest) -> ApiError:
+        """Count a request refused before dispatch and turn it into what the client sees."""
+        self.metrics.request_done(endpoint, INVALID)
+        return invalid(str(err))
+
+    async def run(self, gen: Generation) -> AsyncIterator[pb.GenerateChunk]:
+        """Dispatch `gen` and yield its chunks; raises ApiError. Close it (aclosing) when leaving
+        early: that aborts the room on the backends."""
+        status = "cancelled"  # unless it ends otherwise: the client left mid-request
+        try:
+            async with aclosing(self.dispatcher.generate(gen.room, gen.input_ids, gen.sampling)) as chunks:
+                async for chunk in chunks:
+                    gen.add(chunk)
+                    yield chunk
+            status = "ok"
+            self.metrics.request_succeeded(gen)
+        except ApiError as e:
+            status = e.type
+            log.info("room %s failed (%s): %s", gen.room, e.type, e.message)
+            # In pd mode a failure before the first token is a failed bootstrap or KV transfer,
+            # unless D refused the request outright (bad input, no free pages).
+            if self.dispatcher.pd and not gen.chunks and e.type not in (INVALID, "resource_exhausted"):
+                self.metrics.transfer_failed(e.type)
+            raise
+        finally:
+            self.metrics.request_done(gen.endpoint, status)
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, ChatMessages):
+            try:
+                return self.tokenizer.apply_chat_template(prompt.messages)
+            except TemplateError as e:  # templates raise on e.g. roles out of order
+                raise InvalidRequest(f"the chat template rejected the messages: {e}") from None
+        if isinstance(prompt, str):
+            if not prompt:  # before encode, which may add a BOS token to an empty text
+                raise InvalidRequest("the prompt is empty")
+            return self.tokenizer.encode(prompt)
+        self._check_vocab(prompt, "the prompt")
+        return list(prompt)
+
+    def _check_vocab(self, ids: tuple[int, ...], what: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.model.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"{what} contains token id {bad}, outside the vocabulary [0, {self.model.vocab_size})")

@@ -1,0 +1,138 @@
+"""The router's HTTP API (aiohttp): routes, JSON in and out, and one error shape for everything."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+from google.protobuf.json_format import MessageToDict
+
+from common.sampling import InvalidRequest
+from protos import pdflash_pb2 as pb
+from router_svc import openai_api, sglang_api, sse
+from router_svc.errors import INVALID, ApiError, internal, invalid
+from router_svc.frontend import Frontend, Generation, Job
+from router_svc.metrics import CONTENT_TYPE
+
+log = logging.getLogger("router_svc")
+
+MAX_BODY_BYTES = 64 << 20  # long prompts as token-id lists outgrow aiohttp's 1 MiB default
+# Names of the generation routes, which are also the `endpoint` label of the requests counter.
+GENERATION_ROUTES = ("generate", "completions", "chat")
+
+FormatEvents = Callable[[Generation, pb.GenerateChunk], list[dict]]  # the SSE events of one chunk
+
+
+class HttpApi:
+    def __init__(self, frontend: Frontend, info: dict[str, Any]):
+        self.frontend = frontend
+        self.info = info  # static facts for /server_info (policy, ports, backends)
+        self.model = frontend.model.name
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/generate", self.generate, name="generate")
+        app.router.add_post("/v1/completions", self.completions, name="completions")
+        app.router.add_post("/v1/chat/completions", self.chat, name="chat")
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/server_info", self.server_info)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    # ---- generation -------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        req = sglang_api.parse(await _read_json(request))
+        return await self._serve(request, "generate", req.job, req.stream,
+                                 sglang_api.stream_events, sglang_api.response)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, "completions", openai_api.parse_completion)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, "chat", openai_api.parse_chat)
+
+    async def _openai(self, request: web.Request, endpoint: str,
+                      parse: Callable[[Any], openai_api.OpenAIRequest]) -> web.StreamResponse:
+        req = parse(await _read_json(request))
+        return await self._serve(
+            request, endpoint, req.job, req.stream,
+            lambda gen, chunk: openai_api.stream_events(req, gen, chunk, self.model),
+            lambda gen: openai_api.response(req, gen, self.model))
+
+    async def _serve(self, request: web.Request, endpoint: str, job: Job, stream: bool,
+                     events: FormatEvents, response: Callable[[Generation], dict]) -> web.StreamResponse:
+        gen = self.frontend.start(endpoint, job)
+        chunks = self.frontend.run(gen)
+        if stream:
+            return await sse.stream(request, chunks, lambda chunk: events(gen, chunk))
+        async with aclosing(chunks):
+            async for _ in chunks:
+                pass
+        return web.json_response(response(gen))
+
+    # ---- status -----------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(openai_api.models(self.model, self.created, self.frontend.model.max_context))
+
+    async def health(self, request: web.Request) -> web.Response:
+        backends = await self.frontend.dispatcher.health()
+        down = [f"{h.role} {h.addr}: {h.error or 'not ok'}" for h in backends if not h.ok]
+        body = {"status": "unhealthy" if down else "ok", "down": down}
+        return web.json_response(body, status=503 if down else 200)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        backends = await self.frontend.dispatcher.health()
+        model = self.frontend.model
+        return web.json_response(self.info | {
+            "model": model.name, "max_context": model.max_context, "vocab_size": model.vocab_size,
+            "backends": [{"role": h.role, "addr": h.addr, "ok": h.ok, "error": h.error or None,
+                          "health": MessageToDict(h.reply, always_print_fields_with_no_presence=True)
+                          if h.reply else None} for h in backends],
+        })
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        self.frontend.metrics.update_backends(await self.frontend.dispatcher.health())
+        return web.Response(body=self.frontend.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    # ---- errors -----------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                      ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except InvalidRequest as e:
+            endpoint = request.match_info.route.name
+            err = self.frontend.reject(endpoint, e) if endpoint in GENERATION_ROUTES else invalid(str(e))
+        except ApiError as e:  # from a backend; already counted by the frontend
+            err = e
+        except web.HTTPException as e:  # no such route or method, body too large
+            if e.status < 400:
+                raise
+            err = ApiError(e.status, e.text or e.reason, "not_found_error" if e.status == 404 else INVALID)
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            err = internal()
+        return web.json_response(err.body(), status=err.status)
+
+
+async def _read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        raise InvalidRequest("the request body is empty; expected a JSON object")
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except ValueError as e:  # includes bad UTF-8
+        raise InvalidRequest(f"invalid JSON: {e}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")

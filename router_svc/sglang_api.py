@@ -1,0 +1,79 @@
+"""SGLang's native `POST /generate`: request parsing and response formatting.
+
+Request: {"text": str | "input_ids": [int], "sampling_params": {temperature, top_p, top_k,
+max_new_tokens, stop, stop_token_ids, seed, ignore_eos}, "stream": bool}.
+Response: {"text", "output_ids", "meta_info"}; when streaming, every SSE event carries the text and
+output_ids so far (cumulative, as SGLang does) and meta_info, whose finish_reason is null until the end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from common.sampling import InvalidRequest, SamplingParams
+from protos import pdflash_pb2 as pb
+from router_svc.frontend import Generation, Job
+from router_svc.params import Fields, read_sampling
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    job: Job
+    stream: bool
+
+
+def parse(body: Any) -> GenerateRequest:
+    f = Fields(body)
+    text, input_ids = f.string("text"), f.token_ids("input_ids")
+    if (text is None) == (input_ids is None):
+        raise InvalidRequest("give exactly one of text (a string) or input_ids (a list of token ids)")
+    sp = f.object("sampling_params")
+    max_new_tokens = sp.integer("max_new_tokens", SamplingParams.max_new_tokens, minimum=1)
+    sampling = read_sampling(sp, max_new_tokens, default_temperature=SamplingParams.temperature)
+    sp.done()
+    stream = f.boolean("stream")
+    f.done()
+    return GenerateRequest(Job(text if text is not None else input_ids, sampling), stream)
+
+
+def response(gen: Generation) -> dict:
+    return {"text": gen.text, "output_ids": gen.output_ids, "meta_info": meta_info(gen)}
+
+
+def stream_events(gen: Generation, chunk: pb.GenerateChunk) -> list[dict]:
+    return [response(gen)]
+
+
+def meta_info(gen: Generation) -> dict:
+    info: dict[str, Any] = {
+        "id": gen.room,
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": gen.completion_tokens,
+        "cached_tokens": gen.cached_tokens,
+        "finish_reason": _finish_reason(gen.meta),
+        "e2e_latency": gen.elapsed,
+    }
+    m = gen.meta
+    if m is not None:
+        info.update(transfer_bytes=m.transfer_bytes, verified_pages=m.verified_pages)
+    if m is not None and m.spec_verify_ct:
+        info.update(
+            spec_verify_ct=m.spec_verify_ct,
+            spec_accepted_drafts=m.spec_accepted_drafts,
+            spec_proposed_drafts=m.spec_proposed_drafts,
+            spec_accept_histogram=list(m.spec_accept_histogram),
+            # Two definitions (docs/BENCHMARKS.md): the usual interface value, biased by the
+            # first token and a truncated last step, and the weighted one from the histogram.
+            spec_accept_length=gen.completion_tokens / m.spec_verify_ct,
+            spec_accept_length_weighted=1 + m.spec_accepted_drafts / m.spec_verify_ct,
+        )
+    return info
+
+
+def _finish_reason(meta: pb.MetaInfo | None) -> dict | None:
+    # SGLang's shape: {"type": "length", "length": n} or {"type": "stop", "matched": what stopped it}.
+    if meta is None:
+        return None
+    if meta.finish_reason == "length":
+        return {"type": "length", "length": meta.completion_tokens}
+    return {"type": meta.finish_reason or "stop", "matched": meta.matched_stop or None}
