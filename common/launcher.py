@@ -24,11 +24,21 @@ from common.loader import add_spec_args, spec_flags
 STARTUP_TIMEOUT_S = 300.0
 
 
+MAX_RESTARTS = 5
+
+
 @dataclass
 class Child:
     name: str
     addr: str
-    proc: subprocess.Popen
+    module: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+    def start(self) -> "Child":
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.argv], env=child_env())
+        return self
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -70,10 +80,6 @@ def child_env() -> dict[str, str]:
     env.setdefault("GLOG_minloglevel", "1")  # Mooncake's per-connection INFO lines drown the rest
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
-
-
-def spawn(name: str, module: str, args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", module, *args], env=child_env())
 
 
 def wait_grpc_healthy(children: list[Child], timeout: float) -> None:
@@ -147,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
             router_args += ["--policy", "pd", "--prefill", prefills, "--decode", decodes]
         else:
             router_args += ["--policy", "round_robin", "--replicas", ",".join(c.addr for c in workers)]
-        router = Child("router", f"{args.host}:{args.port}", spawn("router", "router_svc", router_args))
+        router = Child("router", f"{args.host}:{args.port}", "router_svc", router_args).start()
         children.append(router)
         url = f"http://{args.host}:{args.port}"
         wait_http_healthy(router, url + "/health", STARTUP_TIMEOUT_S)
@@ -155,11 +161,7 @@ def run(args: argparse.Namespace) -> int:
               f"{args.host}:{args.port + 1})\n  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
               "-d '{\"model\": \"default\", \"messages\": [{\"role\": \"user\", \"content\": \"What is 2+3?\"}]}'\n"
               "Ctrl-C stops everything.", flush=True)
-        while True:
-            for c in children:
-                if c.proc.poll() is not None:
-                    raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}")
-            time.sleep(1.0)
+        supervise(children, router)
     except KeyboardInterrupt:
         print("\nstopping pdflash ...", file=sys.stderr, flush=True)
         return 0
@@ -168,6 +170,22 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         stop_all(children)
+
+
+def supervise(children: list[Child], router: Child) -> None:
+    """Restart a prefill/decode process that dies (same port: the router reconnects by itself);
+    requests it held fail with a clear error meanwhile. The router dying ends the stack."""
+    while True:
+        for c in children:
+            if c.proc.poll() is None:
+                continue
+            if c is router or c.restarts >= MAX_RESTARTS:
+                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}")
+            c.restarts += 1
+            print(f"pdflash up: {c.name} exited with code {c.proc.returncode}; restarting it "
+                  f"({c.restarts}/{MAX_RESTARTS})", file=sys.stderr, flush=True)
+            c.start()
+        time.sleep(1.0)
 
 
 def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child]:
@@ -183,7 +201,7 @@ def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child
         group = []
         for i in range(count):
             port = free_port(args.host)
-            c = Child(f"{kind}{i}", f"{args.host}:{port}", spawn(f"{kind}{i}", module, ["--port", str(port), *common, *extra]))
+            c = Child(f"{kind}{i}", f"{args.host}:{port}", module, ["--port", str(port), *common, *extra]).start()
             children.append(c)
             group.append(c)
         wait_grpc_healthy(group, STARTUP_TIMEOUT_S)
