@@ -9,10 +9,12 @@ import sys
 COMMANDS = {
     "generate": ("common.generate_cmd", "generate text in-process (no services)"),
     "up": ("common.launcher", "start the local stack: prefill, decode and router"),
+    "dflash": ("common.dflash.cli", "DFlash drafter: train"),
 }
 BENCHES = {
     "engine": ("common.bench_engine", "prefill/decode tok/s of our runner vs transformers"),
     "transfer": ("common.bench_transfer", "Mooncake KV transfer GB/s vs plain loopback TCP"),
+    "dflash": ("common.dflash.bench_cmd", "DFlash accept length and speedup over plain decoding, in-process"),
 }
 
 
