@@ -1,0 +1,226 @@
+"""`pdflash dflash train` on CPU with tiny settings: the training attention mask and labels,
+the self-distillation data (equal to what the Engine generates; resumable), a loss that falls
+on a fixed batch, the saved drafter, and a resumed run equal to an uninterrupted one."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+
+from common.dflash.data import GenSettings, Sequence, file_sha256, generate, load_sequences, read_prompts
+from common.dflash.drafter import Drafter
+from common.dflash.objective import (IGNORE, block_attention_mask, block_labels, draft_hidden, make_batch,
+                                    sample_anchors)
+from common.dflash.train import add_args, drafter_config, train
+from common.dflash.trainer import Trainer
+from common.engine import Engine
+from common.request import Request
+from common.sampling import SamplingParams
+
+PROMPTS = os.path.join(os.path.dirname(__file__), "fixtures", "dflash_prompts.jsonl")
+NEW_TOKENS = 6
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_args(p)
+    return p.parse_args(["--prompts", PROMPTS, "--device", "cpu", "--no-progress", *argv])
+
+
+# ---- no model ------------------------------------------------------------------------------
+
+def brute_force_mask(anchors: list[list[int]], ctx_len: int, B: int, window: int | None) -> torch.Tensor:
+    S, A = len(anchors), len(anchors[0])
+    m = torch.zeros(S, A * B, ctx_len + A * B, dtype=torch.bool)
+    for s in range(S):
+        for j, a in enumerate(anchors[s]):
+            for i in range(B):
+                q = j * B + i
+                for t in range(ctx_len):
+                    m[s, q, t] = t < a and (window is None or t >= a - window)
+                for k in range(A * B):
+                    m[s, q, ctx_len + k] = k // B == j
+    return m.unsqueeze(1)
+
+
+def test_block_attention_mask():
+    # Context strictly before the anchor, bidirectional inside the block, blocks isolated.
+    m = block_attention_mask(torch.tensor([[3, 7]]), ctx_len=10, block_size=4)[0, 0]
+    assert m.shape == (8, 18)
+    for q in range(4):
+        assert m[q, :10].tolist() == [True] * 3 + [False] * 7
+        assert m[q, 10:].tolist() == [True] * 4 + [False] * 4
+    for q in range(4, 8):
+        assert m[q, :10].tolist() == [True] * 7 + [False] * 3
+        assert m[q, 10:].tolist() == [False] * 4 + [True] * 4
+    g = torch.Generator().manual_seed(1)
+    anchors = torch.randint(0, 20, (3, 5), generator=g)
+    for window in (None, 4):
+        got = block_attention_mask(anchors, 20, 6, window)
+        assert torch.equal(got, brute_force_mask(anchors.tolist(), 20, 6, window))
+
+
+def test_anchors_and_labels():
+    seqs = [Sequence(0, 0, 5, torch.arange(100, 112).int().numpy()),  # response 5..11
+            Sequence(1, 0, 3, torch.arange(200, 206).int().numpy())]  # response 3..5: anchors 3, 4
+    batch = make_batch(seqs)
+    anchors, ok = sample_anchors(batch, 4, torch.Generator().manual_seed(0))
+    assert anchors.shape == (2, 4)
+    a0 = anchors[0][ok[0]].tolist()
+    assert len(set(a0)) == 4 and all(5 <= a <= 10 for a in a0)
+    assert sorted(anchors[1][ok[1]].tolist()) == [3, 4] and ok[1].sum() == 2
+    labels = block_labels(batch, anchors, ok, block_size=4)
+    for s, seq in enumerate(seqs):
+        for j in range(4):
+            a = int(anchors[s, j])
+            for k in range(4):
+                want = int(seq.ids[a + k]) if ok[s, j] and k > 0 and a + k < len(seq.ids) else IGNORE
+                assert labels[s, j, k] == want
+
+
+# ---- with the embedded model --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def target():
+    from common.loader import ModelOptions, load_model
+
+    # One intra-op thread for this module: on a busy 2-core machine two OpenMP threads that
+    # wait on each other made these tests 3-4x slower (26 s vs 114 s); restored afterwards.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model(ModelOptions(kv_pages=48))
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dataset(target, tmp_path_factory):
+    """Greedy + one sampled answer for the fixture prompts, generated in two runs (the second
+    resumes the file); returns (path, prompts, settings)."""
+    runner, tok = target
+    path = str(tmp_path_factory.mktemp("data") / "data.jsonl")
+    prompts = read_prompts(PROMPTS, "question", 3)
+    settings = GenSettings(model=runner.cfg.name, prompts=os.path.basename(PROMPTS),
+                           prompts_sha256=file_sha256(PROMPTS), prompt_field="question",
+                           chat_template=True, gen_max_new_tokens=NEW_TOKENS, sample_temperature=0.8,
+                           sample_top_p=0.95, seed=0)
+    first = generate(runner, tok, prompts[:2], path, settings, samples_per_prompt=0, progress=False)
+    assert first["generated"] == 2 and first["reused"] == 0
+    with open(path, "a") as f:
+        f.write('{"i": 2, "k": 0, "prompt_len": 3, "ids": [1, 2')  # a torn line from a killed run
+    second = generate(runner, tok, prompts, path, settings, samples_per_prompt=1, progress=False)
+    assert second["reused"] == 2 and second["generated"] == 4
+    return path, prompts, settings
+
+
+def test_data_matches_engine(target, dataset):
+    runner, tok = target
+    path, prompts, settings = dataset
+    meta, seqs = load_sequences(path)
+    assert meta["gen_max_new_tokens"] == NEW_TOKENS
+    assert sorted((s.i, s.k) for s in seqs) == [(i, k) for i in range(3) for k in range(2)]
+    engine = Engine(runner, tok.eos_token_ids, max_running=8)
+    reqs = []
+    for i, q in enumerate(prompts):
+        reqs.append(Request(f"ref{i}", tok.apply_chat_template([{"role": "user", "content": q}]),
+                            SamplingParams(max_new_tokens=NEW_TOKENS)))
+        engine.add(reqs[-1])
+    while engine.has_work:
+        engine.step()
+    greedy = {s.i: s for s in seqs if s.k == 0}
+    for i, req in enumerate(reqs):
+        assert greedy[i].prompt_len == req.prompt_len
+        assert greedy[i].ids.tolist() == req.prompt_ids + req.output_ids
+    sampled = [s for s in seqs if s.k == 1]
+    assert all(s.response_len >= 1 for s in sampled)
+    # A changed generation setting must not silently mix into the file.
+    with pytest.raises(ValueError, match="other settings"):
+        generate(runner, tok, prompts, path, GenSettings(**{**settings.__dict__, "gen_max_new_tokens": 9}), progress=False)
+
+
+def test_batched_blocks_match_one_block_at_a_time(target, dataset):
+    """All anchors of a padded batch in one masked forward == each block alone over its own
+    context (what decoding does): the mask, positions and padding add nothing."""
+    runner, _ = target
+    _, seqs = load_sequences(dataset[0])
+    args = parse("--layers", "2", "--block-size", "4")
+    torch.manual_seed(0)
+    drafter = Drafter(drafter_config(args, runner)).eval()
+    trainer = Trainer(runner, drafter, lr=1e-3, total_steps=1)
+    batch = make_batch(seqs[:3])
+    feats, _ = trainer.capture(batch)
+    anchors, ok = sample_anchors(batch, 3, torch.Generator().manual_seed(1))
+    cos, sin = trainer.rope
+    with torch.no_grad():
+        hidden = draft_hidden(drafter, trainer.embed, feats, batch, anchors, trainer.rope)
+        for s in range(batch.size):
+            for j in range(3):
+                a = int(anchors[s, j])
+                ctx = drafter.fuse({layer: f[s, :a] for layer, f in feats.items()})
+                ctx_kv = drafter.context_kv(ctx, cos[:a], sin[:a])
+                x = trainer.embed[torch.tensor([int(batch.ids[s, a])] + [16] * 3)]
+
+                def attend(i, q, k, v):
+                    keys, vals = torch.cat([ctx_kv[i][0], k]), torch.cat([ctx_kv[i][1], v])
+                    out = torch.nn.functional.scaled_dot_product_attention(
+                        q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), enable_gqa=True)
+                    return out.transpose(0, 1)
+
+                alone = drafter.blocks(x, cos[a:a + 4], sin[a:a + 4], attend)
+                torch.testing.assert_close(hidden[s, j], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_loss_falls_on_fixed_batch(target, dataset):
+    runner, _ = target
+    _, seqs = load_sequences(dataset[0])
+    args = parse("--layers", "1", "--block-size", "4")
+    torch.manual_seed(0)
+    drafter = Drafter(drafter_config(args, runner))
+    trainer = Trainer(runner, drafter, lr=2e-3, total_steps=100, warmup=0, anchors=4)
+    batch = make_batch(seqs[:4])  # greedy and sampled answers (labels from the target's argmax)
+    feats, target_next = trainer.capture(batch)  # the target is frozen: run it once
+    assert target_next is not None
+    losses = []
+    for _ in range(12):
+        loss, _ = trainer.loss(batch, feats, target_next, torch.Generator().manual_seed(0))  # same anchors
+        loss.backward()
+        trainer.opt.step()
+        trainer.opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_train_save_and_resume(target, dataset, tmp_path):
+    runner, tok = target
+    data = dataset[0]
+    common = ["--data", data, "--max-seqs", "3", "--gen-max-new-tokens", str(NEW_TOKENS),  # greedy answers only
+              "--layers", "1", "--block-size", "4", "--anchors", "4", "--batch-size", "2", "--steps", "3",
+              "--log-every", "1", "--save-every", "100"]
+    split, straight = str(tmp_path / "split"), str(tmp_path / "straight")
+
+    assert train(parse(*common, "--out", split, "--stop-at", "1"), runner, tok) == 0
+    assert torch.load(os.path.join(split, "checkpoint.pt"), weights_only=True)["step"] == 1
+    assert train(parse(*common, "--out", split, "--resume"), runner, tok) == 0
+    assert torch.load(os.path.join(split, "checkpoint.pt"), weights_only=True)["step"] == 3
+    log = [json.loads(line) for line in open(os.path.join(split, "train_log.jsonl"))]
+    assert [r["step"] for r in log] == [1, 2, 3]  # the resumed run continued at step 2
+
+    assert train(parse(*common, "--out", straight), runner, tok) == 0
+    resumed = Drafter.load(os.path.join(split, "drafter"))
+    whole = Drafter.load(os.path.join(straight, "drafter"))
+    for name, w in whole.state_dict().items():
+        assert torch.equal(w, resumed.state_dict()[name]), name  # resume == one uninterrupted run
+        assert torch.equal(w, ckpt_weights(straight)[name]), name  # the saved file == the trained weights
+    assert resumed.cfg.block_size == 4 and resumed.cfg.mask_token_id == 16
+
+    info = json.load(open(os.path.join(straight, "train_info.json")))
+    assert info["command"].startswith("pdflash dflash train ") and "--resume" not in info["command"]
+    assert info["data"]["sequences"] == 3 and info["steps"] == {"done": 3, "total": 3, "stopped": "done"}
+    assert info["drafter"]["bytes"] <= 40_000_000
+    assert {"loss", "acc1", "accepted"} <= set(info["final"])
+
+
+def ckpt_weights(out: str) -> dict[str, torch.Tensor]:
+    return torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["model"]
