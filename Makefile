@@ -9,11 +9,18 @@ ARGS    ?=
 
 .PHONY: setup run test protos clean
 
+# System packages: libibverbs1 (Mooncake's module needs it); docker-compose and iproute2 for the
+# deploy tests (compose validation, network namespaces). Installed when apt-get is usable.
+SYSTEM_PACKAGES := libibverbs1 docker-compose iproute2
+
 $(BIN)/.installed: pyproject.toml
-	@command -v apt-get >/dev/null && ! ldconfig -p | grep -q libibverbs.so.1 && \
-	  { echo "installing libibverbs1 (needed by Mooncake)"; \
-	    (apt-get update -qq && apt-get install -y -qq libibverbs1) || \
-	    echo "warning: could not install libibverbs1; run: apt-get install libibverbs1"; } || true
+	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	  if [ -n "$$missing" ]; then echo "installing system packages: $$missing"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) || \
+	    echo "warning: could not install $$missing (apt-get install $$missing)"; fi; \
+	elif ! ldconfig -p | grep -q libibverbs.so.1; then \
+	  echo "warning: libibverbs1 is missing; Mooncake needs it: sudo apt-get install libibverbs1"; fi
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"

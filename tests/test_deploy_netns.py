@@ -1,0 +1,204 @@
+"""Multi-host PD on one machine: prefill, decode and router each in a network namespace of their
+own (10.200.0.0/24 on a bridge in the router's namespace; nothing is added to the host's own
+network), started by deploy/pd.sh over its `netns:` nodes, Mooncake over TCP between them.
+
+1. start P -> D -> router; a greedy request through the router equals `pdflash generate`
+2. the P link is slowed (tbf), a request's KV transfer starts, the link is cut (link down):
+   the client gets an HTTP error within the deadline
+3. the link is restored: the stack is healthy again, both sides' KV pools are all free, and the
+   next request answers correctly
+4. stop: nothing is left listening
+
+Needs root and `ip netns`; skipped otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = "The capital of France is"
+NEW_TOKENS = 12
+# The router's request timeout, which it also hands P and D as the room's bootstrap + transfer
+# deadline: a failed transfer must reach the client within it.
+DEADLINE_S = 15
+SUBNET = "10.200.0"
+
+
+def _netns_available() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (ip netns)"
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return "needs iproute2 (ip, tc)"
+    probe = f"pdfprobe{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode:
+        return "ip netns add failed here"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def sh(*cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, **kw)
+
+
+class Namespaces:
+    """P, D and R namespaces; R holds the bridge that joins P's and D's veth pairs."""
+
+    def __init__(self):
+        tag = uuid.uuid4().hex[:6]
+        self.p, self.d, self.r = f"pdf{tag}p", f"pdf{tag}d", f"pdf{tag}r"
+        self.ip = {self.p: f"{SUBNET}.1", self.d: f"{SUBNET}.2", self.r: f"{SUBNET}.3"}
+
+    def create(self) -> None:
+        for ns in (self.p, self.d, self.r):
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", self.r, "link", "add", "br0", "type", "bridge")
+        for ns, dev in ((self.p, "vp"), (self.d, "vd")):
+            # Both ends are created inside the namespaces: the host's interfaces are untouched.
+            sh("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", f"{dev}br", "netns", self.r)
+            sh("ip", "-n", self.r, "link", "set", f"{dev}br", "master", "br0", "up")
+            sh("ip", "-n", ns, "addr", "add", f"{self.ip[ns]}/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+        sh("ip", "-n", self.r, "addr", "add", f"{self.ip[self.r]}/24", "dev", "br0")
+        sh("ip", "-n", self.r, "link", "set", "br0", "up")
+
+    def delete(self) -> None:
+        for ns in (self.p, self.d, self.r):
+            sh("ip", "netns", "del", ns, check=False)
+
+    def tx_bytes(self) -> int:
+        return int(sh("ip", "netns", "exec", self.p, "cat", "/sys/class/net/vp/statistics/tx_bytes").stdout)
+
+    def run_in(self, ns: str, *cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return sh("ip", "netns", "exec", ns, *cmd, check=False, timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture
+def namespaces():
+    why = _netns_available()
+    if why:
+        pytest.skip(why)
+    ns = Namespaces()
+    try:
+        ns.create()
+        yield ns
+    finally:
+        ns.delete()
+
+
+def write_profile(path: Path, ns: Namespaces, results: Path) -> None:
+    path.write_text("\n".join([
+        "PROFILE_NAME=netns-test", "MODE=pd", "LAUNCHER=process", f"PYTHON={sys.executable}",
+        f"PREFILL_NODES=netns:{ns.p}={ns.ip[ns.p]}", f"DECODE_NODES=netns:{ns.d}={ns.ip[ns.d]}",
+        f"ROUTER_NODE=netns:{ns.r}={ns.ip[ns.r]}", f"RESULTS_DIR={results}",
+        "DTYPE=fp32", "DEVICE=cpu", "KV_PAGES=64", "CHUNK_SIZE=512", f"DEADLINE={DEADLINE_S}", f"REQUEST_TIMEOUT={DEADLINE_S}",
+        "MOONCAKE_PROTOCOL=tcp", "MC_TRANSFER_TIMEOUT=5", "COMPOSE_OVERLAYS=",
+        "START_TIMEOUT=300", "STOP_TIMEOUT=15", "POLL_INTERVAL=1",
+        f"SMOKE_PROMPT={PROMPT}", f"SMOKE_MAX_NEW_TOKENS={NEW_TOKENS}",
+        "BENCH_TOOL=builtin", "BENCH_INPUT_LEN=64", "BENCH_OUTPUT_LEN=4", "BENCH_CONCURRENCY=2", "BENCH_NUM=2", "",
+    ]))
+
+
+def pd(command: str, profile: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), "RUN_ID": "netns-test"}
+    return subprocess.run([str(REPO / "deploy" / "pd.sh"), command, str(profile)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def client(ns: Namespaces, *args: str, timeout: float = 120) -> tuple[int, dict, float]:
+    t0 = time.monotonic()
+    r = ns.run_in(ns.r, sys.executable, "deploy/tools/client.py", *args, timeout=timeout)
+    elapsed = time.monotonic() - t0
+    try:
+        return r.returncode, json.loads(r.stdout), elapsed
+    except json.JSONDecodeError:
+        raise AssertionError(f"client printed no JSON (rc {r.returncode}): {r.stdout}\n{r.stderr}")
+
+
+def pools_free(ns: Namespaces) -> list[tuple[int, int]]:
+    """(free, total) KV pages of P and D, asked from the router's namespace."""
+    code = (
+        "import sys; import grpc; from protos import pdflash_pb2 as pb, pdflash_pb2_grpc as g\n"
+        f"for addr, stub in (('{ns.ip[ns.p]}:31000', g.PrefillServiceStub), ('{ns.ip[ns.d]}:32000', g.DecodeServiceStub)):\n"
+        "    r = stub(grpc.insecure_channel(addr)).Health(pb.HealthRequest(), timeout=5)\n"
+        "    print(r.free_pages, r.total_pages)\n")
+    out = ns.run_in(ns.r, sys.executable, "-c", code).stdout.split()
+    return [(int(out[i]), int(out[i + 1])) for i in range(0, len(out), 2)]
+
+
+def test_pd_across_namespaces_survives_a_cut_link(namespaces, tmp_path):
+    ns = namespaces
+    results = tmp_path / "results"
+    profile = tmp_path / "netns.env"
+    write_profile(profile, ns, results)
+    # The reference answer, computed while the stack starts.
+    ref_proc = subprocess.Popen([sys.executable, "-m", "common.cli", "generate", "--prompt", PROMPT, "--max-new-tokens",
+                                 str(NEW_TOKENS), "--json", "--device", "cpu"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        started = pd("start", profile)
+        assert started.returncode == 0, started.stdout + started.stderr
+        out = started.stdout
+        # P healthy before D starts, D healthy before the router starts
+        assert out.index("wait until prefill0 is healthy") < out.index("-m decode_svc") \
+            < out.index("wait until decode0 is healthy") < out.index("-m router_svc")
+        assert f"ip netns exec {ns.p} bash -c" in out and f"ip netns exec {ns.d} bash -c" in out
+        ref = json.loads(ref_proc.communicate(timeout=300)[0])
+        url = f"http://{ns.ip[ns.r]}:30000"
+
+        # 1. a request across the namespaces answers like the in-process engine
+        rc, got, _ = client(ns, "smoke", "--url", url, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS))
+        assert rc == 0 and got["output_ids"] == ref["output_ids"], (got, ref)
+
+        # 2. slow P's link so the KV transfer of a long prompt takes seconds, then cut it mid-transfer
+        # (tbf, not netem: kernels without sch_netem are common in containers)
+        sh("ip", "netns", "exec", ns.p, "tc", "qdisc", "add", "dev", "vp", "root", "tbf", "rate", "16mbit",
+           "burst", "64kb", "latency", "500ms")
+        long_prompt = " ".join(f"item {i}," for i in range(150))  # ~600 tokens: ~27 MB of fp32 KV
+        base = ns.tx_bytes()
+        t0 = time.monotonic()
+        req = subprocess.Popen(["ip", "netns", "exec", ns.r, sys.executable, "deploy/tools/client.py", "smoke",
+                                "--url", url, "--prompt", long_prompt, "--max-new-tokens", "4", "--timeout", "60"],
+                               stdout=subprocess.PIPE, text=True, cwd=REPO)
+        while ns.tx_bytes() - base < 2_000_000:  # KV bytes are flowing from P
+            assert req.poll() is None, "the request ended before its transfer was cut"
+            assert time.monotonic() - t0 < 60, "the KV transfer never started"
+            time.sleep(0.05)
+        sh("ip", "-n", ns.p, "link", "set", "vp", "down")
+        failed = json.loads(req.communicate(timeout=90)[0])
+        took = time.monotonic() - t0
+        assert req.returncode == 1 and not failed["ok"], failed
+        assert failed["error"].startswith("HTTP 5"), failed  # a clean HTTP error, not a hang or a reset
+        assert took < DEADLINE_S + 3, f"the error came {took:.1f} s after the request (deadline {DEADLINE_S} s)"
+
+        # 3. restore the link: healthy again, no room leaked, the next request answers correctly
+        sh("ip", "-n", ns.p, "link", "set", "vp", "up")
+        sh("ip", "netns", "exec", ns.p, "tc", "qdisc", "del", "dev", "vp", "root")
+        deadline = time.monotonic() + 60
+        while pd("status", profile, timeout=120).returncode != 0:
+            assert time.monotonic() < deadline, "stack not healthy 60 s after the link came back"
+            time.sleep(1)
+        deadline = time.monotonic() + 30
+        while (pools := pools_free(ns)) and any(free != total for free, total in pools):
+            assert time.monotonic() < deadline, f"KV pages still held after the failed room: {pools}"
+            time.sleep(1)
+        rc, got, _ = client(ns, "smoke", "--url", url, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS))
+        assert rc == 0 and got["output_ids"] == ref["output_ids"], got
+    finally:
+        if ref_proc.poll() is None:
+            ref_proc.kill()
+        stopped = pd("stop", profile)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    for f in (results / "netns-test" / "metadata").glob("after-stop-*.txt"):
+        assert f.read_text().strip() == "", f"{f.name}: {f.read_text()}"
+    assert not list((results / "netns-test" / "pids").glob("*.pid"))
