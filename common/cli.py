@@ -14,6 +14,10 @@ COMMANDS = {
 BENCHES = {
     "engine": ("common.bench_engine", "prefill/decode tok/s of our runner vs transformers"),
     "transfer": ("common.bench_transfer", "Mooncake KV transfer GB/s vs plain loopback TCP"),
+    "serving": ("common.bench.serving", "streaming TTFT/TPOT/ITL/E2E and tok/s of a running stack, every replica warmed"),
+    "gsm8k": ("common.bench.gsm8k", "few-shot GSM8K: accuracy, tok/s, both accept lengths, histogram invariants"),
+    "ab": ("common.bench.ab", "serving or gsm8k against several stacks it starts itself, compared"),
+    "serving-pd": ("common.bench_serving", "issue 3's first version: TTFT of pd vs colocated (starts each with pdflash up)"),
     "dflash": ("common.dflash.bench_cmd", "DFlash accept length and speedup over plain decoding, in-process"),
 }
 

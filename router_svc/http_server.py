@@ -33,6 +33,7 @@ class HttpApi:
         self.info = info  # static facts for /server_info (policy, ports, backends)
         self.model = frontend.model.name
         self.created = int(time.time())
+        frontend.metrics.track_routes(frontend.dispatcher)  # per-backend figures in /metrics, /server_info
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
@@ -91,11 +92,16 @@ class HttpApi:
     async def server_info(self, request: web.Request) -> web.Response:
         backends = await self.frontend.dispatcher.health()
         model = self.frontend.model
+        # Figures of the requests that passed this router: fleet-wide, and per backend (a pd
+        # request counts on its P and its D). Accept lengths: docs/BENCHMARKS.md.
+        served = self.frontend.metrics.snapshot()
         return web.json_response(self.info | {
             "model": model.name, "max_context": model.max_context, "vocab_size": model.vocab_size,
             "backends": [{"role": h.role, "addr": h.addr, "ok": h.ok, "error": h.error or None,
                           "health": MessageToDict(h.reply, always_print_fields_with_no_presence=True)
-                          if h.reply else None} for h in backends],
+                          if h.reply else None,
+                          "served": served["backends"].get((h.role, h.addr))} for h in backends],
+            "fleet": served["fleet"],
         })
 
     async def metrics(self, request: web.Request) -> web.Response:
