@@ -21,10 +21,14 @@ class AttnMeta:
     write_slots: torch.Tensor  # [T] cache slot that receives each new token's K/V
     logit_rows: torch.Tensor | None  # rows whose final hidden state is returned (None = all)
     # Padded per-request view used by the general path; unused when `fresh_causal`.
-    q_index: torch.Tensor | None = None  # [B, maxQ] row of T for each padded query
-    kv_slots: torch.Tensor | None = None  # [B, maxKV] cache slots each request reads
+    q_index: torch.Tensor | None = None  # [B, maxQ] row of T for each padded query; None: no padding
+    kv_pages: torch.Tensor | None = None  # [B, maxPages] pages each request reads (scratch-padded)
+    max_kv: int = 0  # keys read per request: the first max_kv slots of its kv_pages
+    # One request whose pages are consecutive (the usual case: the pool hands out low pages
+    # first): read them as a slice of the cache, without a copy. (first page, page count)
+    page_range: tuple[int, int] | None = None
     mask: torch.Tensor | None = None  # [B, 1, maxQ, maxKV] True = may attend; None = all
-    out_rows: torch.Tensor | None = None  # [T] index into the flattened [B*maxQ] output
+    out_rows: torch.Tensor | None = None  # [T] index into the flattened [B*maxQ] output; None: all
     # One request whose tokens all start at position 0: attend to the new K/V directly.
     fresh_causal: bool = False
 
@@ -54,16 +58,17 @@ def build_attn_meta(starts: list[int], counts: list[int], page_tables: list[list
     kv_lens = [s + n for s, n in zip(starts, counts)]
     max_kv = max(kv_lens)
     q_index = torch.zeros(B, max_q, dtype=torch.long)
-    kv_slots = torch.full((B, max_kv), scratch_slot, dtype=torch.long)
+    # Keys are gathered a whole page at a time (one contiguous copy per page, much faster on
+    # CPU than one per token); slots past a request's length are masked out or sliced off.
+    max_pages = -(-max_kv // page_size)
+    kv_pages = torch.full((B, max_pages), scratch_slot // page_size, dtype=torch.long)
     out_rows = torch.empty(sum(counts), dtype=torch.long)
     row = 0
     for b, (start, n, pages) in enumerate(zip(starts, counts, page_tables)):
         q_index[b, :n] = torch.arange(row, row + n)
         out_rows[row:row + n] = torch.arange(b * max_q, b * max_q + n)
-        kv_len = start + n
-        slot_pages = torch.tensor(pages[: -(-kv_len // page_size)], dtype=torch.long)
-        slots = (slot_pages[:, None] * page_size + torch.arange(page_size)).flatten()[:kv_len]
-        kv_slots[b, :kv_len] = slots
+        used = -(-(start + n) // page_size)
+        kv_pages[b, :used] = torch.tensor(pages[:used], dtype=torch.long)
         row += n
     needs_mask = (causal and max_q > 1) or len(set(kv_lens)) > 1 or window is not None
     if needs_mask:
@@ -79,7 +84,12 @@ def build_attn_meta(starts: list[int], counts: list[int], page_tables: list[list
         padded = torch.arange(max_q)[None, :] >= torch.tensor(counts)[:, None]
         mask[padded] = True  # padded query rows must see something, or SDPA yields NaN
         meta.mask = mask.unsqueeze(1).to(device)
-    meta.q_index, meta.kv_slots, meta.out_rows = q_index.to(device), kv_slots.to(device), out_rows.to(device)
+    meta.kv_pages, meta.max_kv = kv_pages.to(device), max_kv
+    if len(set(counts)) > 1:  # requests of equal counts (decode, verify) need no padding
+        meta.q_index, meta.out_rows = q_index.to(device), out_rows.to(device)
+    used = page_tables[0][:max_pages]
+    if B == 1 and used == list(range(used[0], used[0] + max_pages)):
+        meta.page_range = (used[0], max_pages)
     return meta
 
 
@@ -93,11 +103,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_cache.index_copy_(0, meta.write_slots, v)
     gqa = q.shape[1] != k.shape[1]
     if meta.fresh_causal:
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=True, enable_gqa=gqa)
-        return out.transpose(0, 1)
-    qb = q[meta.q_index].transpose(1, 2)  # [B, Hq, maxQ, d]
-    kb = k_cache[meta.kv_slots].transpose(1, 2)  # [B, Hkv, maxKV, d]
-    vb = v_cache[meta.kv_slots].transpose(1, 2)
+        # 4-D inputs: with 3-D ones PyTorch's CPU SDPA falls back to its (much slower) math path.
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=True, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+    B = meta.kv_pages.shape[0]
+    qb = (q.reshape(B, -1, *q.shape[1:]) if meta.q_index is None else q[meta.q_index]).transpose(1, 2)
+    if meta.page_range is not None:
+        first, n = meta.page_range
+        kb, vb = kv_layer[0, first:first + n], kv_layer[1, first:first + n]
+    else:
+        pages = meta.kv_pages.flatten()
+        kb, vb = kv_layer[0].index_select(0, pages), kv_layer[1].index_select(0, pages)
+    kb = kb.view(B, -1, *k.shape[1:])[:, :meta.max_kv].transpose(1, 2)  # [B, Hkv, maxKV, d]
+    vb = vb.view(B, -1, *v.shape[1:])[:, :meta.max_kv].transpose(1, 2)
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.mask, enable_gqa=gqa)
-    return out.transpose(1, 2).reshape(-1, *q.shape[1:])[meta.out_rows]
+    out = out.transpose(1, 2).reshape(-1, *q.shape[1:])
+    return out if meta.out_rows is None else out[meta.out_rows]

@@ -35,7 +35,7 @@ class SamplingParams:
         if prompt_len + self.max_new_tokens > max_context:
             raise InvalidRequest(f"prompt ({prompt_len} tokens) + max_new_tokens ({self.max_new_tokens}) "
                                  f"exceeds the model's context of {max_context} tokens")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # also NaN (gRPC clients can send one): it fails a whole batch
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")

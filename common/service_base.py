@@ -15,6 +15,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.mooncake_engine import MooncakeConfig, MooncakeEngine
 
 
+# Channels between our own services (router -> P/D, D -> P, P -> D). gRPC's default reconnect
+# backoff grows to 120 s, so a peer restarted by `pdflash up` would be refused for tens of seconds
+# after it is back; between our processes, retrying every second at most is cheap.
+PEER_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
 def setup_logging(role: str) -> logging.Logger:
     level = os.environ.get("PDFLASH_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=level, stream=sys.stderr,

@@ -59,10 +59,13 @@ class IncrementalDecoder:
                 self.matched_stop = s
                 full, finished = full[:at], True
         if not finished:
-            cut = len(full) - self._holdback
+            # Drop the incomplete character first (one U+FFFD per dangling byte), then hold back
+            # real characters: counting U+FFFDs against the hold-back let a stop string's first
+            # character out before the rest of it arrived.
+            cut = len(full)
             while cut > len(self.text) and full[cut - 1] == "\ufffd":
                 cut -= 1
-            full = full[: max(cut, len(self.text))]
+            full = full[: max(cut - self._holdback, len(self.text))]
         delta = full[len(self.text):]
         self.text = full
         return delta

@@ -4,10 +4,15 @@
 2. Bootstrap(P): our Mooncake session, our buffers and the pages reserved for this room
 3. wait for TransferDone from P (status, first token), bounded by the deadline
 The caller then hands the request, its cache now holding the prompt, to the decode engine.
+
+If the room ends after step 2 without word from P (abort, deadline, the router gone), P may
+still write the prompt's KV into the room's pages: they stay out of the pool until P's Abort
+confirms it will not (or P is unreachable), so that no other room gets them and the late bytes.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -18,9 +23,15 @@ from common.engine_loop import EngineLoop
 from common.kv_checksum import room_checksums
 from common.page_pool import OutOfPages
 from common.request import Request
+from common.runner import SeqCache
+from common.service_base import PEER_CHANNEL_OPTIONS
 from common.wire import room_to_protos
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("decode")
+
+PEER_ABORT_TIMEOUT_S = 10.0  # P answers Abort once no write of the room is in flight
 
 
 class HandoffError(Exception):
@@ -40,6 +51,7 @@ class KVReceiver:
     def __post_init__(self) -> None:
         self._acks: dict[str, asyncio.Future] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._parked: set[asyncio.Task] = set()  # releases waiting for P's Abort reply
 
     async def receive(self, req: Request, prefill_addr: str, deadline: float) -> int:
         """Returns the first token sampled by P. On failure raises HandoffError; the caller
@@ -48,12 +60,15 @@ class KVReceiver:
         ack = asyncio.get_running_loop().create_future()
         self._acks[req.rid] = ack
         try:
-            await self._bootstrap(req, prefill_addr, deadline)
             try:
+                await self._bootstrap(req, prefill_addr, deadline)
                 done: pb.TransferDoneRequest = await asyncio.wait_for(ack, _left(deadline))
             except asyncio.TimeoutError:
                 raise HandoffError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                    f"KV transfer from prefill {prefill_addr} did not finish within the deadline")
+            finally:
+                if not _heard_from(ack):  # the room ends here, and P may still write into its pages
+                    self._park(req, prefill_addr)
             if not done.ok:
                 raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"prefill {prefill_addr} failed: {done.error}")
             if done.page_checksums:
@@ -107,17 +122,44 @@ class KVReceiver:
             buffers=room_to_protos(RoomBuffers(engine.describe_buffers(), engine.room_pages(req))))
         stub = pb_grpc.PrefillServiceStub(self._channel(prefill_addr))
         try:
-            reply = await stub.Bootstrap(msg, timeout=max(_left(deadline), 0.001))
+            # wait_for_ready: as for P's TransferDone (a P just restarted is waited for, not refused)
+            reply = await stub.Bootstrap(msg, timeout=max(_left(deadline), 0.001), wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             code = e.code() if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else grpc.StatusCode.UNAVAILABLE
             raise HandoffError(code, f"bootstrap to prefill {prefill_addr} failed: {e.details()}")
         if not reply.ok:
             raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"prefill {prefill_addr} refused bootstrap: {reply.error}")
 
+    def _park(self, req: Request, prefill_addr: str) -> None:
+        """Take the room's pages away from req (the caller's release then frees nothing) and
+        free them once P has answered Abort, i.e. no write of this room is or will be in flight."""
+        parked = Request(req.rid, req.prompt_ids, req.params, cache=req.cache, draft_cache=req.draft_cache)
+        req.cache, req.draft_cache = SeqCache(), SeqCache()
+        task = asyncio.ensure_future(self._release_after_peer_abort(parked, prefill_addr))
+        self._parked.add(task)
+        task.add_done_callback(self._parked.discard)
+
+    async def _release_after_peer_abort(self, parked: Request, prefill_addr: str) -> None:
+        stub = pb_grpc.PrefillServiceStub(self._channel(prefill_addr))
+        try:
+            await stub.Abort(pb.AbortRequest(room=parked.rid, reason="decode gave up on the room"),
+                             timeout=PEER_ABORT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:  # P gone (it writes nothing more) or not answering
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                logger.warning("room %s: prefill %s did not confirm the abort (%s); freeing its pages anyway",
+                               parked.rid, prefill_addr, e.code().name)
+        finally:
+            await self.loop.call(lambda e: e.release(parked))
+
     def _channel(self, addr: str) -> grpc.aio.Channel:
         if addr not in self._channels:
-            self._channels[addr] = grpc.aio.insecure_channel(addr)
+            self._channels[addr] = grpc.aio.insecure_channel(addr, options=PEER_CHANNEL_OPTIONS)
         return self._channels[addr]
+
+
+def _heard_from(ack: asyncio.Future) -> bool:
+    """P sent TransferDone (ok or not): it is done with the room."""
+    return ack.done() and not ack.cancelled() and ack.exception() is None
 
 
 def _left(deadline: float) -> float:

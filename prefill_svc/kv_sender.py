@@ -9,6 +9,7 @@ import grpc
 
 from common.buffers import RoomBuffers
 from common.mooncake_engine import MooncakeEngine
+from common.service_base import PEER_CHANNEL_OPTIONS
 from common.request import Request
 from common.engine import Engine
 from common.kv_checksum import room_checksums
@@ -48,11 +49,17 @@ class KVSender:
             fut.set_result(msg)
 
     def abort(self, room: str, reason: str) -> bool:
+        """Fail the room's wait for its bootstrap, now or, if its Prefill has not asked yet, when
+        it does (the failed future stays for the TTL): after an Abort, no bootstrap that arrives
+        late can make us write into D's pages. True if Prefill was already waiting."""
         fut = self._boots.get(room)
-        if fut is None or fut.done():
-            return False
+        waiting = fut is not None and not fut.done()
+        if not waiting:
+            fut = self._boots[room] = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_later(self.bootstrap_ttl_s, self._expire, room, fut)
         fut.set_exception(RuntimeError(f"aborted: {reason or 'by request'}"))
-        return True
+        fut.exception()  # retrieved: a tombstone nobody awaits must not log "never retrieved"
+        return waiting
 
     async def wait_bootstrap(self, room: str, deadline: float) -> pb.BootstrapRequest:
         fut = self._future(room)
@@ -77,8 +84,10 @@ class KVSender:
 
     async def ack(self, decode_addr: str, msg: pb.TransferDoneRequest, timeout: float) -> None:
         if decode_addr not in self._channels:
-            self._channels[decode_addr] = grpc.aio.insecure_channel(decode_addr)
+            self._channels[decode_addr] = grpc.aio.insecure_channel(decode_addr, options=PEER_CHANNEL_OPTIONS)
         stub = pb_grpc.DecodeServiceStub(self._channels[decode_addr])
-        reply = await stub.TransferDone(msg, timeout=max(timeout, 1.0))
+        # wait_for_ready: a D just restarted (or a channel still backing off) is waited for, up to
+        # the timeout, instead of failing the room at once; a dead D's room is cancelled by the router.
+        reply = await stub.TransferDone(msg, timeout=max(timeout, 1.0), wait_for_ready=True)
         if not reply.ok:
             raise RuntimeError(f"decode {decode_addr} no longer waits for room {msg.room}")

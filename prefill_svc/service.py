@@ -33,20 +33,33 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.default_deadline_s = default_deadline_s
         self.bytes_sent = 0
         self.failures = 0
+        # Rooms in Prefill -> abort reason ("" = not aborted). An Abort that lands while the
+        # room is inside a step (its whole prompt may be one step) is seen at the next stage.
+        self._rooms: dict[str, str] = {}
+        self._sends: dict[str, asyncio.Future] = {}  # room -> its Mooncake write in flight
+        self._background: set[asyncio.Task] = set()
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
         deadline = time.monotonic() + (request.deadline_s or self.default_deadline_s)
         req = Request(request.room, list(request.input_ids), sampling_from_proto(request.sampling))
         outputs = self.loop.open(req.rid)
+        self._rooms[req.rid] = ""
+        send = None
         try:
             await self.loop.call(lambda e: e.add(req))
             out = await asyncio.wait_for(outputs.get(), deadline - time.monotonic())
             if isinstance(out, EngineFailure):
                 raise out
+            self._check_abort(req.rid)
             if not out.prefill_done:
                 raise RuntimeError(f"room {req.rid} was aborted during prefill")
             boot = await self.sender.wait_bootstrap(req.rid, deadline)
-            nbytes = await self.sender.send(req, boot)
+            self._check_abort(req.rid)
+            # Shielded: if this handler is cancelled (the router gave up), the write goes on in
+            # its thread, and our pages must not return to the pool before it has finished.
+            send = self._sends[req.rid] = asyncio.ensure_future(self.sender.send(req, boot))
+            nbytes = await asyncio.shield(send)
+            self._check_abort(req.rid)
             done = pb.TransferDoneRequest(room=req.rid, ok=True, first_token=out.new_ids[0],
                                           prompt_tokens=req.prompt_len, bytes=nbytes,
                                           page_checksums=await self.sender.checksums(req))
@@ -55,13 +68,27 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             return pb.PrefillReply(ok=True)
         except Exception as e:  # every failure is reported to D and to the router, never dropped
             self.failures += 1
-            error = "prefill deadline exceeded" if isinstance(e, asyncio.TimeoutError) else str(e)
+            if isinstance(e, asyncio.TimeoutError):
+                error = "prefill deadline exceeded"
+            elif isinstance(e, grpc.aio.AioRpcError):  # TransferDone to D: its code and details, not its repr
+                error = f"TransferDone to decode {request.decode_addr} failed: {e.code().name}: {e.details()}"
+            else:
+                error = str(e)
             logger.warning("room %s failed: %s", req.rid, error)
             await self._nack(request.decode_addr, req.rid, error)
             return pb.PrefillReply(ok=False, error=error)
         finally:
             self.loop.close(req.rid)
+            if send is not None and not send.done():
+                await asyncio.wait({send})
+                send.cancelled() or send.exception()  # retrieved: no "never retrieved" warning
+            self._rooms.pop(req.rid, None)
+            self._sends.pop(req.rid, None)
             await self.loop.call(lambda e: e.abort(req.rid) or e.release(req))
+
+    def _check_abort(self, room: str) -> None:
+        if self._rooms.get(room):
+            raise RuntimeError(f"room {room} aborted: {self._rooms[room]}")
 
     async def _nack(self, decode_addr: str, room: str, error: str) -> None:
         if not decode_addr:
@@ -76,9 +103,21 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return pb.BootstrapReply(ok=True)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:
+        """Stop the room wherever it is. Answers once no write of its KV into D's pages is in flight
+        or will start (D frees those pages when we answer)."""
+        live = request.room in self._rooms  # only then can the engine hold it
+        if live:
+            self._rooms[request.room] = request.reason or "by request"
+            # Out of the engine's queue before its next step; not awaited: the engine thread takes
+            # calls between steps only, and one prefill step can take seconds.
+            task = asyncio.ensure_future(self.loop.abort(request.room))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         found = self.sender.abort(request.room, request.reason)
-        aborted = await self.loop.abort(request.room)
-        return pb.AbortReply(found=found or aborted)
+        send = self._sends.get(request.room)
+        if send is not None and not send.done():
+            await asyncio.wait({send})
+        return pb.AbortReply(found=live or found)
 
     async def Health(self, request, context) -> pb.HealthReply:
         pool = self.loop.engine.runner.pool

@@ -19,6 +19,7 @@ import grpc
 
 from common.messages import sampling_to_proto
 from common.sampling import SamplingParams
+from common.service_base import PEER_CHANNEL_OPTIONS
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 from router_svc.errors import ApiError, from_grpc
@@ -49,7 +50,7 @@ class Backend:
 
     @classmethod
     def connect(cls, role: str, addr: str) -> Backend:
-        channel = grpc.aio.insecure_channel(addr)  # connects lazily, so backends may start later
+        channel = grpc.aio.insecure_channel(addr, options=PEER_CHANNEL_OPTIONS)  # connects lazily, so backends may start later
         stub = pb_grpc.PrefillServiceStub(channel) if role == "prefill" else pb_grpc.DecodeServiceStub(channel)
         return cls(role, addr, channel, stub)
 

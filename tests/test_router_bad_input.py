@@ -257,6 +257,16 @@ def test_grpc_router_rejects_bad_input_and_reports_health(router: RouterProcess)
             (pb.RouterGenerateRequest(text="", sampling=pb.SamplingParams(max_new_tokens=4)), "empty"),
             (pb.RouterGenerateRequest(text="hi"), "max_new_tokens"),
             (pb.RouterGenerateRequest(input_ids=[10**9], sampling=pb.SamplingParams(max_new_tokens=4)), "vocabulary"),
+            (pb.RouterGenerateRequest(input_ids=[-1], sampling=pb.SamplingParams(max_new_tokens=4)), "vocabulary"),
+            (pb.RouterGenerateRequest(text="hi", sampling=pb.SamplingParams(max_new_tokens=-1)), "max_new_tokens"),
+            (pb.RouterGenerateRequest(text="hi", sampling=pb.SamplingParams(max_new_tokens=CONTEXT)), "context"),
+            (pb.RouterGenerateRequest(input_ids=LONG_IDS, sampling=pb.SamplingParams(max_new_tokens=4)), "context"),
+            (pb.RouterGenerateRequest(text="hi", sampling=pb.SamplingParams(max_new_tokens=4, temperature=-1)),
+             "temperature"),
+            (pb.RouterGenerateRequest(text="hi", sampling=pb.SamplingParams(max_new_tokens=4, temperature=float("nan"))),
+             "temperature"),
+            (pb.RouterGenerateRequest(text="hi", sampling=pb.SamplingParams(max_new_tokens=4, top_p=2)), "top_p"),
+            (pb.RouterGenerateRequest(text="hi", sampling=pb.SamplingParams(max_new_tokens=4, top_k=-3)), "top_k"),
         ]:
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Generate(req, timeout=30))

@@ -1,0 +1,55 @@
+"""Shared fixtures. The embedded model (SmolLM2-135M-Instruct) is read once per session."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def embedded_source():
+    from common.weights import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def embedded_weights(embedded_source):
+    """(ModelConfig, Hugging Face-named fp32 tensors) of the embedded model."""
+    from common.weights import load_weights
+
+    return load_weights(embedded_source)
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer(embedded_source, embedded_weights):
+    from common.tokenizer import Tokenizer
+
+    return Tokenizer(embedded_source, embedded_weights[0].eos_token_ids)
+
+
+@pytest.fixture(scope="session")
+def make_embedded_runner(embedded_weights):
+    """Factory: a fresh ModelRunner (own weights copy and KV pool) of the embedded model."""
+    from common.runner import ModelRunner
+
+    def make(dtype: str = "fp32", page_size: int = 16, num_pages: int = 256) -> ModelRunner:
+        cfg, tensors = embedded_weights
+        return ModelRunner(cfg, tensors, dtype=dtype, num_pages=num_pages, page_size=page_size)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def embedded_runner(make_embedded_runner):
+    """fp32, page size 16, 256 pages. Shared: a test must release every page it reserves."""
+    return make_embedded_runner()
+
+
+@pytest.fixture(scope="session")
+def hf_embedded_model(embedded_source):
+    """transformers' own fp32 model read independently from the same GGUF file."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(embedded_source.folder, gguf_file=embedded_source.gguf_file,
+                                             dtype=torch.float32)
+    return model.eval()

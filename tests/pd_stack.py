@@ -1,0 +1,150 @@
+"""`pdflash up` as a real process for the PD tests (test_pd_*.py, test_faults.py): start it on a
+free port, find its workers (router `GET /server_info`) and their process ids, and read their
+page pools through each service's own gRPC `Health`."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import psutil
+import requests
+
+from protos import pdflash_pb2 as pb
+from protos import pdflash_pb2_grpc as pb_grpc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UP_TIMEOUT_S = 420  # each service loads the model; the machine may be busy with other tests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Worker:
+    role: str  # "prefill", "decode" or "replica"
+    addr: str  # gRPC host:port
+
+    @property
+    def port(self) -> int:
+        return int(self.addr.rsplit(":", 1)[1])
+
+    def stub(self, channel: grpc.Channel):
+        return pb_grpc.PrefillServiceStub(channel) if self.role == "prefill" else pb_grpc.DecodeServiceStub(channel)
+
+    def health(self, timeout: float = 10) -> pb.HealthReply:
+        with grpc.insecure_channel(self.addr) as channel:
+            return self.stub(channel).Health(pb.HealthRequest(), timeout=timeout)
+
+
+class Stack:
+    """`pdflash up --port P ARGS`; waits for its "is up" line. Its output is kept for messages."""
+
+    def __init__(self, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "common.cli", "up", "--port", str(self.port), *args],
+                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.lines: list[str] = []
+        up = threading.Event()
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if "pdflash is up" in line:
+                    up.set()
+            up.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not up.wait(UP_TIMEOUT_S) or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError("pdflash up failed:\n" + self.tail())
+        info = requests.get(self.url + "/server_info", timeout=30).json()
+        self.policy = info["policy"]  # "pd" or "round_robin"
+        self.workers = [Worker(b["role"], b["addr"]) for b in info["backends"]]
+
+    def assert_clean_log(self) -> None:
+        """No service logged a traceback or an unretrieved asyncio exception."""
+        out = "".join(self.lines)
+        for bad in ("Traceback", "never retrieved", "was destroyed but it is pending"):
+            assert bad not in out, f"{bad!r} in the stack's output:\n" + out[max(0, out.index(bad) - 3000):][:6000]
+
+    def tail(self, n: int = 60) -> str:
+        return "".join(self.lines[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only its children
+                self.proc.wait()
+
+    # ---- workers -------------------------------------------------------------------------------
+    def worker(self, role: str) -> Worker:
+        return next(w for w in self.workers if w.role == role)
+
+    def pid(self, worker: Worker) -> int:
+        """The process serving `worker` now (the launcher restarts a dead one on the same port)."""
+        for child in psutil.Process(self.proc.pid).children():
+            try:
+                cmd = child.cmdline()
+            except psutil.NoSuchProcess:
+                continue
+            if "--port" in cmd and cmd[cmd.index("--port") + 1] == str(worker.port) and child.is_running() \
+                    and child.status() != psutil.STATUS_ZOMBIE:
+                return child.pid
+        raise LookupError(f"no process for {worker.role} {worker.addr}:\n{self.tail()}")
+
+    def pools(self) -> dict[str, tuple[int, int, int]]:
+        """addr -> (free pages, total pages, running) from each worker's own Health RPC."""
+        out = {}
+        for w in self.workers:
+            h = w.health()
+            out[w.addr] = (h.free_pages, h.total_pages, h.running)
+        return out
+
+    def wait_all_pages_free(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                pools = self.pools()
+                if all(free == total and not running for free, total, running in pools.values()):
+                    return
+            except grpc.RpcError as e:
+                pools = f"Health failed: {e.code().name} {e.details()}"
+            if time.monotonic() > deadline:
+                raise AssertionError(f"pages not all free after {timeout} s: {pools}\n{self.tail()}")
+            time.sleep(0.2)
+
+    def wait_healthy(self, timeout: float = UP_TIMEOUT_S) -> float:
+        """Until the router sees every backend up (its /health is 200); returns the seconds waited."""
+        start = time.monotonic()
+        while True:
+            try:
+                if requests.get(self.url + "/health", timeout=10).status_code == 200:
+                    return time.monotonic() - start
+            except requests.RequestException:
+                pass
+            if self.proc.poll() is not None or time.monotonic() - start > timeout:
+                raise AssertionError(f"stack not healthy after {time.monotonic() - start:.0f} s:\n{self.tail()}")
+            time.sleep(0.5)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def generate(self, input_ids: list[int], max_new_tokens: int = 8, timeout: float = 300, **params) -> dict:
+        resp = requests.post(self.url + "/generate", timeout=timeout, json={
+            "input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, **params}})
+        assert resp.status_code == 200, resp.text
+        return resp.json()

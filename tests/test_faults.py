@@ -1,0 +1,390 @@
+"""Faults in a real pd stack (`pdflash up`: real processes, gRPC and Mooncake over TCP): P killed
+mid-request, a Mooncake transfer that fails because D dies under it, D dead, bootstrap and
+transfer deadlines, a client that leaves, and explicit Abort on D and on P.
+
+For each: the client gets a clear error (HTTP status + message, or a gRPC status) well within the
+deadline; P and D free the room's pages (every pool back to all-free, read from each service's
+own Health RPC); and the stack then serves the next request with the same output as before.
+
+One stack for the whole module (transfer deadline 120 s: a 3000-token prefill on a busy 2-core
+machine takes tens of seconds). The deadline cases use a second router (no model: seconds to
+start) in front of the same P and D with a 5 s transfer deadline, which the services take from
+each request."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import requests
+
+from pd_stack import ROOT, Stack
+from protos import pdflash_pb2 as pb
+from protos import pdflash_pb2_grpc as pb_grpc
+from test_router_process import RouterProcess
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_S = 120.0  # the stack's transfer deadline
+SHORT_DEADLINE_S = 5.0  # the second router's
+LONG = [random.Random(1).randrange(100, 49000) for _ in range(3000)]  # prefill takes seconds
+SHORT = [504, 3458, 314, 4649, 314, 13, 198]  # "The capital of France is ..."-like ids
+pool = concurrent.futures.ThreadPoolExecutor(8)
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    s = Stack("--mode", "pd", "--page-size", "16", "--kv-pages", "512", "--deadline", str(DEADLINE_S),
+              "--request-timeout", "300")
+    try:
+        yield s
+    finally:
+        s.stop()
+    s.assert_clean_log()
+
+
+@pytest.fixture(scope="module")
+def reference(stack: Stack) -> list[int]:
+    """The short prompt's greedy output before any fault: every recovery must reproduce it."""
+    return stack.generate(SHORT, max_new_tokens=12)["output_ids"]
+
+
+@pytest.fixture(scope="module")
+def short_router(stack: Stack) -> Iterator[RouterProcess]:
+    with RouterProcess("--policy", "pd", "--prefill", stack.worker("prefill").addr, "--decode",
+                       stack.worker("decode").addr, "--transfer-deadline", str(SHORT_DEADLINE_S),
+                       "--request-timeout", "60") as r:
+        yield r
+
+
+def serves_next_request(stack: Stack, reference: list[int]) -> None:
+    stack.wait_healthy()
+    assert stack.generate(SHORT, max_new_tokens=12)["output_ids"] == reference
+    stack.wait_all_pages_free()
+
+
+def post(url: str, ids: list[int], max_new_tokens: int = 4, timeout: float = 300, **extra) -> requests.Response:
+    return requests.post(url + "/generate", timeout=timeout, json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}, **extra})
+
+
+def wait_until(what: str, cond, timeout: float, stack: Stack | None = None, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}" + (f"\n{stack.tail()}" if stack else ""))
+        time.sleep(every)
+
+
+def health(stack: Stack, role: str) -> pb.HealthReply:
+    return stack.worker(role).health(timeout=5)
+
+
+def prefilling(stack: Stack) -> bool:
+    """P is computing a prompt and D has reserved (and bootstrapped) pages for it."""
+    p, d = health(stack, "prefill"), health(stack, "decode")
+    return p.running == 1 and d.free_pages < d.total_pages
+
+
+def transferring(stack: Stack) -> bool:
+    """P has finished the prompt and still holds its pages: it is writing them to D."""
+    p = health(stack, "prefill")
+    return p.running == 0 and p.free_pages < p.total_pages
+
+
+def all_free(worker_health: pb.HealthReply) -> bool:
+    return worker_health.free_pages == worker_health.total_pages and worker_health.running == 0
+
+
+def assert_error(resp: requests.Response, status: int, *says: str) -> str:
+    assert resp.status_code == status, resp.text
+    message = resp.json()["error"]["message"]
+    for s in says:
+        assert s in message, message
+    return message
+
+
+# ---- the tests, in an order where each leaves the stack as it found it ---------------------------
+
+def test_reference_output(stack: Stack, reference: list[int]) -> None:
+    assert len(reference) == 12
+    stack.wait_all_pages_free()
+
+
+@pytest.mark.parametrize("ids, sampling, says", [
+    ([], pb.SamplingParams(max_new_tokens=4), "empty"),
+    (SHORT, pb.SamplingParams(max_new_tokens=0), "max_new_tokens"),
+    (SHORT, pb.SamplingParams(max_new_tokens=-2), "max_new_tokens"),
+    (SHORT, pb.SamplingParams(max_new_tokens=8190), "context"),
+    ([5] * 8192, pb.SamplingParams(max_new_tokens=1), "context"),
+    (SHORT, pb.SamplingParams(max_new_tokens=4, temperature=float("nan")), "temperature"),
+    (SHORT, pb.SamplingParams(max_new_tokens=4, top_p=1.5), "top_p"),
+], ids=["empty", "zero", "negative", "beyond-context", "long-prompt", "nan", "top_p"])
+def test_services_refuse_bad_input(stack: Stack, ids: list[int], sampling: pb.SamplingParams, says: str) -> None:
+    """The services check requests themselves (a gRPC client may skip the router)."""
+    p, d = stack.worker("prefill"), stack.worker("decode")
+    with grpc.insecure_channel(d.addr) as ch, pytest.raises(grpc.RpcError) as info:
+        list(pb_grpc.DecodeServiceStub(ch).Generate(pb.GenerateRequest(
+            room=uuid.uuid4().hex, input_ids=ids, sampling=sampling, prefill_addr=p.addr, deadline_s=10), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in info.value.details()
+    with grpc.insecure_channel(p.addr) as ch:
+        reply = pb_grpc.PrefillServiceStub(ch).Prefill(pb.PrefillRequest(
+            room=uuid.uuid4().hex, input_ids=ids, sampling=sampling, decode_addr=d.addr, deadline_s=10), timeout=30)
+    assert not reply.ok and says in reply.error
+    stack.wait_all_pages_free()
+
+
+def test_client_leaving_during_prefill_frees_both_sides(stack: Stack, reference: list[int]) -> None:
+    body = json.dumps({"input_ids": LONG, "stream": True, "sampling_params": {"max_new_tokens": 8}}).encode()
+    with socket.create_connection(("127.0.0.1", stack.port), timeout=30) as client:
+        client.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
+    # The client left before the first token. P can't stop a forward pass half way: its pages
+    # return when the step ends.
+    stack.wait_all_pages_free(timeout=DEADLINE_S)
+    metrics = requests.get(stack.url + "/metrics", timeout=30).text
+    assert 'pdflash_requests_total{endpoint="generate",status="cancelled"} 1.0' in metrics
+    serves_next_request(stack, reference)
+
+
+def test_client_leaving_mid_stream_frees_both_sides(stack: Stack, reference: list[int]) -> None:
+    with requests.post(stack.url + "/generate", stream=True, timeout=300, json={
+            "input_ids": SHORT, "stream": True, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        next(lines)
+        assert health(stack, "decode").running == 1
+    stack.wait_all_pages_free()
+    serves_next_request(stack, reference)
+
+
+def test_decode_abort_mid_stream(stack: Stack, reference: list[int]) -> None:
+    with requests.post(stack.url + "/generate", stream=True, timeout=300, json={
+            "input_ids": SHORT, "stream": True, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}) as resp:
+        assert resp.status_code == 200
+        events = (json.loads(line[6:]) for line in resp.iter_lines() if line.startswith(b"data: {"))
+        room = next(events)["meta_info"]["id"]
+        with grpc.insecure_channel(stack.worker("decode").addr) as ch:
+            reply = pb_grpc.DecodeServiceStub(ch).Abort(pb.AbortRequest(room=room, reason="test"), timeout=10)
+        assert reply.found
+        start = time.monotonic()
+        last = list(events)[-1]  # the stream ends by itself, with an error event
+        assert time.monotonic() - start < 10
+    assert "error" in last and "aborted" in last["error"]["message"], last
+    stack.wait_all_pages_free()
+    serves_next_request(stack, reference)
+
+
+def direct_room(stack: Stack, ids: list[int], deadline_s: float = DEADLINE_S, max_new_tokens: int = 4,
+                prefill_addr: str | None = None, ignore_eos: bool = False):
+    """Drive one room the way the router does, over gRPC: P.Prefill and D.Generate together.
+    Returns (room, P's reply future, D's chunks future); each future raises the RpcError if any."""
+    room = uuid.uuid4().hex
+    sampling = pb.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+    p, d = stack.worker("prefill"), stack.worker("decode")
+    if prefill_addr:
+        p = type(p)("prefill", prefill_addr)
+
+    def prefill() -> pb.PrefillReply:
+        with grpc.insecure_channel(p.addr) as ch:
+            return pb_grpc.PrefillServiceStub(ch).Prefill(pb.PrefillRequest(
+                room=room, input_ids=ids, sampling=sampling, decode_addr=d.addr, deadline_s=deadline_s), timeout=300)
+
+    def generate() -> list[pb.GenerateChunk]:
+        with grpc.insecure_channel(d.addr) as ch:
+            return list(pb_grpc.DecodeServiceStub(ch).Generate(pb.GenerateRequest(
+                room=room, input_ids=ids, sampling=sampling, prefill_addr=p.addr, deadline_s=deadline_s), timeout=300))
+
+    return room, pool.submit(prefill), pool.submit(generate)
+
+
+def test_prefill_abort_during_prefill(stack: Stack, reference: list[int]) -> None:
+    room, prefill, generate = direct_room(stack, LONG)
+    wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
+    with grpc.insecure_channel(stack.worker("prefill").addr) as ch:
+        assert pb_grpc.PrefillServiceStub(ch).Abort(pb.AbortRequest(room=room, reason="test"), timeout=10).found
+    # P answers when the forward pass in progress ends (the abort is applied between steps).
+    reply = prefill.result(timeout=DEADLINE_S)
+    assert not reply.ok and "aborted" in reply.error
+    with pytest.raises(grpc.RpcError) as info:
+        generate.result(timeout=30)  # P told D (TransferDone ok=false): D ends the room at once
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "aborted" in info.value.details()
+    stack.wait_all_pages_free()
+    serves_next_request(stack, reference)
+
+
+def test_decode_abort_while_waiting_for_the_transfer(stack: Stack, reference: list[int]) -> None:
+    room, prefill, generate = direct_room(stack, LONG)
+    wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
+    with grpc.insecure_channel(stack.worker("decode").addr) as ch:
+        assert pb_grpc.DecodeServiceStub(ch).Abort(pb.AbortRequest(room=room, reason="test"), timeout=10).found
+    with pytest.raises(grpc.RpcError) as info:
+        generate.result(timeout=10)
+    assert info.value.code() == grpc.StatusCode.ABORTED and "aborted" in info.value.details()
+    # D asked P to abort the room too (P must not write into pages D gives back): P frees its pages.
+    reply = prefill.result(timeout=DEADLINE_S)
+    assert not reply.ok and "aborted: decode gave up on the room" in reply.error, reply.error
+    stack.wait_all_pages_free()
+    serves_next_request(stack, reference)
+
+
+def test_bootstrap_timeout_with_prefill_frozen(stack: Stack, short_router: RouterProcess,
+                                              reference: list[int]) -> None:
+    pid = stack.pid(stack.worker("prefill"))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        resp = post(short_router.url, SHORT, timeout=60)
+        took = time.monotonic() - start
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert_error(resp, 504, "decode", "bootstrap")
+    assert SHORT_DEADLINE_S - 0.5 < took < SHORT_DEADLINE_S + 5, took
+    stack.wait_all_pages_free()
+    serves_next_request(stack, reference)
+
+
+def test_transfer_timeout(stack: Stack, short_router: RouterProcess, reference: list[int]) -> None:
+    """Bootstrap is fast, but the 3000-token prefill takes longer than the 5 s deadline."""
+    start = time.monotonic()
+    resp = post(short_router.url, LONG, timeout=60)
+    took = time.monotonic() - start
+    assert_error(resp, 504, "did not finish within the deadline")
+    assert took < SHORT_DEADLINE_S + 5, took
+    stack.wait_all_pages_free(timeout=DEADLINE_S)  # P's pages: when its forward pass ends
+    serves_next_request(stack, reference)
+
+
+def test_prefill_killed_mid_request(stack: Stack, reference: list[int]) -> None:
+    p = stack.worker("prefill")
+    pid = stack.pid(p)
+    call = pool.submit(post, stack.url, LONG)
+    wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    resp = call.result(timeout=DEADLINE_S)
+    assert time.monotonic() - killed < 10
+    assert_error(resp, 502, f"prefill {p.addr}")
+    wait_until("D's pages back", lambda: all_free(health(stack, "decode")), 30, stack)
+    # pdflash up restarts P on the same port.
+    wait_until("a new P process", lambda: _new_pid(stack, p, pid), 30, stack, every=0.5)
+    _wait_serving(stack, p)
+    serves_next_request(stack, reference)
+
+
+def test_transfer_fails_when_decode_dies_under_it(stack: Stack, reference: list[int]) -> None:
+    """A real Mooncake failure: D is frozen while P prefills, so P's write blocks; then D is killed.
+    P's Mooncake write fails; P frees its pages and reports the failure in its reply."""
+    d = stack.worker("decode")
+    pid = stack.pid(d)
+    room, prefill, generate = direct_room(stack, LONG)
+    wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
+    time.sleep(1)  # D's Bootstrap (sent right after its reservation) has reached P
+    os.kill(pid, signal.SIGSTOP)
+    wait_until("P writing to D", lambda: transferring(stack), DEADLINE_S, stack, every=0.2)
+    time.sleep(1)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    reply = prefill.result(timeout=DEADLINE_S)
+    assert not reply.ok and "Mooncake write" in reply.error, reply.error
+    print(f"P reported, {time.monotonic() - killed:.1f} s after D died: {reply.error}")
+    assert time.monotonic() - killed < 45
+    with pytest.raises(grpc.RpcError) as info:
+        generate.result(timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    wait_until("P's pages back", lambda: all_free(health(stack, "prefill")), 30, stack)
+
+    # D dead (until pdflash up has restarted it): a request through the router fails cleanly.
+    resp = post(stack.url, SHORT, timeout=60)
+    assert_error(resp, 502, f"decode {d.addr}")
+    wait_until("P's pages back", lambda: all_free(health(stack, "prefill")), 30, stack)
+
+    wait_until("a new D process", lambda: _new_pid(stack, d, pid), 30, stack, every=0.5)
+    _wait_serving(stack, d)
+    serves_next_request(stack, reference)
+
+
+def _new_pid(stack: Stack, worker, old: int) -> bool:
+    try:
+        return stack.pid(worker) != old
+    except LookupError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serving(worker) -> bool:
+    try:
+        return worker.health(timeout=2).ok
+    except grpc.RpcError:
+        return False
+
+
+def _wait_serving(stack: Stack, worker) -> None:
+    def up() -> bool:
+        try:
+            return worker.health(timeout=2).ok
+        except grpc.RpcError:
+            return False
+
+    wait_until(f"{worker.role} serving again", up, 420, stack, every=0.5)
+    # The router's channel to it retries at least every second (PEER_CHANNEL_OPTIONS), not after
+    # gRPC's default backoff of up to 120 s.
+    lag = stack.wait_healthy()
+    print(f"{worker.role} back; the router saw it {lag:.1f} s later")
+    assert lag < 5
+
+
+def test_late_write_of_an_aborted_room_lands_in_no_other_room(stack: Stack, reference: list[int]) -> None:
+    """D gives up on room A (Abort) while P is still computing A's long prompt; room B gets the
+    pages A had on D and decodes. P's write of A's KV, when it comes, must not land in B's pages.
+    B is prefilled by a second P instance so that it is decoding when P1 writes A's KV."""
+    d = stack.worker("decode")
+    b_ids = SHORT
+    want = stack.generate(b_ids, max_new_tokens=600, ignore_eos=True)["output_ids"]
+    port = _free_port()
+    p2 = subprocess.Popen([sys.executable, "-m", "prefill_svc", "--port", str(port), "--page-size", "16",
+                           "--kv-pages", "512"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        p2_worker = type(d)("prefill", f"127.0.0.1:{port}")
+        wait_until("a second P", lambda: _serving(p2_worker), 420, stack, every=0.5)
+        a_ids = [random.Random(2).randrange(100, 49000) for _ in range(6000)]
+        room, prefill, generate = direct_room(stack, a_ids)
+        wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
+        with grpc.insecure_channel(d.addr) as ch:
+            assert pb_grpc.DecodeServiceStub(ch).Abort(pb.AbortRequest(room=room, reason="test"), timeout=10).found
+        with pytest.raises(grpc.RpcError):
+            generate.result(timeout=10)
+        # A's pages are back in D's pool (once P has confirmed the abort); the pool hands out the
+        # pages freed last first, so B gets A's.
+        wait_until("A's pages back on D", lambda: all_free(health(stack, "decode")), 30, stack)
+        b_room, b_prefill, b_generate = direct_room(stack, b_ids, max_new_tokens=600, prefill_addr=p2_worker.addr,
+                                                    ignore_eos=True)
+        chunks = b_generate.result(timeout=300)
+        assert b_prefill.result(timeout=30).ok
+        assert prefill.result(timeout=DEADLINE_S).ok is False
+        got = [t for c in chunks for t in c.token_ids]
+        assert got == want
+    finally:
+        p2.terminate()
+        p2.wait(30)
+    stack.wait_all_pages_free()
+    serves_next_request(stack, reference)
