@@ -33,7 +33,7 @@ RAW = [
     "Dear Sir or Madam,", "import numpy as np\n", "Monday, Tuesday,", "The sun rises in the",
     "Water boils at", "Roses are red,",
 ]
-MAX_NEW = 24
+MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
