@@ -259,10 +259,18 @@ def test_bootstrap_timeout_with_prefill_frozen(stack: Stack, short_router: Route
 
 
 def test_transfer_timeout(stack: Stack, short_router: RouterProcess, reference: list[int]) -> None:
-    """Bootstrap is fast, but the 3000-token prefill takes longer than the 5 s deadline."""
+    """Bootstrap completes, then P stalls mid-prefill (frozen, so the test does not depend on how
+    fast this machine computes the prompt): the KV never arrives within the 5 s deadline."""
+    pid = stack.pid(stack.worker("prefill"))
     start = time.monotonic()
-    resp = post(short_router.url, LONG, timeout=60)
-    took = time.monotonic() - start
+    call = pool.submit(post, short_router.url, LONG, timeout=60)
+    wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        resp = call.result(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        os.kill(pid, signal.SIGCONT)
     assert_error(resp, 504, "did not finish within the deadline")
     assert took < SHORT_DEADLINE_S + 5, took
     stack.wait_all_pages_free(timeout=DEADLINE_S)  # P's pages: when its forward pass ends
