@@ -63,6 +63,7 @@ class Row:
     hf_tok_s: float
     ours_median_tok_s: float
     hf_median_tok_s: float
+    cpu_pressure: float | None = None  # Linux PSI "some" avg10 right after the case: load from elsewhere
 
     @property
     def ratio(self) -> float:
@@ -87,6 +88,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,8", help="decode batch sizes, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per number (best reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per number first")
+    p.add_argument("--quiet-below", type=float, default=None, metavar="PCT",
+                   help="shared machines: before each timed pair, wait until CPU pressure from other "
+                        "processes (Linux PSI avg10) is below PCT%%")
     p.add_argument("--out", default="bench-out/engine.json")
     add_model_args(p, kv_pages=0)  # 0: sized for the largest run
     # Both dtypes unless one is asked for.
@@ -132,10 +136,11 @@ def run(args: argparse.Namespace) -> int:
             # prefill: time to the first token; decode: from the first token to the last
             part = 0 if metric == "prefill" else 1
             t_ours, t_hf = _time_pair(lambda: ours.run(batch, new)[part], lambda: theirs.run(batch, new)[part],
-                                      args.warmup, args.repeats)
+                                      args.warmup, args.repeats, args.quiet_below)
             work = n if metric == "prefill" else b * (new - 1)
             rows.append(Row(dtype, metric, b, n, new, work / min(t_ours), work / min(t_hf),
-                            work / statistics.median(t_ours), work / statistics.median(t_hf)))
+                            work / statistics.median(t_ours), work / statistics.median(t_hf),
+                            _cpu_pressure("avg10")))
             print(_fmt(rows[-1]), flush=True)
         del runner, hf, ours, theirs
 
@@ -146,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         "torch": torch.__version__, "transformers": _hf_version(), "machine": platform.processor() or platform.machine(),
         "new_tokens": args.new_tokens, "prefill_tokens": args.prefill_tokens,
         "decode_prompt_tokens": contexts, "batches": batches, "repeats": args.repeats, "warmup": args.warmup,
+        "quiet_below": args.quiet_below,
         # share of time some task waited for a CPU (Linux PSI, avg over 60 s): load from elsewhere
         "cpu_pressure_some_avg60": {"before": pressure_before, "after": _cpu_pressure()},
         "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
@@ -227,22 +233,37 @@ def _token_stream(tok: Tokenizer, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def _time_pair(ours, theirs, warmup: int, repeats: int) -> tuple[list[float], list[float]]:
+def _time_pair(ours, theirs, warmup: int, repeats: int, quiet_below: float | None) -> tuple[list[float], list[float]]:
     """Alternate the two sides, so a burst of load from elsewhere hits both alike."""
     for _ in range(warmup):
         ours(), theirs()
     t_ours, t_theirs = [], []
     for _ in range(max(1, repeats)):
+        _wait_quiet(quiet_below)
         t_ours.append(ours())
         t_theirs.append(theirs())
     return t_ours, t_theirs
 
 
-def _cpu_pressure() -> float | None:
+def _wait_quiet(below: float | None, limit_s: float = 900) -> None:
+    """On a shared machine, wait (up to limit_s) until others' CPU pressure drops below `below`%:
+    with two cores, another busy process makes both sides' OpenMP regions stall for whole
+    scheduler slices, and tok/s falls 10-30x."""
+    deadline = time.monotonic() + limit_s
+    while below is not None and time.monotonic() < deadline:
+        p = _cpu_pressure("avg10")
+        if p is None or p < below:
+            return
+        time.sleep(5)
+
+
+def _cpu_pressure(window: str = "avg60") -> float | None:
+    """% of time some task waited for a CPU (Linux PSI); high = others loaded the machine."""
     try:
         with open("/proc/pressure/cpu") as f:
-            return float(f.readline().split()[2].split("=")[1])
-    except (OSError, IndexError, ValueError):
+            fields = dict(kv.split("=") for kv in f.readline().split()[1:])
+        return float(fields[window])
+    except (OSError, IndexError, KeyError, ValueError):
         return None
 
 
@@ -256,7 +277,7 @@ def _fmt(r: Row) -> str:
     what = (f"{r.prompt_tokens}-token prompt" if r.metric == "prefill"
             else f"batch {r.batch}, {r.prompt_tokens}+{r.new_tokens} tokens")
     return (f"{r.dtype:5} {r.metric:8} {what:28} ours {r.ours_tok_s:8.1f} tok/s   "
-            f"transformers {r.hf_tok_s:8.1f} tok/s   x{r.ratio:.2f}")
+            f"transformers {r.hf_tok_s:8.1f} tok/s   x{r.ratio:.2f}   (cpu pressure {r.cpu_pressure})")
 
 
 def table(rows: list[Row]) -> str:
