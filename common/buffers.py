@@ -14,7 +14,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 class PagedKVBuffer:
     """A paged per-token KV cache stored as one tensor [layer, k/v, page, token, head, dim]
     (layout "LKPSHD"). `num_heads` heads starting at global head `head_start` are held here;
-    `num_heads == 0` means latent (MLA-style) KV with `head_dim` elements per token."""
+    `num_heads == 0` means latent (MLA-style) KV with `head_dim` elements per token.
+    `num_layers` layers starting at global layer `layer_start` of `total_layers` are held here
+    (a pipeline stage holds a range; 0 total_layers means num_layers, i.e. all of them)."""
 
     name: str
     base_addr: int
@@ -28,6 +30,12 @@ class PagedKVBuffer:
     dtype: str
     kv_planes: int = 2  # 2 for K and V; 1 for latent KV
     layout: str = "LKPSHD"
+    layer_start: int = 0
+    total_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.total_layers == 0:
+            object.__setattr__(self, "total_layers", self.num_layers)
 
     @property
     def elem_bytes(self) -> int:

@@ -18,6 +18,7 @@ def buffer_to_proto(buf: PagedKVBuffer | SlotStateBuffer, indices: Iterable[int]
             num_heads=buf.num_heads, head_start=buf.head_start, total_heads=buf.total_heads,
             head_dim=buf.head_dim, dtype=buf.dtype, layout=buf.layout,
             bytes_per_page=buf.bytes_per_page, indices=list(indices),
+            layer_start=buf.layer_start, total_layers=buf.total_layers,
         )
     return pb.BufferInfo(
         name=buf.name, kind=SLOT_STATE, base_addr=buf.base_addr, length=buf.length,
@@ -39,6 +40,7 @@ def buffer_from_proto(info: pb.BufferInfo) -> tuple[PagedKVBuffer | SlotStateBuf
             num_pages=info.num_pages, page_size=info.page_size, num_heads=info.num_heads,
             head_start=info.head_start, total_heads=info.total_heads, head_dim=info.head_dim,
             dtype=info.dtype, kv_planes=_kv_planes(info), layout=info.layout,
+            layer_start=info.layer_start, total_layers=info.total_layers,
         )
         if buf.bytes_per_page != info.bytes_per_page:
             raise ValueError(

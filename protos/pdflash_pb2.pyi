@@ -27,7 +27,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class BufferInfo(_message.Message):
-    __slots__ = ("name", "kind", "base_addr", "length", "num_layers", "num_pages", "page_size", "num_heads", "head_start", "head_dim", "dtype", "layout", "bytes_per_page", "indices", "total_heads")
+    __slots__ = ("name", "kind", "base_addr", "length", "num_layers", "num_pages", "page_size", "num_heads", "head_start", "head_dim", "dtype", "layout", "bytes_per_page", "indices", "total_heads", "layer_start", "total_layers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,8 @@ class BufferInfo(_message.Message):
     BYTES_PER_PAGE_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_HEADS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_LAYERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     base_addr: int
@@ -58,7 +60,9 @@ class BufferInfo(_message.Message):
     bytes_per_page: int
     indices: _containers.RepeatedScalarFieldContainer[int]
     total_heads: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., base_addr: _Optional[int] = ..., length: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_start: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., bytes_per_page: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., total_heads: _Optional[int] = ...) -> None: ...
+    layer_start: int
+    total_layers: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., base_addr: _Optional[int] = ..., length: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_start: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., bytes_per_page: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., total_heads: _Optional[int] = ..., layer_start: _Optional[int] = ..., total_layers: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("room", "input_ids", "sampling", "decode_addr", "deadline_s")

@@ -1,0 +1,58 @@
+"""How a model is split over pipeline stages (layers) and tensor-parallel ranks (heads).
+
+Pure arithmetic shared by the runners (which weights and KV a process holds) and the transfer
+plan (which bytes a P rank sends to which D rank).
+"""
+from __future__ import annotations
+
+from common.model_config import ModelConfig
+
+
+class ParallelConfigError(ValueError):
+    """The model cannot be split this way; raised at start-up with the reason."""
+
+
+def layer_range(stage: int, pp: int, num_layers: int) -> range:
+    """Contiguous layers of pipeline stage `stage`; the first num_layers % pp stages get one more."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} outside [0, {pp})")
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+def kv_head_range(rank: int, tp: int, num_kv_heads: int) -> range:
+    """KV heads held by TP rank `rank`. With more ranks than KV heads each head is replicated on
+    tp // num_kv_heads consecutive ranks (rank r holds head r // (tp // num_kv_heads))."""
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} outside [0, {tp})")
+    if tp <= num_kv_heads:
+        per = num_kv_heads // tp
+        return range(rank * per, (rank + 1) * per)
+    head = rank // (tp // num_kv_heads)
+    return range(head, head + 1)
+
+
+def q_head_range(rank: int, tp: int, num_heads: int) -> range:
+    per = num_heads // tp
+    return range(rank * per, (rank + 1) * per)
+
+
+def check_parallel(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> None:
+    """Refuse splits that do not divide the model evenly, with the numbers that don't fit."""
+    problems = []
+    if tp < 1 or pp < 1:
+        problems.append(f"tp and pp must be >= 1 (got tp {tp}, pp {pp})")
+    else:
+        if cfg.num_heads % tp:
+            problems.append(f"{cfg.num_heads} attention heads do not split over TP {tp}")
+        if tp <= cfg.num_kv_heads and cfg.num_kv_heads % tp:
+            problems.append(f"{cfg.num_kv_heads} KV heads do not split over TP {tp}")
+        if tp > cfg.num_kv_heads and tp % cfg.num_kv_heads:
+            problems.append(f"TP {tp} is not a multiple of the {cfg.num_kv_heads} KV heads (needed to replicate them)")
+        if cfg.intermediate_size % tp:
+            problems.append(f"MLP width {cfg.intermediate_size} does not split over TP {tp}")
+        if pp > cfg.num_layers:
+            problems.append(f"PP {pp} exceeds the {cfg.num_layers} layers")
+    if problems:
+        raise ParallelConfigError(f"cannot run {cfg.name} with TP {tp} x PP {pp}: " + "; ".join(problems))
