@@ -6,6 +6,7 @@ attention metadata are passed in explicitly (see common.attention.AttnMeta).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -112,28 +113,45 @@ class MLP(nn.Module):
         return linear(F.silu(gate) * up, self.down_proj.weight)
 
 
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """With tensor parallelism `cfg` holds this rank's share of the heads and MLP width: q/k/v
+    and gate/up are column slices, o_proj and down_proj row slices, so each rank's attention
+    and MLP outputs are partial sums that `reduce` (an all-reduce) completes."""
+
+    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce):
         super().__init__()
+        self.reduce = reduce
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, h, cos, sin, kv_layer, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta))
+        return h + self.reduce(self.mlp(self.post_attention_layernorm(h)))
 
 
 class Transformer(nn.Module):
     """forward() returns the final-normed hidden states of the rows in `meta.logit_rows` and,
-    if asked, the residual stream after each layer in `capture_layers` (all rows)."""
+    if asked, the residual stream after each layer in `capture_layers` (all rows).
 
-    def __init__(self, cfg: ModelConfig):
+    A pipeline stage holds `cfg.num_layers` layers starting at global layer `first_layer` and
+    runs embed / run_layers / final_norm piece by piece (common.pipeline); capture layers are
+    global indices either way."""
+
+    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce, first_layer: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.first_layer = first_layer
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, reduce) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Filled by init_rope() once the module sits on its device (it may be built on "meta").
@@ -153,17 +171,26 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttnMeta,
                 capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        h = self.embed_tokens(input_ids)
+        h, captured = self.run_layers(self.embed_tokens(input_ids), kv_cache, meta, capture_layers)
+        return self.final_norm(h, meta), captured
+
+    def run_layers(self, h: torch.Tensor, kv_cache: torch.Tensor, meta: AttnMeta,
+                   capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The residual stream h [T, hidden] through this module's layers (kv_cache holds
+        exactly those layers)."""
         cos = self.rope_cos[meta.positions].to(h.dtype)
         sin = self.rope_sin_signed[meta.positions].to(h.dtype)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache[i], meta)
-            if i in capture_layers:
-                captured[i] = h
+            if self.first_layer + i in capture_layers:
+                captured[self.first_layer + i] = h
+        return h, captured
+
+    def final_norm(self, h: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         if meta.logit_rows is not None:
             h = h[meta.logit_rows]
-        return self.norm(h), captured
+        return self.norm(h)
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up as this module stores them."""

@@ -5,6 +5,8 @@ plan (which bytes a P rank sends to which D rank).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 from common.model_config import ModelConfig
 
 
@@ -56,3 +58,51 @@ def check_parallel(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> None:
             problems.append(f"PP {pp} exceeds the {cfg.num_layers} layers")
     if problems:
         raise ParallelConfigError(f"cannot run {cfg.name} with TP {tp} x PP {pp}: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where one process sits: TP rank `rank % tp` of pipeline stage `rank // tp`. Rank 0 is the
+    driver (the service process); stage s's TP rank t sends its activations to stage s+1's
+    TP rank t."""
+
+    tp: int = 1
+    pp: int = 1
+    rank: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pp - 1
+
+    def with_rank(self, rank: int) -> "RankLayout":
+        return replace(self, rank=rank)
+
+    def layers(self, cfg: ModelConfig) -> range:
+        return layer_range(self.stage, self.pp, cfg.num_layers)
+
+    def kv_heads(self, cfg: ModelConfig) -> range:
+        return kv_head_range(self.tp_rank, self.tp, cfg.num_kv_heads)
+
+    def q_heads(self, cfg: ModelConfig) -> range:
+        return q_head_range(self.tp_rank, self.tp, cfg.num_heads)
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The model this rank computes: its layers, its heads, its share of the MLP width."""
+        return replace(cfg, num_layers=len(self.layers(cfg)), num_heads=len(self.q_heads(cfg)),
+                       num_kv_heads=len(self.kv_heads(cfg)), intermediate_size=cfg.intermediate_size // self.tp)

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.attention import build_attn_meta
+from common.attention import AttnMeta, build_attn_meta
 from common.buffers import PagedKVBuffer
-from common.model import Transformer
+from common.model import Reduce, Transformer, no_reduce
 from common.model_config import ModelConfig
 from common.page_pool import PagePool
+from common.parallel import RankLayout
+from common.shard import shard_tensors
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
@@ -28,6 +30,26 @@ class SeqCache:
     length: int = 0
 
 
+@dataclass(frozen=True)
+class StepBatch:
+    """One forward pass's batch as every rank needs it (pickled to the other ranks): request i
+    has starts[i] cached tokens and adds counts[i] new ones; token_ids are all new tokens."""
+
+    starts: list[int]
+    counts: list[int]
+    page_tables: list[list[int]]
+    token_ids: list[int]
+    logit_rows: list[int] | None  # rows whose final hidden state is wanted (None = all)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_tokens if self.logit_rows is None else len(self.logit_rows)
+
+
 @dataclass
 class ExtendOutput:
     logits: torch.Tensor  # [rows, vocab] fp32, rows as asked (last token or all new tokens)
@@ -35,22 +57,29 @@ class ExtendOutput:
 
 
 class ModelRunner:
+    """`cfg` is the whole model; with tensor/pipeline parallelism (`layout`) this process holds
+    only its layers and heads of the weights and of the KV cache, and `reduce` all-reduces
+    within its TP group (common.parallel_runner drives the ranks)."""
+
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, dtype: str = "fp32",
-                 device: str = "cpu", num_pages: int = 512, page_size: int = 64):
+                 device: str = "cpu", num_pages: int = 512, page_size: int = 64,
+                 layout: RankLayout = RankLayout(), reduce: Reduce = no_reduce):
         self.cfg = cfg
+        self.layout = layout
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
+        local = layout.local_config(cfg)
         with torch.device("meta"):
-            model = Transformer(cfg)
+            model = Transformer(local, reduce, first_layer=layout.layers(cfg).start)
         model = model.to_empty(device=self.device)
-        model.load_hf_weights(tensors)
+        model.load_hf_weights(shard_tensors(tensors, cfg, layout))
         self.model = model.to(self.dtype).eval()
         self.model.init_rope(self.device)  # fp32 tables whatever the weights' dtype
         self.pool = PagePool(num_pages, page_size)
         # One tensor for the whole cache ([layer, k/v, page, token, head, dim]) so that it is a
         # single region to register with the transfer engine. The extra last page is scratch:
         # padded attention reads land there and no request owns it.
-        self.kv = torch.zeros(cfg.num_layers, 2, num_pages + 1, page_size, cfg.num_kv_heads,
+        self.kv = torch.zeros(local.num_layers, 2, num_pages + 1, page_size, local.num_kv_heads,
                               cfg.head_dim, dtype=self.dtype, device=self.device)
         self.scratch_slot = num_pages * page_size
 
@@ -84,7 +113,6 @@ class ModelRunner:
         """Append tokens[i] to seqs[i] (pages must be reserved) and run the model over them.
         Returns logits of each request's last new token, or of every new token if all_logits."""
         counts = [len(t) for t in tokens]
-        starts = [s.length for s in seqs]
         for s, n in zip(seqs, counts):
             if s.length + n > len(s.pages) * self.page_size:
                 raise RuntimeError(f"request needs {s.length + n} tokens of cache, has pages for "
@@ -93,20 +121,31 @@ class ModelRunner:
                 raise ValueError(f"sequence of {s.length + n} tokens exceeds the model context "
                                  f"({self.cfg.max_position})")
         ends = torch.tensor(counts).cumsum(0)
-        rows = None if all_logits else (ends - 1).tolist()
-        meta = build_attn_meta(starts, counts, [s.pages for s in seqs], self.page_size,
-                               self.scratch_slot, self.device, rows)
-        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device)
-        hidden, captured = self.model(ids, self.kv, meta, capture_layers)
+        batch = StepBatch([s.length for s in seqs], counts, [list(s.pages) for s in seqs],
+                          [t for ts in tokens for t in ts], None if all_logits else (ends - 1).tolist())
+        hidden, captured = self.forward(batch, capture_layers)
         for s, n in zip(seqs, counts):
             s.length += n
         return ExtendOutput(self.model.logits(hidden), captured)
 
+    def forward(self, batch: StepBatch, capture_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Final-normed hidden states of the batch's logit rows, and the captured layers."""
+        return self.model(self.token_tensor(batch), self.kv, self.attn_meta(batch), capture_layers)
+
+    def attn_meta(self, batch: StepBatch) -> AttnMeta:
+        return build_attn_meta(batch.starts, batch.counts, batch.page_tables, self.page_size,
+                               self.scratch_slot, self.device, batch.logit_rows)
+
+    def token_tensor(self, batch: StepBatch) -> torch.Tensor:
+        return torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+
     # ---- transfer description --------------------------------------------------------------
     def describe_buffers(self) -> list[PagedKVBuffer]:
-        cfg = self.cfg
+        """This process's KV: its layers and KV heads of the model's."""
+        cfg, layers, heads = self.cfg, self.layout.layers(self.cfg), self.layout.kv_heads(self.cfg)
         return [PagedKVBuffer(
-            name="kv", base_addr=self.kv.data_ptr(), num_layers=cfg.num_layers,
-            num_pages=self.kv.shape[2], page_size=self.page_size, num_heads=cfg.num_kv_heads,
-            head_start=0, total_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            dtype=str(self.dtype).removeprefix("torch."))]
+            name="kv", base_addr=self.kv.data_ptr(), num_layers=len(layers),
+            num_pages=self.kv.shape[2], page_size=self.page_size, num_heads=len(heads),
+            head_start=heads.start, total_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."), layer_start=layers.start,
+            total_layers=cfg.num_layers)]
