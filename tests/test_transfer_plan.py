@@ -228,7 +228,7 @@ def test_out_of_range_destination_raises_naming_room_and_buffer(mems, dst_pages,
     assert "room room-42, buffer kv" in str(err.value)
 
 
-@pytest.mark.parametrize("field,kwargs", [("page_size", {"page_size": 8}), ("num_layers", {"layers": 3}),
+@pytest.mark.parametrize("field,kwargs", [("page_size", {"page_size": 8}), ("total_layers", {"layers": 3}),
                                           ("total_heads", {"total_heads": 4})])
 def test_mismatched_geometry_is_an_error(mems, field, kwargs):
     src_mem, dst_mem = mems

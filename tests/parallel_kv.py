@@ -1,0 +1,140 @@
+"""A model's KV cache split over P (pipeline stages x TP ranks) and D (TP ranks), as plain byte
+arrays, for the parallel transfer-plan tests (in memory and over Mooncake).
+
+The model's KV is one random byte array per buffer, indexed [layer, k/v, position, head, dim
+bytes]; every P rank's cache is cut from it with numpy slicing (replicas of a head hold the
+same bytes, as they would after computing the same prefill), and so is what each D rank must
+hold afterwards. Nothing here uses the plan's address arithmetic: it is the independent side
+of the comparison.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.buffers import DTYPE_BYTES, PagedKVBuffer, RoomBuffers
+from common.parallel import kv_head_range, layer_range
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """One paged buffer of the model. `heads` 0 means latent KV (one plane, head-less rows).
+    `staged` buffers are split over pipeline stages; the others live on the last stage only
+    (like the drafter's KV, computed after the last target layer)."""
+
+    name: str
+    layers: int
+    heads: int
+    head_dim: int
+    staged: bool = True
+
+    @property
+    def planes(self) -> int:
+        return 1 if self.heads == 0 else 2
+
+
+@dataclass(frozen=True)
+class Split:
+    tp_p: int
+    tp_d: int
+    specs: tuple[KVSpec, ...]
+    pp: int = 1
+    page_size: int = 4
+    num_pages: int = 6
+    num_tokens: int = 13
+    dtype: str = "float32"
+    seed: int = 0
+
+    @property
+    def n_pages(self) -> int:  # pages a room needs
+        return -(-self.num_tokens // self.page_size)
+
+    @property
+    def head_bytes(self) -> dict[str, int]:
+        return {s.name: s.head_dim * DTYPE_BYTES[self.dtype] for s in self.specs}
+
+    def p_ranks(self) -> list[tuple[int, int]]:
+        """(stage, TP rank) of every P rank."""
+        return [(stage, rank) for stage in range(self.pp) for rank in range(self.tp_p)]
+
+
+def heads_of(spec: KVSpec, rank: int, tp: int) -> range:
+    return range(0) if spec.heads == 0 else kv_head_range(rank, tp, spec.heads)
+
+
+def layers_of(spec: KVSpec, stage: int, pp: int) -> range:
+    if spec.staged:
+        return layer_range(stage, pp, spec.layers)
+    return range(spec.layers) if stage == pp - 1 else range(0)
+
+
+def model_kv(split: Split) -> dict[str, np.ndarray]:
+    """name -> the whole model's KV bytes [layer, k/v, position, head, dim bytes]."""
+    rng = np.random.default_rng(split.seed)
+    positions = split.n_pages * split.page_size  # the last page's tail too: whole pages carry it
+    return {
+        s.name: rng.integers(0, 256, (s.layers, s.planes, positions, max(s.heads, 1), split.head_bytes[s.name]),
+                             dtype=np.uint8)
+        for s in split.specs
+    }
+
+
+def cache_shape(split: Split, spec: KVSpec, layers: range, heads: range) -> tuple[int, ...]:
+    """[layer, k/v, page, token, head, dim bytes] of one rank's buffer (layout LKPSHD)."""
+    return (len(layers), spec.planes, split.num_pages, split.page_size, max(len(heads), 1),
+            split.head_bytes[spec.name])
+
+
+def describe(split: Split, spec: KVSpec, base: int, layers: range, heads: range) -> PagedKVBuffer:
+    return PagedKVBuffer(spec.name, base, len(layers), split.num_pages, split.page_size, len(heads),
+                         heads.start, spec.heads, spec.head_dim, split.dtype, spec.planes,
+                         layer_start=layers.start, total_layers=spec.layers)
+
+
+def page_table(split: Split, salt: int) -> list[int]:
+    """A room's pages in token order: distinct, shuffled, never simply 0..n-1."""
+    return np.random.default_rng([split.seed, salt]).permutation(split.num_pages)[: split.n_pages].tolist()
+
+
+def _rows(kv: np.ndarray, layers: range, heads: range, n_pages: int, page_size: int) -> np.ndarray:
+    """The model's KV of these layers and heads, as [layer, k/v, page, token, head, dim bytes]."""
+    cut = kv[layers.start : layers.stop]
+    if heads:
+        cut = cut[:, :, :, heads.start : heads.stop]
+    return cut.reshape(cut.shape[0], cut.shape[1], n_pages, page_size, *cut.shape[3:])
+
+
+def fill_p_cache(split: Split, spec: KVSpec, kv: np.ndarray, cache: np.ndarray, layers: range, heads: range,
+                 pages: list[int]) -> None:
+    """Write the room's KV into a P rank's cache at its pages; other pages keep their bytes."""
+    cache[:, :, pages] = _rows(kv, layers, heads, split.n_pages, split.page_size)
+
+
+@dataclass
+class Expected:
+    """What one D rank's buffer must hold, and which bytes must have been written once."""
+
+    data: np.ndarray
+    written: np.ndarray = field(repr=False)  # bool, same shape
+
+
+def expected_d_cache(split: Split, spec: KVSpec, kv: np.ndarray, before: np.ndarray, rank: int,
+                     pages: list[int]) -> Expected:
+    """Tokens below num_tokens of D rank `rank`'s heads, all layers. The last page's tail is
+    written too when whole pages can move, i.e. the P ranks holding these heads hold exactly
+    these heads (or latent KV)."""
+    heads = heads_of(spec, rank, split.tp_d)
+    whole_pages = spec.heads == 0 or heads in [heads_of(spec, p, split.tp_p) for p in range(split.tp_p)]
+    n_tokens = split.n_pages * split.page_size if whole_pages else split.num_tokens
+    rows = _rows(kv, range(spec.layers), heads, split.n_pages, split.page_size)
+    data, written = before.copy(), np.zeros(before.shape, dtype=bool)
+    for t in range(n_tokens):
+        page, slot = pages[t // split.page_size], t % split.page_size
+        data[:, :, page, slot] = rows[:, :, t // split.page_size, slot]
+        written[:, :, page, slot] = True
+    return Expected(data, written)
+
+
+def room_of(buffers: list[PagedKVBuffer], pages: dict[str, list[int]]) -> RoomBuffers:
+    return RoomBuffers(list(buffers), {b.name: pages[b.name] for b in buffers})

@@ -1,0 +1,305 @@
+"""The transfer plan between parallel layouts, checked by applying it: P (pipeline stages x TP
+ranks) and D (TP ranks) hold their caches as byte arrays at chosen addresses, every plan of
+every (P rank, D rank) pair runs as memcpy while each destination byte counts its writes, and
+each D rank must then hold exactly its heads' slices of the model's KV, every byte that should
+be written written once, nothing else touched (tests/parallel_kv.py computes the expectation
+with numpy slicing, not with the plan's arithmetic)."""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from common.buffers import PagedKVBuffer, RoomBuffers, SlotStateBuffer
+from common.transfer_plan import (
+    TPRank,
+    TransferEntry,
+    TransferPlan,
+    TransferPlanError,
+    build_plan,
+    sender_heads,
+    source_ranks,
+)
+from parallel_kv import (
+    KVSpec,
+    Split,
+    cache_shape,
+    describe,
+    expected_d_cache,
+    fill_p_cache,
+    heads_of,
+    layers_of,
+    model_kv,
+    page_table,
+    room_of,
+)
+
+
+class Memory:
+    """Byte arrays placed at chosen base addresses; each byte counts how often it was written."""
+
+    def __init__(self) -> None:
+        self.bases: list[int] = []
+        self.regions: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def add(self, base: int, arr: np.ndarray) -> None:
+        bisect.insort(self.bases, base)
+        self.regions[base] = (arr.reshape(-1), np.zeros(arr.size, dtype=np.int32))
+
+    def span(self, addr: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        base = self.bases[bisect.bisect_right(self.bases, addr) - 1]
+        data, writes = self.regions[base]
+        lo = addr - base
+        assert 0 <= lo and lo + length <= data.size, f"entry {addr:#x}+{length} runs outside its region"
+        return data[lo : lo + length], writes[lo : lo + length]
+
+
+def base_of(side: int, rank: int, buffer: int) -> int:
+    return (side << 44) | (rank << 32) | (buffer << 28)
+
+
+@dataclass
+class Outcome:
+    split: Split
+    plans: dict[tuple[int, int], TransferPlan]  # (P rank index in split.p_ranks(), D rank) -> plan
+    d_caches: dict[tuple[int, str], np.ndarray]  # (D rank, buffer) -> cache bytes after the transfer
+    d_writes: dict[tuple[int, str], np.ndarray]  # same shape: writes per byte
+    d_before: dict[tuple[int, str], np.ndarray]
+    d_pages: dict[int, dict[str, list[int]]]
+
+    def senders(self, d_rank: int) -> list[int]:
+        return sorted(p for (p, d), plan in self.plans.items() if d == d_rank and plan.entries)
+
+    def check(self) -> None:
+        kv = model_kv(self.split)
+        for (rank, name), cache in self.d_caches.items():
+            spec = next(s for s in self.split.specs if s.name == name)
+            exp = expected_d_cache(self.split, spec, kv[name], self.d_before[rank, name], rank, self.d_pages[rank][name])
+            where = f"D rank {rank}, {name}, {self.split}"
+            np.testing.assert_array_equal(cache, exp.data, err_msg=where)
+            np.testing.assert_array_equal(self.d_writes[rank, name], exp.written.astype(np.int32), err_msg=where)
+
+
+def p_rooms(split: Split, mem: Memory) -> list[RoomBuffers]:
+    """Every P rank's room: its buffers (filled with its slice of the model's KV) and pages."""
+    kv, rooms = model_kv(split), []
+    rng = np.random.default_rng([split.seed, 1])
+    for i, (stage, rank) in enumerate(split.p_ranks()):
+        buffers, pages = [], {}
+        for k, spec in enumerate(split.specs):
+            layers, heads = layers_of(spec, stage, split.pp), heads_of(spec, rank, split.tp_p)
+            if not layers:
+                continue
+            cache = rng.integers(0, 256, cache_shape(split, spec, layers, heads), dtype=np.uint8)
+            pages[spec.name] = page_table(split, salt=100 + stage)  # a stage's TP ranks share pages
+            fill_p_cache(split, spec, kv[spec.name], cache, layers, heads, pages[spec.name])
+            mem.add(base_of(1, i, k), cache)
+            buffers.append(describe(split, spec, base_of(1, i, k), layers, heads))
+        rooms.append(room_of(buffers, pages))
+    return rooms
+
+
+def transfer(split: Split, bad_d_page: tuple[int, int] | None = None) -> Outcome:
+    """Build and apply every (P rank, D rank) plan. `bad_d_page` (D rank, page index) replaces
+    that D rank's first kv page, to check that plans toward it fail."""
+    p_mem, d_mem = Memory(), Memory()
+    src_rooms = p_rooms(split, p_mem)
+    rng = np.random.default_rng([split.seed, 2])
+    out = Outcome(split, {}, {}, {}, {}, {})
+    dst_rooms = []
+    for rank in range(split.tp_d):
+        buffers = []
+        out.d_pages[rank] = {s.name: page_table(split, salt=200) for s in split.specs}  # D's ranks share pages
+        for k, spec in enumerate(split.specs):
+            heads = heads_of(spec, rank, split.tp_d)
+            cache = rng.integers(0, 256, cache_shape(split, spec, range(spec.layers), heads), dtype=np.uint8)
+            out.d_before[rank, spec.name], out.d_caches[rank, spec.name] = cache.copy(), cache
+            d_mem.add(base_of(2, rank, k), cache)
+            out.d_writes[rank, spec.name] = d_mem.regions[base_of(2, rank, k)][1].reshape(cache.shape)
+            buffers.append(describe(split, spec, base_of(2, rank, k), range(spec.layers), heads))
+        if bad_d_page is not None and bad_d_page[0] == rank:
+            out.d_pages[rank]["kv"] = [bad_d_page[1]] + out.d_pages[rank]["kv"][1:]
+        dst_rooms.append(room_of(buffers, out.d_pages[rank]))
+
+    for i, (_, p_rank) in enumerate(split.p_ranks()):
+        for d_rank in range(split.tp_d):
+            out.plans[i, d_rank] = build_plan("room-7", src_rooms[i], dst_rooms[d_rank], split.num_tokens,
+                                              src_tp=TPRank(p_rank, split.tp_p), dst_tp=TPRank(d_rank, split.tp_d))
+    for plan in out.plans.values():
+        for e in plan.entries:
+            src, _ = p_mem.span(e.src_addr, e.length)
+            dst, writes = d_mem.span(e.dst_addr, e.length)
+            dst[:] = src
+            writes += 1
+    return out
+
+
+# The users' shape: P TP4 -> D TP32, 8 KV heads (each D rank holds one head, replicated 4x; each
+# P rank holds two), bf16, plus the drafter's KV (8 heads x 128 dims, one layer).
+USERS_SPECS = (KVSpec("kv", 2, 8, 128), KVSpec("draft_kv", 1, 8, 128))
+
+
+@pytest.mark.parametrize("page_size,num_tokens", [(1, 5), (16, 1), (16, 37), (64, 129)])
+def test_users_shape_tp4_to_tp32(page_size, num_tokens):
+    split = Split(tp_p=4, tp_d=32, specs=USERS_SPECS, page_size=page_size, dtype="bfloat16", num_tokens=num_tokens,
+                  num_pages=-(-num_tokens // page_size) + 3)
+    out = transfer(split)
+    out.check()
+    for d_rank in range(32):
+        head = d_rank // 4
+        assert out.senders(d_rank) == [head // 2]  # the one P rank holding its head
+        plan = out.plans[head // 2, d_rank]
+        assert plan.entries == users_shape_entries(out, head // 2, d_rank)
+
+
+def users_shape_entries(out: Outcome, p_rank: int, d_rank: int) -> list[TransferEntry]:
+    """The entries written out by hand: per buffer (by name, as build_plan goes), layer, k/v and
+    token, one 256-byte head; P's token rows are two heads wide, D's one."""
+    split, head, entries = out.split, d_rank // 4, []
+    src_pages, dst_pages = page_table(split, salt=100), out.d_pages[d_rank]
+    for k, spec in sorted(enumerate(USERS_SPECS), key=lambda ks: ks[1].name):
+        s = describe(split, spec, base_of(1, p_rank, k), range(spec.layers), range(2 * p_rank, 2 * p_rank + 2))
+        d = describe(split, spec, base_of(2, d_rank, k), range(spec.layers), range(head, head + 1))
+        entries += [
+            TransferEntry(
+                s.page_addr(layer, kv, src_pages[t // split.page_size]) + (t % split.page_size) * 2 * 256
+                + (head - 2 * p_rank) * 256,
+                d.page_addr(layer, kv, dst_pages[spec.name][t // split.page_size]) + (t % split.page_size) * 256,
+                256,
+            )
+            for layer in range(spec.layers) for kv in range(2) for t in range(split.num_tokens)
+        ]
+    return entries
+
+
+GRID = [(p, d) for p in (1, 2, 4, 8, 16) for d in (1, 2, 4, 8, 16, 32)]
+
+
+@pytest.mark.parametrize("heads", [8, 2])
+@pytest.mark.parametrize("tp_p,tp_d", GRID)
+def test_every_tp_pair_moves_each_head_once(tp_p, tp_d, heads):
+    split = Split(tp_p, tp_d, (KVSpec("kv", 2, heads, 4), KVSpec("draft_kv", 1, heads, 8)), num_tokens=9)
+    out = transfer(split)
+    out.check()
+    for d_rank in range(tp_d):
+        expected = set()
+        for spec in split.specs:
+            expected |= set(source_ranks(d_rank, heads_of(spec, d_rank, tp_d), tp_p, heads))
+        assert out.senders(d_rank) == sorted(expected)
+    # Replicas share the work: no P rank serves more D ranks than an even spread would give it.
+    pairs = [p for (p, _), plan in out.plans.items() if plan.entries]
+    assert max(pairs.count(p) for p in set(pairs)) == math.ceil(len(pairs) / tp_p)
+
+
+@pytest.mark.parametrize("tp_p,tp_d", [(1, 4), (4, 8), (8, 2), (2, 2)])
+def test_latent_kv_is_whole_pages_from_one_p_rank(tp_p, tp_d):
+    split = Split(tp_p, tp_d, (KVSpec("kv", 3, 0, 16),), num_tokens=10)
+    out = transfer(split)
+    out.check()
+    page_bytes = split.page_size * 16 * 4
+    for d_rank in range(tp_d):
+        assert out.senders(d_rank) == [d_rank % tp_p] == source_ranks(d_rank, range(0), tp_p, 0)
+        assert all(e.length % page_bytes == 0 for e in out.plans[d_rank % tp_p, d_rank].entries)
+
+
+@pytest.mark.parametrize("pp,tp_p,tp_d,layers", [(2, 1, 1, 4), (3, 2, 4, 5), (4, 4, 2, 4), (2, 8, 32, 3)])
+def test_pipeline_stages_each_write_their_layers(pp, tp_p, tp_d, layers):
+    """Each stage sends its own layers into D's all-layer buffers; the drafter's KV comes from
+    the last stage only (the other stages do not have it, and that is not an error)."""
+    split = Split(tp_p, tp_d, (KVSpec("kv", layers, 8, 4), KVSpec("draft_kv", 1, 8, 8, staged=False)), pp=pp,
+                  num_tokens=11)
+    out = transfer(split)
+    out.check()  # every layer's bytes (and the drafter's) written exactly once
+
+
+def _kv(base: int, *, layers: int, layer_start: int = 0, total_layers: int = 4, heads: int = 2, head_start: int = 0,
+        total_heads: int = 2, pages: int = 4) -> PagedKVBuffer:
+    return PagedKVBuffer("kv", base, layers, pages, 2, heads, head_start, total_heads, 4, "float32",
+                         layer_start=layer_start, total_layers=total_layers)
+
+
+def test_only_the_common_layers_move_onto_the_same_global_layers():
+    s = _kv(0x1000_0000, layers=2, layer_start=2)  # a stage with layers 2, 3
+    d = _kv(0x2000_0000, layers=2, layer_start=1)  # a D holding layers 1, 2
+    plan = build_plan("r", RoomBuffers([s], {"kv": [0]}), RoomBuffers([d], {"kv": [3]}), num_tokens=2)
+    # Global layer 2 is local layer 0 on P and local layer 1 on D; K and V pages are adjacent
+    # on neither side, so two whole-page entries.
+    assert [(e.src_addr, e.dst_addr, e.length) for e in plan.entries] == [
+        (s.page_addr(0, kv, 0), d.page_addr(1, kv, 3), s.bytes_per_page) for kv in range(2)
+    ]
+
+    far = _kv(0x2000_0000, layers=2, layer_start=0)  # D holding layers 0, 1 only
+    assert build_plan("r", RoomBuffers([s], {"kv": [0]}), RoomBuffers([far], {"kv": [3]}), 2).entries == []
+
+
+@pytest.mark.parametrize("src,dst,match", [
+    (dict(layers=2, layer_start=2), dict(layers=5, total_layers=5), "total_layers differs"),
+    (dict(layers=2, layer_start=3), dict(layers=4), r"source layers \[3, 5\) exceed total_layers 4"),
+])
+def test_bad_layer_ranges_are_errors(src, dst, match):
+    s, d = _kv(0x1000_0000, **src), _kv(0x2000_0000, **dst)
+    with pytest.raises(TransferPlanError, match=match):
+        build_plan("r", RoomBuffers([s], {"kv": [0]}), RoomBuffers([d], {"kv": [0]}), 2)
+
+
+def test_destination_only_buffer_is_an_error_unless_the_source_is_a_stage():
+    d_draft = PagedKVBuffer("draft_kv", 0x3000_0000, 1, 4, 2, 2, 0, 2, 4, "float32")
+    d = RoomBuffers([_kv(0x2000_0000, layers=4), d_draft], {"kv": [0], "draft_kv": [0]})
+    whole = RoomBuffers([_kv(0x1000_0000, layers=4)], {"kv": [0]})
+    with pytest.raises(TransferPlanError, match=r"only on destination: \['draft_kv'\]"):
+        build_plan("r", whole, d, 2)
+    stage = RoomBuffers([_kv(0x1000_0000, layers=2)], {"kv": [0]})
+    assert len(build_plan("r", stage, d, 2).entries) == 2 * 2  # layers 0-1 x K/V, one page each
+
+
+def test_bad_page_on_one_d_rank_fails_every_plan_toward_it():
+    """Users' shape, D rank 5's first kv page out of range: every P rank's plan toward it raises
+    (the one that sends and the ones that would send nothing), the other D ranks plan fine."""
+    split = Split(tp_p=4, tp_d=32, specs=USERS_SPECS, page_size=16, dtype="bfloat16", num_tokens=20, num_pages=4)
+    for bad in (4, -1):
+        with pytest.raises(TransferPlanError, match=f"room room-7, buffer kv: destination index {bad} out of range"):
+            transfer(split, bad_d_page=(5, bad))
+    p_mem = Memory()
+    src = p_rooms(split, p_mem)
+    d_room = RoomBuffers([describe(split, s, base_of(2, 5, k), range(s.layers), heads_of(s, 5, 32))
+                          for k, s in enumerate(USERS_SPECS)], {"kv": [0, 4], "draft_kv": [0, 1]})
+    for p_rank in range(4):
+        with pytest.raises(TransferPlanError, match="destination index 4 out of range"):
+            build_plan("room-7", src[p_rank], d_room, 20, src_tp=TPRank(p_rank, 4), dst_tp=TPRank(5, 32))
+
+
+def test_rank_and_layout_must_agree():
+    s = _kv(0x1000_0000, layers=4, heads=1, head_start=1, total_heads=2)  # what TP rank 1 of 2 holds
+    d = _kv(0x2000_0000, layers=4, heads=2, total_heads=2)
+    room_s, room_d = RoomBuffers([s], {"kv": [0]}), RoomBuffers([d], {"kv": [0]})
+    assert build_plan("r", room_s, room_d, 2, src_tp=TPRank(1, 2), dst_tp=TPRank(0, 1)).entries
+    with pytest.raises(TransferPlanError, match=r"rank 0 of TP 2 holds heads \[1, 2\) of 2"):
+        build_plan("r", room_s, room_d, 2, src_tp=TPRank(0, 2), dst_tp=TPRank(0, 1))
+    with pytest.raises(TransferPlanError, match=r"rank 0 of TP 4 holds heads \[1, 2\) of 2"):  # D is checked too
+        build_plan("r", room_s, room_s, 2, src_tp=TPRank(1, 2), dst_tp=TPRank(0, 4))
+    with pytest.raises(TransferPlanError, match="both src_tp and dst_tp or neither"):
+        build_plan("r", room_s, room_d, 2, src_tp=TPRank(1, 2))
+
+
+def test_slot_state_moves_only_between_equal_ranks_of_equal_splits():
+    s = SlotStateBuffer("state", 0x1000_0000, 2, 4, 64, "float32")
+    d = SlotStateBuffer("state", 0x2000_0000, 2, 4, 64, "float32")
+    room_s, room_d = RoomBuffers([s], {"state": [1]}), RoomBuffers([d], {"state": [2]})
+    assert len(build_plan("r", room_s, room_d, 1, src_tp=TPRank(1, 2), dst_tp=TPRank(1, 2)).entries) == 2
+    assert build_plan("r", room_s, room_d, 1, src_tp=TPRank(0, 2), dst_tp=TPRank(1, 2)).entries == []
+    with pytest.raises(TransferPlanError, match="between TP 2 and TP 4"):
+        build_plan("r", room_s, room_d, 1, src_tp=TPRank(0, 2), dst_tp=TPRank(0, 4))
+
+
+def test_sender_heads_rule():
+    # P TP16 over 8 heads: head 3 lives on P ranks 6 and 7; D TP32 ranks 12-15 need it.
+    assert [sender_heads(p, 16, range(3, 4), d, range(3, 4), 8) for d in (12, 13, 14, 15) for p in (6, 7)] == [
+        range(3, 4), range(0), range(0), range(3, 4), range(3, 4), range(0), range(0), range(3, 4)]
+    # Every P rank holding every head (tp 4): D rank d takes them all from P rank d % 4.
+    assert sender_heads(1, 4, range(0, 8), 5, range(4, 6), 8) == range(4, 6)
+    assert sender_heads(2, 4, range(0, 8), 5, range(4, 6), 8) == range(0)
+    with pytest.raises(ValueError, match="not an even split"):
+        sender_heads(0, 3, range(0, 3), 0, range(0, 8), 8)
