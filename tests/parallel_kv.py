@@ -9,6 +9,7 @@ of the comparison.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -105,12 +106,6 @@ def _rows(kv: np.ndarray, layers: range, heads: range, n_pages: int, page_size: 
     return cut.reshape(cut.shape[0], cut.shape[1], n_pages, page_size, *cut.shape[3:])
 
 
-def fill_p_cache(split: Split, spec: KVSpec, kv: np.ndarray, cache: np.ndarray, layers: range, heads: range,
-                 pages: list[int]) -> None:
-    """Write the room's KV into a P rank's cache at its pages; other pages keep their bytes."""
-    cache[:, :, pages] = _rows(kv, layers, heads, split.n_pages, split.page_size)
-
-
 @dataclass
 class Expected:
     """What one D rank's buffer must hold, and which bytes must have been written once."""
@@ -136,5 +131,52 @@ def expected_d_cache(split: Split, spec: KVSpec, kv: np.ndarray, before: np.ndar
     return Expected(data, written)
 
 
-def room_of(buffers: list[PagedKVBuffer], pages: dict[str, list[int]]) -> RoomBuffers:
-    return RoomBuffers(list(buffers), {b.name: pages[b.name] for b in buffers})
+# Keeps an array alive at some address (a fake one in memory, a registered one for Mooncake)
+# and returns that address.
+Place = Callable[[np.ndarray], int]
+
+
+def p_rooms(split: Split, place: Place) -> list[RoomBuffers]:
+    """Every P rank's room, in split.p_ranks() order: its buffers, holding its slice of the
+    model's KV at its pages (other pages random), and the pages."""
+    kv, rooms = model_kv(split), []
+    rng = np.random.default_rng([split.seed, 1])
+    for stage, rank in split.p_ranks():
+        room = RoomBuffers([])
+        for spec in split.specs:
+            layers, heads = layers_of(spec, stage, split.pp), heads_of(spec, rank, split.tp_p)
+            if not layers:
+                continue
+            cache = rng.integers(0, 256, cache_shape(split, spec, layers, heads), dtype=np.uint8)
+            pages = page_table(split, salt=100 + stage)  # a stage's TP ranks share their page table
+            cache[:, :, pages] = _rows(kv[spec.name], layers, heads, split.n_pages, split.page_size)
+            room.buffers.append(describe(split, spec, place(cache), layers, heads))
+            room.indices[spec.name] = pages
+        rooms.append(room)
+    return rooms
+
+
+def d_rooms(split: Split, place: Place) -> tuple[list[RoomBuffers], dict[tuple[int, str], np.ndarray]]:
+    """Every D rank's room (all layers, its heads, random bytes) and its caches by (rank, name)."""
+    rng = np.random.default_rng([split.seed, 2])
+    rooms, caches = [], {}
+    for rank in range(split.tp_d):
+        room = RoomBuffers([])
+        for spec in split.specs:
+            heads = heads_of(spec, rank, split.tp_d)
+            cache = caches[rank, spec.name] = rng.integers(
+                0, 256, cache_shape(split, spec, range(spec.layers), heads), dtype=np.uint8)
+            room.buffers.append(describe(split, spec, place(cache), range(spec.layers), heads))
+            room.indices[spec.name] = page_table(split, salt=200)  # D's ranks share their page table
+        rooms.append(room)
+    return rooms, caches
+
+
+def expected_d_caches(split: Split, rooms: list[RoomBuffers], before: dict[tuple[int, str], np.ndarray]
+                      ) -> dict[tuple[int, str], Expected]:
+    kv = model_kv(split)
+    return {
+        (rank, spec.name): expected_d_cache(split, spec, kv[spec.name], before[rank, spec.name], rank,
+                                            rooms[rank].indices[spec.name])
+        for rank in range(split.tp_d) for spec in split.specs
+    }

@@ -23,31 +23,25 @@ from common.transfer_plan import (
     sender_heads,
     source_ranks,
 )
-from parallel_kv import (
-    KVSpec,
-    Split,
-    cache_shape,
-    describe,
-    expected_d_cache,
-    fill_p_cache,
-    heads_of,
-    layers_of,
-    model_kv,
-    page_table,
-    room_of,
-)
+from parallel_kv import KVSpec, Split, d_rooms, expected_d_caches, heads_of, p_rooms
 
 
 class Memory:
-    """Byte arrays placed at chosen base addresses; each byte counts how often it was written."""
+    """Byte arrays placed at made-up addresses; each byte counts how often it was written."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: int):
+        self.next = first
         self.bases: list[int] = []
         self.regions: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def add(self, base: int, arr: np.ndarray) -> None:
-        bisect.insort(self.bases, base)
+    def place(self, arr: np.ndarray) -> int:
+        base, self.next = self.next, self.next + (1 << 32)
+        self.bases.append(base)
         self.regions[base] = (arr.reshape(-1), np.zeros(arr.size, dtype=np.int32))
+        return base
+
+    def writes(self, base: int, shape: tuple[int, ...]) -> np.ndarray:
+        return self.regions[base][1].reshape(shape)
 
     def span(self, addr: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         base = self.bases[bisect.bisect_right(self.bases, addr) - 1]
@@ -57,83 +51,44 @@ class Memory:
         return data[lo : lo + length], writes[lo : lo + length]
 
 
-def base_of(side: int, rank: int, buffer: int) -> int:
-    return (side << 44) | (rank << 32) | (buffer << 28)
-
-
 @dataclass
 class Outcome:
     split: Split
+    src: list[RoomBuffers]  # in split.p_ranks() order
+    dst: list[RoomBuffers]  # by D rank
     plans: dict[tuple[int, int], TransferPlan]  # (P rank index in split.p_ranks(), D rank) -> plan
-    d_caches: dict[tuple[int, str], np.ndarray]  # (D rank, buffer) -> cache bytes after the transfer
-    d_writes: dict[tuple[int, str], np.ndarray]  # same shape: writes per byte
-    d_before: dict[tuple[int, str], np.ndarray]
-    d_pages: dict[int, dict[str, list[int]]]
 
     def senders(self, d_rank: int) -> list[int]:
         return sorted(p for (p, d), plan in self.plans.items() if d == d_rank and plan.entries)
 
-    def check(self) -> None:
-        kv = model_kv(self.split)
-        for (rank, name), cache in self.d_caches.items():
-            spec = next(s for s in self.split.specs if s.name == name)
-            exp = expected_d_cache(self.split, spec, kv[name], self.d_before[rank, name], rank, self.d_pages[rank][name])
-            where = f"D rank {rank}, {name}, {self.split}"
-            np.testing.assert_array_equal(cache, exp.data, err_msg=where)
-            np.testing.assert_array_equal(self.d_writes[rank, name], exp.written.astype(np.int32), err_msg=where)
-
-
-def p_rooms(split: Split, mem: Memory) -> list[RoomBuffers]:
-    """Every P rank's room: its buffers (filled with its slice of the model's KV) and pages."""
-    kv, rooms = model_kv(split), []
-    rng = np.random.default_rng([split.seed, 1])
-    for i, (stage, rank) in enumerate(split.p_ranks()):
-        buffers, pages = [], {}
-        for k, spec in enumerate(split.specs):
-            layers, heads = layers_of(spec, stage, split.pp), heads_of(spec, rank, split.tp_p)
-            if not layers:
-                continue
-            cache = rng.integers(0, 256, cache_shape(split, spec, layers, heads), dtype=np.uint8)
-            pages[spec.name] = page_table(split, salt=100 + stage)  # a stage's TP ranks share pages
-            fill_p_cache(split, spec, kv[spec.name], cache, layers, heads, pages[spec.name])
-            mem.add(base_of(1, i, k), cache)
-            buffers.append(describe(split, spec, base_of(1, i, k), layers, heads))
-        rooms.append(room_of(buffers, pages))
-    return rooms
-
 
 def transfer(split: Split, bad_d_page: tuple[int, int] | None = None) -> Outcome:
-    """Build and apply every (P rank, D rank) plan. `bad_d_page` (D rank, page index) replaces
-    that D rank's first kv page, to check that plans toward it fail."""
-    p_mem, d_mem = Memory(), Memory()
-    src_rooms = p_rooms(split, p_mem)
-    rng = np.random.default_rng([split.seed, 2])
-    out = Outcome(split, {}, {}, {}, {}, {})
-    dst_rooms = []
-    for rank in range(split.tp_d):
-        buffers = []
-        out.d_pages[rank] = {s.name: page_table(split, salt=200) for s in split.specs}  # D's ranks share pages
-        for k, spec in enumerate(split.specs):
-            heads = heads_of(spec, rank, split.tp_d)
-            cache = rng.integers(0, 256, cache_shape(split, spec, range(spec.layers), heads), dtype=np.uint8)
-            out.d_before[rank, spec.name], out.d_caches[rank, spec.name] = cache.copy(), cache
-            d_mem.add(base_of(2, rank, k), cache)
-            out.d_writes[rank, spec.name] = d_mem.regions[base_of(2, rank, k)][1].reshape(cache.shape)
-            buffers.append(describe(split, spec, base_of(2, rank, k), range(spec.layers), heads))
-        if bad_d_page is not None and bad_d_page[0] == rank:
-            out.d_pages[rank]["kv"] = [bad_d_page[1]] + out.d_pages[rank]["kv"][1:]
-        dst_rooms.append(room_of(buffers, out.d_pages[rank]))
-
+    """Build and apply every (P rank, D rank) plan, then check every D rank's caches and write
+    counts. `bad_d_page` (D rank, page index) replaces that D rank's first kv page, to check
+    that planning fails."""
+    p_mem, d_mem = Memory(1 << 44), Memory(2 << 44)
+    src = p_rooms(split, p_mem.place)
+    dst, caches = d_rooms(split, d_mem.place)
+    before = {key: cache.copy() for key, cache in caches.items()}
+    if bad_d_page is not None:
+        dst[bad_d_page[0]].indices["kv"][0] = bad_d_page[1]
+    out = Outcome(split, src, dst, {})
     for i, (_, p_rank) in enumerate(split.p_ranks()):
         for d_rank in range(split.tp_d):
-            out.plans[i, d_rank] = build_plan("room-7", src_rooms[i], dst_rooms[d_rank], split.num_tokens,
+            out.plans[i, d_rank] = build_plan("room-7", src[i], dst[d_rank], split.num_tokens,
                                               src_tp=TPRank(p_rank, split.tp_p), dst_tp=TPRank(d_rank, split.tp_d))
     for plan in out.plans.values():
         for e in plan.entries:
-            src, _ = p_mem.span(e.src_addr, e.length)
-            dst, writes = d_mem.span(e.dst_addr, e.length)
-            dst[:] = src
+            data, _ = p_mem.span(e.src_addr, e.length)
+            target, writes = d_mem.span(e.dst_addr, e.length)
+            target[:] = data
             writes += 1
+
+    for (rank, name), exp in expected_d_caches(split, dst, before).items():
+        where = f"D rank {rank}, {name}, {split}"
+        np.testing.assert_array_equal(caches[rank, name], exp.data, err_msg=where)
+        base = next(b.base_addr for b in dst[rank].buffers if b.name == name)
+        np.testing.assert_array_equal(d_mem.writes(base, exp.data.shape), exp.written.astype(np.int32), err_msg=where)
     return out
 
 
@@ -147,30 +102,27 @@ def test_users_shape_tp4_to_tp32(page_size, num_tokens):
     split = Split(tp_p=4, tp_d=32, specs=USERS_SPECS, page_size=page_size, dtype="bfloat16", num_tokens=num_tokens,
                   num_pages=-(-num_tokens // page_size) + 3)
     out = transfer(split)
-    out.check()
     for d_rank in range(32):
         head = d_rank // 4
         assert out.senders(d_rank) == [head // 2]  # the one P rank holding its head
         plan = out.plans[head // 2, d_rank]
-        assert plan.entries == users_shape_entries(out, head // 2, d_rank)
+        assert plan.entries == users_shape_entries(split, out.src[head // 2], out.dst[d_rank], head)
 
 
-def users_shape_entries(out: Outcome, p_rank: int, d_rank: int) -> list[TransferEntry]:
+def users_shape_entries(split: Split, src: RoomBuffers, dst: RoomBuffers, head: int) -> list[TransferEntry]:
     """The entries written out by hand: per buffer (by name, as build_plan goes), layer, k/v and
     token, one 256-byte head; P's token rows are two heads wide, D's one."""
-    split, head, entries = out.split, d_rank // 4, []
-    src_pages, dst_pages = page_table(split, salt=100), out.d_pages[d_rank]
-    for k, spec in sorted(enumerate(USERS_SPECS), key=lambda ks: ks[1].name):
-        s = describe(split, spec, base_of(1, p_rank, k), range(spec.layers), range(2 * p_rank, 2 * p_rank + 2))
-        d = describe(split, spec, base_of(2, d_rank, k), range(spec.layers), range(head, head + 1))
+    entries = []
+    for s, d in zip(sorted(src.buffers, key=lambda b: b.name), sorted(dst.buffers, key=lambda b: b.name)):
+        s_pages, d_pages = src.indices[s.name], dst.indices[d.name]
         entries += [
             TransferEntry(
-                s.page_addr(layer, kv, src_pages[t // split.page_size]) + (t % split.page_size) * 2 * 256
-                + (head - 2 * p_rank) * 256,
-                d.page_addr(layer, kv, dst_pages[spec.name][t // split.page_size]) + (t % split.page_size) * 256,
+                s.page_addr(layer, kv, s_pages[t // split.page_size]) + (t % split.page_size) * 2 * 256
+                + (head - s.head_start) * 256,
+                d.page_addr(layer, kv, d_pages[t // split.page_size]) + (t % split.page_size) * 256,
                 256,
             )
-            for layer in range(spec.layers) for kv in range(2) for t in range(split.num_tokens)
+            for layer in range(s.num_layers) for kv in range(2) for t in range(split.num_tokens)
         ]
     return entries
 
@@ -183,7 +135,6 @@ GRID = [(p, d) for p in (1, 2, 4, 8, 16) for d in (1, 2, 4, 8, 16, 32)]
 def test_every_tp_pair_moves_each_head_once(tp_p, tp_d, heads):
     split = Split(tp_p, tp_d, (KVSpec("kv", 2, heads, 4), KVSpec("draft_kv", 1, heads, 8)), num_tokens=9)
     out = transfer(split)
-    out.check()
     for d_rank in range(tp_d):
         expected = set()
         for spec in split.specs:
@@ -198,7 +149,6 @@ def test_every_tp_pair_moves_each_head_once(tp_p, tp_d, heads):
 def test_latent_kv_is_whole_pages_from_one_p_rank(tp_p, tp_d):
     split = Split(tp_p, tp_d, (KVSpec("kv", 3, 0, 16),), num_tokens=10)
     out = transfer(split)
-    out.check()
     page_bytes = split.page_size * 16 * 4
     for d_rank in range(tp_d):
         assert out.senders(d_rank) == [d_rank % tp_p] == source_ranks(d_rank, range(0), tp_p, 0)
@@ -211,8 +161,9 @@ def test_pipeline_stages_each_write_their_layers(pp, tp_p, tp_d, layers):
     the last stage only (the other stages do not have it, and that is not an error)."""
     split = Split(tp_p, tp_d, (KVSpec("kv", layers, 8, 4), KVSpec("draft_kv", 1, 8, 8, staged=False)), pp=pp,
                   num_tokens=11)
-    out = transfer(split)
-    out.check()  # every layer's bytes (and the drafter's) written exactly once
+    out = transfer(split)  # checks every layer's bytes (and the drafter's) written exactly once
+    for d_rank in range(tp_d):
+        assert {split.p_ranks()[p][0] for p in out.senders(d_rank)} == set(range(pp))
 
 
 def _kv(base: int, *, layers: int, layer_start: int = 0, total_layers: int = 4, heads: int = 2, head_start: int = 0,
@@ -262,13 +213,13 @@ def test_bad_page_on_one_d_rank_fails_every_plan_toward_it():
     for bad in (4, -1):
         with pytest.raises(TransferPlanError, match=f"room room-7, buffer kv: destination index {bad} out of range"):
             transfer(split, bad_d_page=(5, bad))
-    p_mem = Memory()
-    src = p_rooms(split, p_mem)
-    d_room = RoomBuffers([describe(split, s, base_of(2, 5, k), range(s.layers), heads_of(s, 5, 32))
-                          for k, s in enumerate(USERS_SPECS)], {"kv": [0, 4], "draft_kv": [0, 1]})
+    src = p_rooms(split, Memory(1 << 44).place)
+    dst, _ = d_rooms(split, Memory(2 << 44).place)
+    dst[5].indices["kv"][1] = 4
     for p_rank in range(4):
         with pytest.raises(TransferPlanError, match="destination index 4 out of range"):
-            build_plan("room-7", src[p_rank], d_room, 20, src_tp=TPRank(p_rank, 4), dst_tp=TPRank(5, 32))
+            build_plan("room-7", src[p_rank], dst[5], 20, src_tp=TPRank(p_rank, 4), dst_tp=TPRank(5, 32))
+        build_plan("room-7", src[p_rank], dst[6], 20, src_tp=TPRank(p_rank, 4), dst_tp=TPRank(6, 32))
 
 
 def test_rank_and_layout_must_agree():
