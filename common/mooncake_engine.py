@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +21,10 @@ from common.transfer_plan import TransferEntry, split_batches
 logger = logging.getLogger(__name__)
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
+DEFAULT_TIMEOUT_S, MIN_TIMEOUT_S = 30, 5
+# Completion polling backs off from POLL_MIN_S to POLL_MAX_S: a small room is noticed within
+# tens of microseconds, and a large one costs at most a millisecond of lateness.
+POLL_MIN_S, POLL_MAX_S = 20e-6, 1e-3
 _INSTALL_HINT = (
     "install mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine (CUDA); "
     "it needs the system package libibverbs1 (apt-get install libibverbs1)"
@@ -35,8 +41,8 @@ class MooncakeConfig:
     metadata_server: str = P2P_HANDSHAKE  # or "http://host:port/metadata", "etcd://host:port"
     protocol: str = "tcp"  # "tcp" or "rdma"
     device_name: str = ""  # RDMA devices, e.g. "mlx5_0,mlx5_1"; empty = all
-    # Seconds before a synchronous transfer gives up (Mooncake adds 1 s per GiB and
-    # floors it at 5). None keeps Mooncake's default (30 s) or MC_TRANSFER_TIMEOUT.
+    # Seconds before a write gives up, plus 1 s per GiB written, at least 5 (the rule of
+    # Mooncake's own synchronous calls). None: MC_TRANSFER_TIMEOUT, else Mooncake's 30.
     transfer_timeout_s: int | None = None
 
     def __post_init__(self) -> None:
@@ -70,13 +76,12 @@ class MooncakeEngine:
         self.config = config
         self._engine: Any = None
         self._registered: dict[int, int] = {}  # addr -> length
+        self._timeout_s = _timeout_s(config)
 
     def start(self) -> None:
         check_allocator_env()
         cfg = self.config
         # The engine reads these when it is built/initialized; there is no API argument.
-        if cfg.transfer_timeout_s is not None:
-            os.environ["MC_TRANSFER_TIMEOUT"] = str(cfg.transfer_timeout_s)
         if cfg.protocol == "tcp":
             # Without it a host with RDMA cards silently uses RDMA whatever `protocol` says.
             os.environ["MC_FORCE_TCP"] = "1"
@@ -122,24 +127,20 @@ class MooncakeEngine:
         del self._registered[addr]
 
     def write(self, peer_session_id: str, entries: Sequence[TransferEntry]) -> int:
-        """Copy every entry from local memory into `peer_session_id`'s registered memory, in
-        synchronous batches of at most 1024 entries. Returns the bytes moved; raises
-        TransferError on the first failed batch (earlier batches have landed)."""
+        """Copy every entry from local memory into `peer_session_id`'s registered memory, at most
+        MAX_BATCH_ENTRIES in flight at a time. Returns the bytes moved; raises TransferError if an
+        entry fails or the write outlives its deadline (the timeout plus 1 s per GiB)."""
         engine = self._started()
-        moved = 0
-        batches = split_batches(entries)
-        for i, batch in enumerate(batches):
-            lengths = [e.length for e in batch]
-            rc = engine.batch_transfer_sync_write(
-                peer_session_id, [e.src_addr for e in batch], [e.dst_addr for e in batch], lengths
-            )
-            if rc != 0:  # 0 is the only success code; failures come back as -1, not exceptions
-                raise TransferError(
-                    f"Mooncake write to {peer_session_id} failed (rc={rc}) in batch {i + 1}/{len(batches)} "
-                    f"of {len(batch)} entries; {moved} bytes landed before it"
-                )
-            moved += sum(lengths)
-        return moved
+        nbytes = sum(e.length for e in entries)
+        deadline = time.monotonic() + self._timeout_s + nbytes / 2**30
+        for i, batch in enumerate(batches := split_batches(entries)):
+            where = f"write to {peer_session_id}, batch {i + 1}/{len(batches)} of {len(batch)} entries"
+            in_flight, submit_error = _submit(engine, peer_session_id, batch)
+            # Wait even after a failed submit: the entries already in flight still read our memory.
+            _wait(engine, in_flight, deadline, where)
+            if submit_error:
+                raise TransferError(f"Mooncake {where}: {submit_error}")
+        return nbytes
 
     def close(self) -> None:
         if self._engine is None:
@@ -152,6 +153,50 @@ class MooncakeEngine:
         if self._engine is None:
             raise TransferError("Mooncake engine not started; call start() first")
         return self._engine
+
+
+def _timeout_s(config: MooncakeConfig) -> int:
+    timeout = config.transfer_timeout_s
+    if timeout is None:
+        timeout = int(os.environ.get("MC_TRANSFER_TIMEOUT", DEFAULT_TIMEOUT_S))
+    return max(MIN_TIMEOUT_S, timeout)
+
+
+# Every entry goes in as a batch of its own because transfer_check_status answers for one entry
+# without blocking. The binding's calls that wait on a whole batch (batch_transfer_sync_write,
+# get_batch_transfer_status) spin on a core until it is done; on a 2-core host that spinning
+# thread takes the CPU that Mooncake's TCP thread needs to move the bytes.
+def _submit(engine: Any, peer: str, batch: Sequence[TransferEntry]) -> tuple[list[int], str]:
+    """Start every entry; stop at the first the engine refuses. Returns the ids in flight and,
+    if one was refused, why."""
+    ids = []
+    for n, e in enumerate(batch):
+        batch_id = engine.transfer_submit_write(peer, e.src_addr, e.dst_addr, e.length)
+        if batch_id == 0:  # the binding's only failure value (ids are pointers)
+            return ids, (f"entry {n + 1} ({e.length} bytes to {e.dst_addr:#x}) refused at submit (rc=0: "
+                         f"peer unknown or unreachable); {len(ids)} entries were in flight")
+        ids.append(batch_id)
+    return ids, ""
+
+
+def _wait(engine: Any, ids: list[int], deadline: float, where: str) -> None:
+    """Sleep-poll until every id is done. A failed entry is reported only once the others have
+    finished, so that no byte of ours is still in flight when the caller learns of it."""
+    pending, failed, pause = deque(ids), [], POLL_MIN_S
+    while pending:
+        rc = engine.transfer_check_status(pending[0])
+        if rc != 0:  # 1 done; -1 failed; -2 Mooncake's slice timeout
+            pending.popleft()
+            if rc < 0:
+                failed.append(rc)
+            continue
+        if time.monotonic() > deadline:
+            raise TransferError(f"Mooncake {where}: deadline passed with {len(pending)} of {len(ids)} entries "
+                                f"unfinished ({len(failed)} failed)")
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)
+    if failed:
+        raise TransferError(f"Mooncake {where}: {len(failed)} of {len(ids)} entries failed (rc={failed[0]})")
 
 
 def _has_rdma_device(topology_json: str) -> bool:

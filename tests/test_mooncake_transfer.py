@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import time
 import zlib
 from typing import Any
 
@@ -200,6 +202,30 @@ def test_unregistered_destination_raises_transfer_error(pair):
     reply = src.call("write_raw", "127.0.0.1:1", kv.base_addr, 64)  # nobody listens there
     assert reply[:2] == ("error", "TransferError"), reply
     assert src.ok("write_raw", session, kv.base_addr, 64) == 64  # the engine still works afterwards
+
+
+def test_write_to_a_frozen_peer_fails_at_the_deadline(pair, monkeypatch):
+    """D stops reading (SIGSTOP) after P's connections are up: P's write must raise once its
+    deadline (5 s, the floor) has passed, not wait on, and work again once D resumes."""
+    _, dst = pair
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "1")  # floored to 5 s; a spawned peer inherits it
+    src = Peer(EQUAL_SPECS)
+    try:
+        idx = {"kv": [0, 1], "draft_kv": [0, 1], "state": [0]}
+        session, infos = dst.ok("describe", idx)
+        assert src.ok("write", session, infos, idx, 8)[0] > 0  # handshake and lanes before the freeze
+        os.kill(dst.proc.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            reply = src.call("write", session, infos, idx, 8)
+            took = time.monotonic() - start
+        finally:
+            os.kill(dst.proc.pid, signal.SIGCONT)
+        assert reply[:2] == ("error", "TransferError") and "deadline passed" in reply[2], reply
+        assert 5 <= took < 8, took
+        assert src.ok("write", session, infos, idx, 8)[0] > 0
+    finally:
+        src.stop()
 
 
 def test_head_range_intersection_over_two_batches():
