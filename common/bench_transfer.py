@@ -1,11 +1,14 @@
 """`pdflash bench transfer`: move one prompt's KV between two processes with Mooncake (TCP) and
-compare with a plain loopback TCP socket carrying the same number of bytes.
+compare with a plain loopback TCP socket carrying the same bytes.
 
 The KV is shaped like SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, page size 64). Both
 sides hold twice the room's pages, so a room is a slice of each (layer, k/v) block, as in a
-serving cache. Every timed round is synchronous: a Mooncake write returns after the peer has
-acknowledged, and the socket round waits for a 1-byte acknowledgement. Bytes are checked with
-CRC32 after each method.
+serving cache. Both methods copy the transfer plan's entries, from the same source ranges to
+the same destination ranges: the socket sends each entry's bytes in plan order and D receives
+them straight into their pages. Every timed round is synchronous: a Mooncake write returns after
+the peer has acknowledged every entry as applied, and the socket round waits for a 1-byte
+acknowledgement sent once the last byte has landed. The two methods alternate round by round.
+Bytes are checked with CRC32 for each method on its own after the timed rounds.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import statistics
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -58,6 +62,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-out/transfer.json")
 
 
+METHODS = ("mooncake_tcp", "plain_tcp")
+
+
 def run(args: argparse.Namespace) -> dict:
     cfg = BenchConfig(args.tokens, args.dtype, args.repeats, args.warmup, args.shuffle_pages, args.host)
     ctx = mp.get_context("spawn")
@@ -69,15 +76,13 @@ def run(args: argparse.Namespace) -> dict:
     sender.start()
     try:
         session_id, dst_info, tcp_port = _reply(recv_conn)
-        send_conn.send(("mooncake", session_id, dst_info))
-        mc_times, mc_cpu, entries, batches, src_crc, dst_ranges, nbytes = _reply(send_conn)
-        recv_conn.send(("crc", dst_ranges))
-        mooncake_ok = _reply(recv_conn) == src_crc
-        send_conn.send(("tcp", tcp_port, nbytes))
-        tcp_times, tcp_cpu, tcp_src_crc = _reply(send_conn)
-        dst_base = pb.BufferInfo.FromString(dst_info).base_addr
-        recv_conn.send(("crc", [(dst_base, nbytes)]))  # the socket fills the first nbytes of D's cache
-        tcp_ok = _reply(recv_conn) == tcp_src_crc
+        send_conn.send(("plan", session_id, dst_info))
+        entries, batches, nbytes, src_crc, dst_ranges = _reply(send_conn)
+        recv_conn.send(("sink", dst_ranges))
+        _reply(recv_conn)
+        send_conn.send(("time", tcp_port))
+        times, cpu = _reply(send_conn)
+        verified = {m: _verify(m, send_conn, recv_conn, dst_ranges) == src_crc for m in METHODS}
         for conn in (send_conn, recv_conn):
             conn.send(("stop",))
             _reply(conn)
@@ -87,7 +92,7 @@ def run(args: argparse.Namespace) -> dict:
             if proc.is_alive():
                 proc.kill()
 
-    mooncake, tcp = _summary(mc_times, mc_cpu, nbytes), _summary(tcp_times, tcp_cpu, nbytes)
+    mooncake, tcp = (_summary(times[m], cpu[m], nbytes) for m in METHODS)
     result = {
         "config": asdict(cfg),
         "model_shape": {"layers": NUM_LAYERS, "kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE_SIZE},
@@ -98,26 +103,38 @@ def run(args: argparse.Namespace) -> dict:
         "plain_tcp": tcp,
         "ratio_median": mooncake["median_gbps"] / tcp["median_gbps"],
         "ratio_best": mooncake["best_gbps"] / tcp["best_gbps"],
-        "verified": {"mooncake": mooncake_ok, "plain_tcp": tcp_ok},
+        "verified": verified,
     }
     print(f"KV of {cfg.tokens} tokens, {cfg.dtype}: {nbytes / 1e6:.1f} MB in {entries} entries ({batches} batches)")
     for name, s in (("mooncake tcp", mooncake), ("plain tcp", tcp)):
         print(f"  {name:13s} median {s['median_gbps']:6.2f} GB/s   best {s['best_gbps']:6.2f} GB/s"
               f"   sender CPU {s['sender_cpu_per_wall']:.2f} s/s")
     print(f"  mooncake / plain: median {result['ratio_median']:.2f}, best {result['ratio_best']:.2f}")
-    print(f"  bytes verified: mooncake {mooncake_ok}, plain tcp {tcp_ok}")
+    print(f"  bytes verified: mooncake {verified['mooncake_tcp']}, plain tcp {verified['plain_tcp']}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    if not (mooncake_ok and tcp_ok):
-        raise RuntimeError(f"transferred bytes differ from the source: {result['verified']}")
+    if not all(verified.values()):
+        raise RuntimeError(f"transferred bytes differ from the source: {verified}")
     return result
+
+
+def _verify(method: str, send_conn: Any, recv_conn: Any, dst_ranges: list[tuple[int, int]]) -> int:
+    """Zero D's destination, move the room once more with `method` alone, and return the CRC32
+    of what landed: the timed rounds wrote the same bytes with both methods, so checking after
+    them could credit one method with the other's copy."""
+    recv_conn.send(("clear", dst_ranges))
+    _reply(recv_conn)
+    send_conn.send(("once", method))
+    _reply(send_conn)
+    recv_conn.send(("crc", dst_ranges))
+    return _reply(recv_conn)
 
 
 def _summary(times: list[float], cpu_s: float, nbytes: int) -> dict:
     median = statistics.median(times)
-    # CPU seconds the sender process burned per wall second of timed rounds: the synchronous
-    # Mooncake call polls its batch status in a busy loop, which costs a core on small hosts.
+    # CPU seconds the sender process (all its threads, Mooncake's TCP thread included) burned
+    # per wall second of timed rounds: on a small host, CPU spent waiting is CPU not copying.
     return {"median_gbps": nbytes / median / 1e9, "best_gbps": nbytes / min(times) / 1e9,
             "median_s": median, "sender_cpu_per_wall": cpu_s / sum(times), "times_s": times}
 
@@ -165,44 +182,50 @@ def _engine(cfg: BenchConfig, addr: int, length: int) -> Any:
     return engine
 
 
+def _view(addr: int, length: int) -> memoryview:
+    """Writable bytes at a raw address: the entries' source and destination ranges."""
+    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+
+
 def _receiver_main(conn: Any, cfg: BenchConfig) -> None:
     """D: owns the destination cache, a Mooncake engine and a socket sink."""
-    import torch
-
     from common.buffers import RoomBuffers
     from common.wire import room_to_protos
 
     try:
-        t, buf = _kv_cache(cfg, fill=False)
+        cache, buf = _kv_cache(cfg, fill=False)  # named: its memory must outlive every transfer
         engine = _engine(cfg, buf.base_addr, buf.length)
-        sink = socket.create_server((cfg.host, 0))
-        into = memoryview(t.view(-1).view(torch.uint8).numpy())
-        threading.Thread(target=_socket_sink, args=(sink, into), daemon=True).start()
+        server = socket.create_server((cfg.host, 0))
         room = RoomBuffers([buf], {"kv": _room_pages(cfg, side=1)})
-        conn.send(("ok", (engine.session_id, room_to_protos(room)[0].SerializeToString(), sink.getsockname()[1])))
+        conn.send(("ok", (engine.session_id, room_to_protos(room)[0].SerializeToString(), server.getsockname()[1])))
         while True:
             cmd, *args = conn.recv()
             if cmd == "stop":
                 engine.close()
                 conn.send(("ok", None))
                 return
-            crc = 0
-            for addr, length in args[0]:
-                crc = zlib.crc32(ctypes.string_at(addr, length), crc)
-            conn.send(("ok", crc))
+            result = None
+            if cmd == "sink":
+                views = [_view(addr, length) for addr, length in args[0]]
+                threading.Thread(target=_socket_sink, args=(server, views), daemon=True).start()
+            elif cmd == "clear":
+                for addr, length in args[0]:
+                    ctypes.memset(addr, 0, length)
+            else:  # crc
+                result = 0
+                for addr, length in args[0]:
+                    result = zlib.crc32(ctypes.string_at(addr, length), result)
+            conn.send(("ok", result))
     except Exception as e:  # reported to the parent, which raises it
         conn.send(("error", repr(e)))
 
 
-def _socket_sink(server: socket.socket, into: memoryview) -> None:
-    """Receive rounds of `nbytes` (sent first as 8 bytes) into D's cache; ack each with 1 byte."""
+def _socket_sink(server: socket.socket, views: list[memoryview]) -> None:
+    """Receive every round's entries, in plan order, straight into their pages of D's cache (the
+    scatter Mooncake writes); acknowledge each round with 1 byte once all of it has landed."""
     sock, _ = server.accept()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    header = bytearray(8)
-    while _recv_exact(sock, memoryview(header)):
-        nbytes = int.from_bytes(header, "little")
-        if not _recv_exact(sock, into[:nbytes]):
-            return
+    while all(_recv_exact(sock, view) for view in views):
         sock.sendall(b"\x01")
 
 
@@ -216,50 +239,57 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def _sender_main(conn: Any, cfg: BenchConfig) -> None:
-    """P: owns the source cache; times Mooncake writes, then socket rounds, of the same room."""
-    import torch
+def _socket_round(sock: socket.socket, views: list[memoryview]) -> None:
+    for view in views:
+        sock.sendall(view)
+    if not _recv_exact(sock, memoryview(bytearray(1))):
+        raise RuntimeError("socket sink closed early")
 
+
+def _time_rounds(rounds: dict[str, Callable[[], object]], cfg: BenchConfig) -> tuple[dict, dict]:
+    """Seconds and sender CPU seconds per round of each method. The methods alternate round by
+    round, the order flipping each time, so that load from elsewhere on a shared machine and
+    warm caches favour neither."""
+    times: dict[str, list[float]] = {m: [] for m in rounds}
+    cpu = {m: 0.0 for m in rounds}
+    for i in range(cfg.warmup + cfg.repeats):
+        for method in list(rounds)[:: 1 if i % 2 == 0 else -1]:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            rounds[method]()
+            if i >= cfg.warmup:
+                times[method].append(time.perf_counter() - start)
+                cpu[method] += time.process_time() - cpu_start
+    return times, cpu
+
+
+def _sender_main(conn: Any, cfg: BenchConfig) -> None:
+    """P: owns the source cache; plans the room, then times Mooncake writes and socket rounds of it."""
     from common.buffers import RoomBuffers
     from common.transfer_plan import build_plan
     from common.wire import room_from_protos
 
     try:
-        t, buf = _kv_cache(cfg, fill=True)
+        cache, buf = _kv_cache(cfg, fill=True)  # named: its memory must outlive every transfer
         engine = _engine(cfg, buf.base_addr, buf.length)
         _, session_id, dst_info = conn.recv()
         dst = room_from_protos([pb.BufferInfo.FromString(dst_info)])
         plan = build_plan("bench", RoomBuffers([buf], {"kv": _room_pages(cfg, side=0)}), dst, cfg.tokens)
-        times, cpu = [], 0.0
-        for i in range(cfg.warmup + cfg.repeats):
-            start, cpu_start = time.perf_counter(), time.process_time()
-            moved = engine.write(session_id, plan.entries)
-            if i >= cfg.warmup:
-                times.append(time.perf_counter() - start)
-                cpu += time.process_time() - cpu_start
         crc = 0
         for e in plan.entries:
             crc = zlib.crc32(ctypes.string_at(e.src_addr, e.length), crc)
-        conn.send(("ok", (times, cpu, len(plan.entries), len(plan.batches), crc,
-                          [(e.dst_addr, e.length) for e in plan.entries], moved)))
+        conn.send(("ok", (len(plan.entries), len(plan.batches), plan.total_bytes, crc,
+                          [(e.dst_addr, e.length) for e in plan.entries])))
 
-        _, port, nbytes = conn.recv()
-        src = memoryview(t.view(-1).view(torch.uint8).numpy())[:nbytes]
+        _, port = conn.recv()
         with socket.create_connection((cfg.host, port)) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            ack = bytearray(1)
-            times, cpu = [], 0.0
-            for i in range(cfg.warmup + cfg.repeats):
-                start, cpu_start = time.perf_counter(), time.process_time()
-                sock.sendall(nbytes.to_bytes(8, "little"))
-                sock.sendall(src)
-                if not _recv_exact(sock, memoryview(ack)):
-                    raise RuntimeError("socket sink closed early")
-                if i >= cfg.warmup:
-                    times.append(time.perf_counter() - start)
-                    cpu += time.process_time() - cpu_start
-        conn.send(("ok", (times, cpu, zlib.crc32(src))))
-        conn.recv()  # stop
+            src_views = [_view(e.src_addr, e.length) for e in plan.entries]
+            rounds = {"mooncake_tcp": lambda: engine.write(session_id, plan.entries),
+                      "plain_tcp": lambda: _socket_round(sock, src_views)}
+            conn.send(("ok", _time_rounds(rounds, cfg)))
+            while (cmd := conn.recv())[0] == "once":
+                rounds[cmd[1]]()
+                conn.send(("ok", None))
         engine.close()
         conn.send(("ok", None))
     except Exception as e:  # reported to the parent, which raises it
