@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.paged_decode import StaticDecode
+
 
 @dataclass
 class AttnMeta:
@@ -31,6 +33,8 @@ class AttnMeta:
     out_rows: torch.Tensor | None = None  # [T] index into the flattened [B*maxQ] output; None: all
     # One request whose tokens all start at position 0: attend to the new K/V directly.
     fresh_causal: bool = False
+    # Decode with static shapes (common.decode_graphs): only positions, write_slots and this.
+    static_decode: StaticDecode | None = None
 
 
 def build_attn_meta(starts: list[int], counts: list[int], page_tables: list[list[int]],
@@ -101,6 +105,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_cache = kv_layer[1].view(-1, *v.shape[1:])
     k_cache.index_copy_(0, meta.write_slots, k)
     v_cache.index_copy_(0, meta.write_slots, v)
+    if meta.static_decode is not None:
+        return meta.static_decode.attend(q, kv_layer)
     gqa = q.shape[1] != k.shape[1]
     if meta.fresh_causal:
         # 4-D inputs: with 3-D ones PyTorch's CPU SDPA falls back to its (much slower) math path.

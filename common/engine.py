@@ -177,7 +177,7 @@ class Engine:
         if self.proposer is not None:
             committed = speculative_step(self.runner, self.proposer, batch, self.eos_token_ids)
         else:
-            logits = self.runner.extend([r.cache for r in batch], [[r.output_ids[-1]] for r in batch]).logits
+            logits = self.runner.decode([r.cache for r in batch], [r.output_ids[-1] for r in batch])
             tokens = sample(logits, [r.params for r in batch], [len(r.output_ids) for r in batch])
             committed = []
             for req, tok in zip(batch, tokens):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import uuid
 
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     opts = ModelOptions.from_args(args)
     # One request: size the pool for it alone unless told otherwise.
     pages = args.kv_pages or -(-(len(args.prompt) * 2 + args.max_new_tokens + 64) // args.page_size) + 1
-    runner, tok = load_model(ModelOptions(opts.model, opts.dtype, opts.device, opts.page_size, pages))
+    runner, tok = load_model(dataclasses.replace(opts, kv_pages=pages))
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     engine = Engine(runner, tok.eos_token_ids, proposer=load_proposer(args, runner))
     req = Request(uuid.uuid4().hex, ids, params, IncrementalDecoder(tok, params.stop))

@@ -53,6 +53,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--kv-pages", type=int, default=512)
+    p.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: decode eagerly, without CUDA graphs")
     p.add_argument("--chunk-size", type=int, default=8192)
     p.add_argument("--deadline", type=float, default=60.0, help="seconds for a room's bootstrap + KV transfer")
     p.add_argument("--request-timeout", type=float, default=600.0, help="router: seconds per request")
@@ -72,6 +73,8 @@ def model_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--model", args.model]
     if args.device:
         flags += ["--device", args.device]
+    if args.no_cuda_graphs:
+        flags.append("--no-cuda-graphs")
     return flags
 
 

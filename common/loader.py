@@ -18,10 +18,11 @@ class ModelOptions:
     device: str = "cpu"
     page_size: int = 64
     kv_pages: int = 512
+    enforce_eager: bool = False  # CUDA: decode without CUDA graphs
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ModelOptions":
-        return cls(args.model, args.dtype, args.device, args.page_size, args.kv_pages)
+        return cls(args.model, args.dtype, args.device, args.page_size, args.kv_pages, args.no_cuda_graphs)
 
 
 def add_model_args(p: argparse.ArgumentParser, kv_pages: int = 512) -> None:
@@ -30,6 +31,7 @@ def add_model_args(p: argparse.ArgumentParser, kv_pages: int = 512) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
     p.add_argument("--kv-pages", type=int, default=kv_pages, help="KV pages in the pool")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: decode eagerly, without CUDA graphs")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -64,5 +66,5 @@ def load_model(opts: ModelOptions) -> tuple[ModelRunner, Tokenizer]:
     src = resolve_model(opts.model)
     cfg, tensors = load_weights(src)
     runner = ModelRunner(cfg, tensors, dtype=opts.dtype, device=opts.device,
-                         num_pages=opts.kv_pages, page_size=opts.page_size)
+                         num_pages=opts.kv_pages, page_size=opts.page_size, enforce_eager=opts.enforce_eager)
     return runner, Tokenizer(src, cfg.eos_token_ids)

@@ -13,6 +13,7 @@ import torch
 
 from common.attention import AttnMeta, build_attn_meta
 from common.buffers import PagedKVBuffer
+from common.decode_graphs import DecodeGraphs
 from common.model import Reduce, Transformer, no_reduce
 from common.model_config import ModelConfig
 from common.page_pool import PagePool
@@ -63,6 +64,7 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, dtype: str = "fp32",
                  device: str = "cpu", num_pages: int = 512, page_size: int = 64,
+                 enforce_eager: bool = False,
                  layout: RankLayout = RankLayout(), reduce: Reduce = no_reduce):
         self.cfg = cfg
         self.layout = layout
@@ -82,6 +84,10 @@ class ModelRunner:
         self.kv = torch.zeros(local.num_layers, 2, num_pages + 1, page_size, local.num_kv_heads,
                               cfg.head_dim, dtype=self.dtype, device=self.device)
         self.scratch_slot = num_pages * page_size
+        # CUDA: decode steps replay CUDA graphs (captured at the first decode, so a prefill-only
+        # instance never pays for them). CPU, and ranks of a parallel model: extend().
+        graphs = self.device.type == "cuda" and not enforce_eager and layout.world == 1
+        self.decode_graphs = DecodeGraphs(self) if graphs else None
 
     @property
     def page_size(self) -> int:
@@ -113,13 +119,7 @@ class ModelRunner:
         """Append tokens[i] to seqs[i] (pages must be reserved) and run the model over them.
         Returns logits of each request's last new token, or of every new token if all_logits."""
         counts = [len(t) for t in tokens]
-        for s, n in zip(seqs, counts):
-            if s.length + n > len(s.pages) * self.page_size:
-                raise RuntimeError(f"request needs {s.length + n} tokens of cache, has pages for "
-                                   f"{len(s.pages) * self.page_size}")
-            if s.length + n > self.cfg.max_position:
-                raise ValueError(f"sequence of {s.length + n} tokens exceeds the model context "
-                                 f"({self.cfg.max_position})")
+        self._check_room(seqs, counts)
         ends = torch.tensor(counts).cumsum(0)
         batch = StepBatch([s.length for s in seqs], counts, [list(s.pages) for s in seqs],
                           [t for ts in tokens for t in ts], None if all_logits else (ends - 1).tolist())
@@ -138,6 +138,28 @@ class ModelRunner:
 
     def token_tensor(self, batch: StepBatch) -> torch.Tensor:
         return torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[SeqCache], tokens: list[int]) -> torch.Tensor:
+        """Append tokens[i] to seqs[i] and return the logits [n, vocab] fp32 of those tokens.
+        Through the decode graphs when there are some and the batch fits, else extend()."""
+        graphs = self.decode_graphs
+        if graphs is None or not graphs.fits(len(seqs)):
+            return self.extend(seqs, [[t] for t in tokens]).logits
+        self._check_room(seqs, [1] * len(seqs))
+        logits = graphs.run(seqs, tokens)
+        for s in seqs:
+            s.length += 1
+        return logits
+
+    def _check_room(self, seqs: list[SeqCache], counts: list[int]) -> None:
+        for s, n in zip(seqs, counts):
+            if s.length + n > len(s.pages) * self.page_size:
+                raise RuntimeError(f"request needs {s.length + n} tokens of cache, has pages for "
+                                   f"{len(s.pages) * self.page_size}")
+            if s.length + n > self.cfg.max_position:
+                raise ValueError(f"sequence of {s.length + n} tokens exceeds the model context "
+                                 f"({self.cfg.max_position})")
 
     # ---- transfer description --------------------------------------------------------------
     def describe_buffers(self) -> list[PagedKVBuffer]:

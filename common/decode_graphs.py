@@ -1,0 +1,121 @@
+"""Decode steps through static buffers, captured once per batch size as CUDA graphs.
+
+A decode step adds one token to each of n requests. Its inputs go into fixed buffers sized
+for a capture batch size bs >= n (the smallest that fits):
+
+  per row   token id, position, cache slot to write, context length, page table padded to
+            max_pages with the scratch page
+  padding   rows n..bs-1: token 0 at position 0, writing and reading only the scratch slot
+            (context length 1), so they compute garbage that nobody reads and touch no page
+            a request owns
+
+The host fills one pinned buffer and sends it with one asynchronous copy; the step then runs
+without a host synchronisation until the caller reads the sampled tokens. With `capture`
+(CUDA), each size's step is a torch.cuda.CUDAGraph replayed over these buffers; without it
+(CPU tests, --no-cuda-graphs) the same static path runs eagerly.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.attention import AttnMeta
+from common.paged_decode import StaticDecode, default_backend
+
+if TYPE_CHECKING:
+    from common.runner import ModelRunner, SeqCache
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# Columns of the packed input buffer: 4 scalars, then the page table.
+_ID, _POS, _SLOT, _LEN, _PAGES = range(5)
+
+
+class DecodeGraphs:
+    def __init__(self, runner: ModelRunner, batch_sizes: tuple[int, ...] = BATCH_SIZES, *,
+                 capture: bool = True, backend: str | None = None):
+        self.runner = runner
+        self.sizes = sorted(batch_sizes)
+        self.capture = capture
+        self.backend = backend or default_backend(runner.device)
+        page_size = runner.page_size
+        # Enough pages for the longest context the pool or the model allows.
+        max_tokens = min(runner.cfg.max_position, runner.pool.num_pages * page_size)
+        self.max_pages = -(-max_tokens // page_size)
+        self.scratch_page = runner.scratch_slot // page_size
+        shape = (self.sizes[-1], _PAGES + self.max_pages)
+        self.host = torch.zeros(shape, dtype=torch.long, pin_memory=runner.device.type == "cuda")
+        self.inputs = torch.zeros(shape, dtype=torch.long, device=runner.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # graph outputs, one per size
+        self.copied: torch.cuda.Event | None = None  # the last input copy (CUDA)
+
+    def fits(self, n: int) -> bool:
+        return n <= self.sizes[-1]
+
+    def run(self, seqs: list[SeqCache], tokens: list[int]) -> torch.Tensor:
+        """Logits [n, vocab] fp32 of one new token per request; seq lengths are not advanced
+        (the runner does that). With graphs the logits are the graph's output buffer: read
+        them before the next step."""
+        n = len(seqs)
+        bs = next(s for s in self.sizes if s >= n)
+        if self.capture and not self.graphs:
+            self._capture_all()
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy has left the pinned buffer
+        self._fill(seqs, tokens, bs)
+        self.inputs[:bs].copy_(self.host[:bs], non_blocking=True)
+        if self.capture:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+            self.graphs[bs].replay()
+            return self.logits[bs][:n]
+        return self._step(bs)[:n]
+
+    def _fill(self, seqs: list[SeqCache], tokens: list[int], bs: int) -> None:
+        page_size = self.runner.page_size
+        h = self.host.numpy()  # shares memory; numpy writes are much cheaper than tensor ones
+        h[:bs] = 0
+        h[:bs, _SLOT] = self.runner.scratch_slot
+        h[:bs, _LEN] = 1
+        h[:bs, _PAGES:] = self.scratch_page
+        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
+            pos = seq.length
+            used = pos // page_size + 1
+            h[i, _ID], h[i, _POS], h[i, _LEN] = tok, pos, pos + 1
+            h[i, _SLOT] = seq.pages[pos // page_size] * page_size + pos % page_size
+            h[i, _PAGES:_PAGES + used] = seq.pages[:used]
+
+    def _step(self, bs: int) -> torch.Tensor:
+        """The decode forward over the first bs rows of the static inputs (what is captured)."""
+        x = self.inputs[:bs]
+        meta = AttnMeta(positions=x[:, _POS], write_slots=x[:, _SLOT], logit_rows=None,
+                        static_decode=StaticDecode(x[:, _PAGES:], x[:, _LEN], self.backend))
+        model = self.runner.model
+        hidden, _ = model(x[:, _ID], self.runner.kv, meta)
+        return model.logits(hidden)
+
+    def _capture_all(self) -> None:
+        """Capture every size, largest first, in one memory pool (a smaller graph reuses the
+        larger one's activations). Inputs are all padding meanwhile: capture writes only the
+        scratch page."""
+        self.host.zero_()
+        self.host[:, _SLOT] = self.runner.scratch_slot
+        self.host[:, _LEN] = 1
+        self.host[:, _PAGES:] = self.scratch_page
+        self.inputs.copy_(self.host)
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            # Warm up on a side stream (cuBLAS handles, Triton compilation), as capture requires.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for bs in self.sizes:
+                    self._step(bs)
+            torch.cuda.current_stream().wait_stream(side)
+            for bs in reversed(self.sizes):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[bs] = self._step(bs)
+                self.graphs[bs] = graph
+        torch.cuda.synchronize()

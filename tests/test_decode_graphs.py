@@ -1,0 +1,158 @@
+"""The static decode path (fixed buffers, padded batch, page tables padded to max pages) computes
+what the dynamic path computes: on CPU it runs eagerly and is compared logit by logit; on a
+GPU the same path is captured as CUDA graphs and compared with eager decoding."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common.decode_graphs import DecodeGraphs
+from common.engine import Engine
+from common.paged_decode import HAS_TRITON, decode_attention_torch
+from common.request import Request
+from common.runner import SeqCache
+from common.sampling import SamplingParams
+
+PROMPT_LENS = (5, 20, 37)  # three requests at different lengths, on a size-4 graph
+STEPS = 32
+
+
+def _prefill(runner, prompts: list[list[int]]) -> tuple[list[SeqCache], list[int]]:
+    seqs = [SeqCache() for _ in prompts]
+    for s, p in zip(seqs, prompts):
+        runner.reserve(s, len(p) + STEPS)
+    logits = runner.extend(seqs, prompts).logits
+    return seqs, logits.argmax(-1).tolist()
+
+
+def test_static_decode_matches_dynamic(make_embedded_runner, embedded_tokenizer):
+    runner = make_embedded_runner(page_size=16, num_pages=24)
+    ids = embedded_tokenizer.encode("A quiet harbour town wakes up slowly; the bakers first, then the fishermen, "
+                                    "then the children who run down to the water before school.")
+    prompts = [ids[i:i + n] for i, n in enumerate(PROMPT_LENS)]
+    dyn, dyn_tok = _prefill(runner, prompts)
+    static, static_tok = _prefill(runner, prompts)  # the same requests again, in other pages
+    graphs = DecodeGraphs(runner, (1, 4), capture=False)
+    assert graphs.backend == "torch" and graphs.max_pages == 24
+    runner.decode_graphs = graphs
+    for _ in range(STEPS):
+        expected = runner.extend(dyn, [[t] for t in dyn_tok]).logits
+        got = runner.decode(static, static_tok)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        dyn_tok, static_tok = expected.argmax(-1).tolist(), got.argmax(-1).tolist()
+        assert static_tok == dyn_tok
+    # Same K/V in each request's own pages: padded rows wrote only the scratch page.
+    for a, b in zip(dyn, static):
+        assert a.length == b.length
+        ka = runner.kv[:, :, a.pages].flatten(2, 3)[:, :, :a.length]
+        kb = runner.kv[:, :, b.pages].flatten(2, 3)[:, :, :b.length]
+        torch.testing.assert_close(ka, kb, rtol=1e-4, atol=1e-5)
+        runner.release(a), runner.release(b)
+    assert runner.pool.num_free == runner.pool.num_pages
+
+
+def test_engine_outputs_unchanged_with_static_decode(make_embedded_runner, embedded_tokenizer):
+    """Requests joining and finishing change the batch size (padded to 1, 2 or 4); batches
+    larger than the largest size fall back to extend()."""
+    ids = embedded_tokenizer.encode("Count the ships in the bay: one, two, three, four, five, six.")
+    runs = []
+    for sizes in (None, (1, 2, 4), (1, 2)):
+        runner = make_embedded_runner(page_size=8, num_pages=32)
+        runner.decode_graphs = sizes and DecodeGraphs(runner, sizes, capture=False)
+        engine = Engine(runner, embedded_tokenizer.eos_token_ids)
+        reqs = [Request(f"r{i}", ids[i:i + 6 + 3 * i], SamplingParams(max_new_tokens=6 + 2 * i, ignore_eos=True))
+                for i in range(3)]
+        engine.add(reqs[0])
+        engine.step(), engine.step()
+        for r in reqs[1:]:
+            engine.add(r)
+        while engine.has_work:
+            engine.step()
+        runs.append([r.output_ids for r in reqs])
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+_KERNEL_CHECK = """
+import torch
+from common.paged_decode import decode_attention_torch, decode_attention_triton
+torch.manual_seed(0)
+device = "{device}"
+for dtype, hq, hkv, d, page, lens in {cases}:
+    num_pages, max_pages = 64, 24
+    kv = torch.randn(2, num_pages + 1, page, hkv, d, dtype=dtype, device=device)
+    table = torch.full((len(lens), max_pages), num_pages, dtype=torch.long)
+    free = torch.randperm(num_pages).tolist()
+    for b, n in enumerate(lens):
+        for j in range(-(-n // page)):
+            table[b, j] = free.pop()
+    table = table.to(device)
+    q = torch.randn(len(lens), hq, d, dtype=dtype, device=device)
+    ctx = torch.tensor(lens, device=device)
+    ref = decode_attention_torch(q.float(), kv.float(), table, ctx)
+    got = decode_attention_triton(q, kv, table, ctx).float()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert (got - ref).abs().max().item() < tol, (dtype, hq, hkv, d, page, lens, (got - ref).abs().max().item())
+print("ok")
+"""
+# GQA groups of 3 (SmolLM2) and 4 (Llama-3-8B), MHA, page sizes 4/16/64, one-key contexts.
+_CASES = [(9, 3, 64, 16, [1, 37, 100]), (8, 2, 128, 4, [5, 64]), (4, 4, 64, 64, [700]),
+          (32, 8, 128, 64, [1, 65, 300, 7])]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_decode_kernel_matches_torch():
+    """On a GPU in fp32 and bf16; without one under Triton's interpreter (fp32 only: the
+    interpreter's bf16 tl.dot is wrong even for a plain 16x16 product)."""
+    cuda = torch.cuda.is_available()
+    dtypes = ["torch.float32", "torch.bfloat16"] if cuda else ["torch.float32"]
+    cases = "[" + ", ".join(f"({dt}, {', '.join(map(str, c))})" for dt in dtypes for c in _CASES) + "]"
+    env = dict(os.environ) | ({} if cuda else {"TRITON_INTERPRET": "1"})
+    code = _KERNEL_CHECK.format(device="cuda" if cuda else "cpu", cases=cases)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_torch_decode_attention_reads_only_its_length():
+    """Keys past a row's length (stale data, other pages) do not change its output."""
+    torch.manual_seed(0)
+    kv = torch.randn(2, 9, 4, 2, 8)
+    table = torch.tensor([[3, 1, 8, 8], [0, 2, 5, 8]])
+    q = torch.randn(2, 4, 8)
+    ctx = torch.tensor([6, 9])
+    out = decode_attention_torch(q, kv, table, ctx)
+    kv[:, 1, 2:] = 1e4  # row 0 reads page 1 only up to offset 1
+    kv[:, 5, 1:] = -1e4  # row 1 reads page 5 only at offset 0
+    kv[:, 8] = 3e4  # the scratch page (finite: a masked key still meets its value in the product)
+    torch.testing.assert_close(decode_attention_torch(q, kv, table, ctx), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_graphs_match_eager(embedded_weights, embedded_tokenizer, dtype):
+    from common.runner import ModelRunner
+
+    cfg, tensors = embedded_weights
+    ids = embedded_tokenizer.encode("The lighthouse keeper climbed the stairs at dusk with a lamp and a notebook.")
+    outs = []
+    for eager in (True, False):
+        runner = ModelRunner(cfg, tensors, dtype=dtype, device="cuda", num_pages=64, page_size=16,
+                             enforce_eager=eager)
+        assert (runner.decode_graphs is None) == eager
+        engine = Engine(runner, embedded_tokenizer.eos_token_ids)
+        reqs = [Request(f"r{i}", ids[i:i + 4 + 5 * i], SamplingParams(max_new_tokens=32, ignore_eos=True))
+                for i in range(3)]
+        for r in reqs:
+            engine.add(r)
+        while engine.has_work:
+            engine.step()
+        outs.append([r.output_ids for r in reqs])
+    if dtype == "fp32":
+        assert outs[1] == outs[0]
+    else:  # bf16 kernels differ in rounding: the first tokens must agree
+        assert all(a[:8] == b[:8] for a, b in zip(outs[0], outs[1])), outs
