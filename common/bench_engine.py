@@ -14,6 +14,14 @@ code path the services drive: chunked prefill, batched paged decode, sampling, s
 Each number is the best of --repeats timed runs (medians go to the JSON) after --warmup
 untimed ones; the two sides alternate run by run, so load from elsewhere on a shared machine
 hits both alike.
+
+Floor check: our decode step time (decode time / (new_tokens - 1), through the Engine) against
+    floor = weight bytes one step reads / device memory bandwidth (common.model_shapes),
+the bandwidth measured in the same run. Decode rows of the comparison carry it; `--shape NAME`
+runs it alone on random weights of that shape (llama3-8b: 32 layers, hidden 4096, 32/8 heads,
+MLP 14336, vocab 128256), and on CUDA the comparison is followed by the llama3-8b check unless
+--no-floor. `--random-weights` runs the comparison on random weights in the embedded model's
+shape: no model file needed, and the tokens mean nothing.
 """
 from __future__ import annotations
 
@@ -30,6 +38,8 @@ import torch
 
 from common.engine import Engine
 from common.loader import add_model_args
+from common.model_config import ModelConfig
+from common.model_shapes import SHAPES, copy_bandwidth, random_token_ids, random_weights, step_weight_bytes
 from common.request import Request
 from common.runner import DTYPES, ModelRunner
 from common.sampling import SamplingParams
@@ -64,10 +74,31 @@ class Row:
     ours_median_tok_s: float
     hf_median_tok_s: float
     cpu_pressure: float | None = None  # Linux PSI "some" avg10 right after the case: load from elsewhere
+    ours_step_ms: float | None = None  # decode rows: our best step time
+    floor_ms: float | None = None  # decode rows: weight bytes / copy bandwidth
 
     @property
     def ratio(self) -> float:
         return self.ours_tok_s / self.hf_tok_s
+
+
+@dataclass
+class FloorRow:
+    shape: str
+    dtype: str
+    batch: int
+    prompt_tokens: int
+    new_tokens: int
+    step_ms: float  # best run: decode time / (new_tokens - 1)
+    median_step_ms: float
+    floor_ms: float  # weight bytes / copy bandwidth
+    weight_bytes: int
+    kv_read_bytes: int  # KV one step reads, mid-run (not in the floor; small at short contexts)
+    cuda_graphs: bool
+
+    @property
+    def x_floor(self) -> float:
+        return self.step_ms / self.floor_ms
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -85,12 +116,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens", type=int, default=700, help="prompt length of the prefill run")
     p.add_argument("--decode-prompt-tokens", default="48,700",
                    help="prompt length(s) of the decode requests, comma-separated (the context decode runs on)")
-    p.add_argument("--batches", default="1,8", help="decode batch sizes, comma-separated")
+    p.add_argument("--batches", default=None, help="decode batch sizes, comma-separated (default 1,8; 1,8,32 on cuda)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per number (best reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per number first")
     p.add_argument("--quiet-below", type=float, default=None, metavar="PCT",
                    help="shared machines: before each timed pair, wait until CPU pressure from other "
                         "processes (Linux PSI avg10) is below PCT%%")
+    p.add_argument("--random-weights", action="store_true",
+                   help="compare on random weights in the embedded model's shape (no model file or tokenizer)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="only the floor check, on random weights of this shape (default dtype bf16)")
+    p.add_argument("--no-floor", action="store_true", help="cuda: skip the llama3-8b floor check after the comparison")
     p.add_argument("--out", default="bench-out/engine.json")
     add_model_args(p, kv_pages=0)  # 0: sized for the largest run
     # Both dtypes unless one is asked for.
@@ -103,65 +139,124 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.new_tokens < 2:
         raise ValueError("--new-tokens must be at least 2 (decode time spans new_tokens - 1 steps)")
-    batches = _ints(args.batches, "--batches")
+    cuda = torch.device(args.device).type == "cuda"
+    batches = _ints(args.batches or ("1,8,32" if cuda else "1,8"), "--batches")
     contexts = _ints(args.decode_prompt_tokens, "--decode-prompt-tokens")
-    # fp32 first: the transformers model is converted in place to each dtype in turn.
-    dtypes = [args.dtype] if args.dtype else ["fp32", "bf16"]
-    src = resolve_model(args.model)
-    cfg, tensors = load_weights(src)
-    tok = Tokenizer(src, cfg.eos_token_ids)
-    longest = max(contexts + [args.prefill_tokens])
-    if longest + args.new_tokens > cfg.max_position:
-        raise ValueError(f"prompts of {longest} tokens + {args.new_tokens} new exceed the context ({cfg.max_position})")
-    stream = _token_stream(tok, longest + max(batches) * 7)
-    prefill_prompt = stream[: args.prefill_tokens]
-    # Request i starts i*7 tokens into the text: different prompts of equal length (no HF padding).
-    prompts = {n: [stream[7 * i:7 * i + n] for i in range(max(batches))] for n in contexts}
-    hf_fp32 = _load_hf(src)
-
-    cases = [("prefill", 1, len(prefill_prompt), 1)] + [
-        ("decode", b, n, args.new_tokens) for n in contexts for b in batches]
+    bandwidth = copy_bandwidth(args.device)
+    print(f"{args.device} copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write of a large copy)", flush=True)
     pressure_before = _cpu_pressure()
-    rows: list[Row] = []
-    for dtype in dtypes:
-        need = max(b * (n + new) for _, b, n, new in cases)
-        pages = args.kv_pages or -(-need // args.page_size) + max(batches)
-        runner = ModelRunner(cfg, tensors, dtype=dtype, device=args.device, num_pages=pages,
-                             page_size=args.page_size)
-        hf = hf_fp32.to(device=args.device, dtype=DTYPES[dtype])
-        ours = _OursTimer(runner, tok.eos_token_ids)
-        theirs = _HfTimer(hf, tok.eos_token_ids, args.device)
-        for metric, b, n, new in cases:
-            batch = [prefill_prompt] if metric == "prefill" else prompts[n][:b]
-            # prefill: time to the first token; decode: from the first token to the last
-            part = 0 if metric == "prefill" else 1
-            t_ours, t_hf = _time_pair(lambda: ours.run(batch, new)[part], lambda: theirs.run(batch, new)[part],
-                                      args.warmup, args.repeats, args.quiet_below)
-            work = n if metric == "prefill" else b * (new - 1)
-            rows.append(Row(dtype, metric, b, n, new, work / min(t_ours), work / min(t_hf),
-                            work / statistics.median(t_ours), work / statistics.median(t_hf),
-                            _cpu_pressure("avg10")))
-            print(_fmt(rows[-1]), flush=True)
-        del runner, hf, ours, theirs
-
-    print()
-    print(table(rows))
     result = {
-        "model": cfg.name, "device": args.device, "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "transformers": _hf_version(), "machine": platform.processor() or platform.machine(),
+        "device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "transformers": _hf_version(), "machine": platform.processor() or platform.machine(),
+        "gpu": torch.cuda.get_device_name() if cuda else None, "copy_bandwidth_gbs": bandwidth / 1e9,
+        "cuda_graphs": cuda and not args.no_cuda_graphs,
         "new_tokens": args.new_tokens, "prefill_tokens": args.prefill_tokens,
         "decode_prompt_tokens": contexts, "batches": batches, "repeats": args.repeats, "warmup": args.warmup,
         "quiet_below": args.quiet_below,
-        # share of time some task waited for a CPU (Linux PSI, avg over 60 s): load from elsewhere
-        "cpu_pressure_some_avg60": {"before": pressure_before, "after": _cpu_pressure()},
-        "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
     }
+    if args.shape is None:
+        result |= _compare(args, batches, contexts, bandwidth)
+    floor_shapes = [args.shape] if args.shape else (["llama3-8b"] if cuda and not args.no_floor else [])
+    floor = [r for shape in floor_shapes for r in _floor(args, shape, batches, contexts[0], bandwidth)]
+    if floor:
+        print()
+        print(floor_table(floor))
+    result["floor"] = [asdict(r) | {"x_floor": r.x_floor} for r in floor]
+    # share of time some task waited for a CPU (Linux PSI, avg over 60 s): load from elsewhere
+    result["cpu_pressure_some_avg60"] = {"before": pressure_before, "after": _cpu_pressure()}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
         print(f"\nsaved {args.out}")
     return 0
+
+
+def _compare(args: argparse.Namespace, batches: list[int], contexts: list[int], bandwidth: float) -> dict:
+    """Ours against transformers' generate(), every case in each dtype; returns JSON fields."""
+    # fp32 first: the transformers model is converted in place to each dtype in turn.
+    dtypes = [args.dtype] if args.dtype else ["fp32", "bf16"]
+    longest = max(contexts + [args.prefill_tokens])
+    if args.random_weights:
+        cfg = SHAPES["embedded"]
+        tensors = random_weights(cfg, torch.float32, "cpu")
+        stream = random_token_ids(cfg, longest + max(batches) * 7)
+        hf_fp32 = _random_hf(cfg, tensors)
+        eos = cfg.eos_token_ids
+        print("random weights in the embedded model's shape (no model file): speed only, the tokens mean nothing")
+    else:
+        src = resolve_model(args.model)
+        cfg, tensors = load_weights(src)
+        tok = Tokenizer(src, cfg.eos_token_ids)
+        stream = _token_stream(tok, longest + max(batches) * 7)
+        hf_fp32 = _load_hf(src)
+        eos = tok.eos_token_ids
+    if longest + args.new_tokens > cfg.max_position:
+        raise ValueError(f"prompts of {longest} tokens + {args.new_tokens} new exceed the context ({cfg.max_position})")
+    prefill_prompt = stream[: args.prefill_tokens]
+    # Request i starts i*7 tokens into the text: different prompts of equal length (no HF padding).
+    prompts = {n: [stream[7 * i:7 * i + n] for i in range(max(batches))] for n in contexts}
+
+    cases = [("prefill", 1, len(prefill_prompt), 1)] + [
+        ("decode", b, n, args.new_tokens) for n in contexts for b in batches]
+    rows: list[Row] = []
+    for dtype in dtypes:
+        need = max(b * (n + new) for _, b, n, new in cases)
+        pages = args.kv_pages or -(-need // args.page_size) + max(batches)
+        runner = ModelRunner(cfg, tensors, dtype=dtype, device=args.device, num_pages=pages,
+                             page_size=args.page_size, enforce_eager=args.no_cuda_graphs)
+        floor_ms = 1e3 * step_weight_bytes(runner.model) / bandwidth
+        hf = hf_fp32.to(device=args.device, dtype=DTYPES[dtype])
+        ours = _OursTimer(runner, eos)
+        theirs = _HfTimer(hf, eos, args.device)
+        for metric, b, n, new in cases:
+            batch = [prefill_prompt] if metric == "prefill" else prompts[n][:b]
+            # prefill: time to the first token; decode: from the first token to the last
+            part = 0 if metric == "prefill" else 1
+            t_ours, t_hf = _time_sides([lambda: ours.run(batch, new)[part], lambda: theirs.run(batch, new)[part]],
+                                       args.warmup, args.repeats, args.quiet_below)
+            work = n if metric == "prefill" else b * (new - 1)
+            step = None if metric == "prefill" else 1e3 * min(t_ours) / (new - 1)
+            rows.append(Row(dtype, metric, b, n, new, work / min(t_ours), work / min(t_hf),
+                            work / statistics.median(t_ours), work / statistics.median(t_hf),
+                            _cpu_pressure("avg10"), step, None if step is None else floor_ms))
+            print(_fmt(rows[-1]), flush=True)
+        del runner, hf, ours, theirs
+
+    print()
+    print(table(rows))
+    return {"model": cfg.name, "weights": "random" if args.random_weights else "model",
+            "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]}
+
+
+def _floor(args: argparse.Namespace, shape: str, batches: list[int], context: int,
+           bandwidth: float) -> list[FloorRow]:
+    """Our decode step on random weights of `shape` at each batch size, against the floor."""
+    cfg = SHAPES[shape]
+    dtype = args.dtype or "bf16"
+    new = args.new_tokens
+    pages = -(-max(batches) * (context + new) // args.page_size) + max(batches)
+    runner = ModelRunner(cfg, random_weights(cfg, DTYPES[dtype], args.device), dtype=dtype,
+                         device=args.device, num_pages=pages, page_size=args.page_size,
+                         enforce_eager=args.no_cuda_graphs)
+    weight_bytes = step_weight_bytes(runner.model)
+    ours = _OursTimer(runner, ())
+    prompts = [random_token_ids(cfg, context, seed=i) for i in range(max(batches))]
+    rows = []
+    for b in batches:
+        (times,) = _time_sides([lambda: ours.run(prompts[:b], new)[1]], args.warmup, args.repeats, args.quiet_below)
+        kv_bytes = b * (context + new // 2) * _kv_bytes_per_token(cfg, runner.kv.element_size())
+        rows.append(FloorRow(shape, dtype, b, context, new, 1e3 * min(times) / (new - 1),
+                             1e3 * statistics.median(times) / (new - 1), 1e3 * weight_bytes / bandwidth,
+                             weight_bytes, kv_bytes, runner.decode_graphs is not None))
+        r = rows[-1]
+        print(f"{shape} {dtype} batch {b:3}: step {r.step_ms:7.3f} ms   floor {r.floor_ms:7.3f} ms   "
+              f"x{r.x_floor:.2f}   ({weight_bytes / 1e9:.2f} GB of weights, {kv_bytes / 1e9:.3f} GB KV)", flush=True)
+    return rows
+
+
+def _kv_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element_size
 
 
 # ---- the two sides ---------------------------------------------------------------------------
@@ -213,6 +308,23 @@ class _HfTimer:
         return first[0] - t0, t2 - first[0]
 
 
+def _random_hf(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    """transformers' Llama with the same random weights as ours."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
+                         rms_norm_eps=cfg.rms_eps, max_position_embeddings=cfg.max_position,
+                         tie_word_embeddings=cfg.tie_embeddings)
+    model = LlamaForCausalLM(hf_cfg)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_embeddings else set()):
+        raise ValueError(f"random weights do not fit transformers' Llama: missing {missing}, unexpected {unexpected}")
+    model.generation_config.do_sample = False
+    return model.eval()
+
+
 def _load_hf(src):
     from transformers import AutoModelForCausalLM
 
@@ -233,16 +345,18 @@ def _token_stream(tok: Tokenizer, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def _time_pair(ours, theirs, warmup: int, repeats: int, quiet_below: float | None) -> tuple[list[float], list[float]]:
-    """Alternate the two sides, so a burst of load from elsewhere hits both alike."""
+def _time_sides(sides, warmup: int, repeats: int, quiet_below: float | None) -> list[list[float]]:
+    """Seconds of each side's runs. The sides alternate, so a burst of load from elsewhere hits
+    them alike."""
     for _ in range(warmup):
-        ours(), theirs()
-    t_ours, t_theirs = [], []
+        for side in sides:
+            side()
+    times: list[list[float]] = [[] for _ in sides]
     for _ in range(max(1, repeats)):
         _wait_quiet(quiet_below)
-        t_ours.append(ours())
-        t_theirs.append(theirs())
-    return t_ours, t_theirs
+        for side, t in zip(sides, times):
+            t.append(side())
+    return times
 
 
 def _wait_quiet(below: float | None, limit_s: float = 900) -> None:
@@ -276,8 +390,18 @@ def _hf_version() -> str:
 def _fmt(r: Row) -> str:
     what = (f"{r.prompt_tokens}-token prompt" if r.metric == "prefill"
             else f"batch {r.batch}, {r.prompt_tokens}+{r.new_tokens} tokens")
+    step = "" if r.ours_step_ms is None else f"   step {r.ours_step_ms:.3f} ms (floor {r.floor_ms:.3f})"
     return (f"{r.dtype:5} {r.metric:8} {what:28} ours {r.ours_tok_s:8.1f} tok/s   "
-            f"transformers {r.hf_tok_s:8.1f} tok/s   x{r.ratio:.2f}   (cpu pressure {r.cpu_pressure})")
+            f"transformers {r.hf_tok_s:8.1f} tok/s   x{r.ratio:.2f}{step}   (cpu pressure {r.cpu_pressure})")
+
+
+def floor_table(rows: list[FloorRow]) -> str:
+    lines = ["| shape | dtype | batch | prompt + new tokens | step ms | floor ms | step / floor | CUDA graphs |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.shape} | {r.dtype} | {r.batch} | {r.prompt_tokens} + {r.new_tokens} | {r.step_ms:.3f} | "
+                     f"{r.floor_ms:.3f} | {r.x_floor:.2f}x | {'yes' if r.cuda_graphs else 'no'} |")
+    return "\n".join(lines)
 
 
 def table(rows: list[Row]) -> str:
