@@ -162,6 +162,10 @@ class ModelRunner:
                                  f"({self.cfg.max_position})")
 
     # ---- transfer description --------------------------------------------------------------
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """A copy of these pages of the KV, [layer, k/v, page, token, head, dim] (CPU)."""
+        return self.kv[:, :, pages].cpu()
+
     def describe_buffers(self) -> list[PagedKVBuffer]:
         """This process's KV: its layers and KV heads of the model's."""
         cfg, layers, heads = self.cfg, self.layout.layers(self.cfg), self.layout.kv_heads(self.cfg)

@@ -124,6 +124,21 @@ class Drafter(nn.Module):
         feats = torch.cat([captured[layer] for layer in self.cfg.capture_layers], dim=-1)
         return self.hidden_norm(self.fc(feats.to(self.fc.weight.dtype)))
 
+    # Under pipeline parallelism no stage holds every captured layer. fc(concat(h_i)) is the sum
+    # over capture layers of h_i times fc's column block i, so each stage adds its layers' blocks
+    # to a running sum [T, H] (fp32, rounded once at the end, as one matmul would be) and only
+    # that sum travels down the pipeline; the last stage normalises it.
+    def fc_part(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
+        """fc over the capture layers present in `captured` only, in fp32."""
+        width = self.cfg.target_hidden_size or self.cfg.hidden_size
+        w = self.fc.weight
+        return sum(F.linear(captured[layer].to(w.dtype), w[:, i * width:(i + 1) * width]).float()
+                   for i, layer in enumerate(self.cfg.capture_layers) if layer in captured)
+
+    def fuse_sum(self, fc_sum: torch.Tensor) -> torch.Tensor:
+        """The fused context from the summed fc_part of every stage."""
+        return self.hidden_norm(fc_sum.to(self.fc.weight.dtype))
+
     def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The draft KV of context tokens: (K, V) [T, kv_heads, d] for every draft layer."""
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]

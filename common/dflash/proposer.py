@@ -12,32 +12,28 @@ import torch
 
 from common.attention import build_attn_meta, paged_attention
 from common.buffers import PagedKVBuffer
-from common.dflash.drafter import Drafter
+from common.dflash.drafter import Drafter, DrafterConfig
 from common.model import rope_cos_sin
+from common.model_config import ModelConfig
 from common.page_pool import PagePool
 from common.runner import ModelRunner, SeqCache
 
 
-class DFlashProposer:
-    def __init__(self, drafter: Drafter, target: ModelRunner, num_pages: int, block_size: int | None = None):
-        self.drafter = drafter
-        self.target = target
-        cfg = drafter.cfg
-        self.block_size = block_size or cfg.block_size
+class DraftPages:
+    """The draft KV's page pool and what the engine asks of a proposer about pages; the tensor
+    itself lives with DFlashProposer (or, under pipeline parallelism, on the last stage)."""
+
+    def __init__(self, drafter_cfg: DrafterConfig, target_cfg: ModelConfig, num_pages: int, page_size: int,
+                 block_size: int | None = None):
+        self.block_size = block_size or drafter_cfg.block_size
         if self.block_size < 2:
             raise ValueError(f"a DFlash block needs at least 2 tokens, got {self.block_size}")
-        self.capture_layers = tuple(cfg.capture_layers)
-        if max(self.capture_layers) >= target.cfg.num_layers:
+        self.capture_layers = tuple(drafter_cfg.capture_layers)
+        if max(self.capture_layers) >= target_cfg.num_layers:
             raise ValueError(f"drafter captures target layers {self.capture_layers}, the target has "
-                             f"{target.cfg.num_layers}")
-        page_size = target.page_size
+                             f"{target_cfg.num_layers}")
         self.pool = PagePool(num_pages, page_size)
-        self.kv = torch.zeros(cfg.num_layers, 2, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim,
-                              dtype=target.dtype, device=target.device)
-        self.scratch_slot = num_pages * page_size
-        self.rope_cos, self.rope_sin = rope_cos_sin(cfg.as_model_config, target.device)
 
-    # ---- pages -----------------------------------------------------------------------------
     def reserve(self, seq: SeqCache, num_tokens: int) -> None:
         need = self.pool.pages_for(num_tokens) - len(seq.pages)
         if need > 0:
@@ -47,6 +43,30 @@ class DFlashProposer:
         self.pool.free(seq.pages)
         seq.pages, seq.length = [], 0
 
+    def claim_slots(self, seqs: list[SeqCache], counts: list[int]) -> tuple[list[int], list[int]]:
+        """Positions and cache slots of counts[i] tokens appended to seqs[i] (lengths advance)."""
+        page_size = self.pool.page_size
+        positions, slots = [], []
+        for seq, n in zip(seqs, counts):
+            for pos in range(seq.length, seq.length + n):
+                positions.append(pos)
+                slots.append(seq.pages[pos // page_size] * page_size + pos % page_size)
+            seq.length += n
+        return positions, slots
+
+
+class DFlashProposer(DraftPages):
+    def __init__(self, drafter: Drafter, target: ModelRunner, num_pages: int, block_size: int | None = None):
+        super().__init__(drafter.cfg, target.cfg, num_pages, target.page_size, block_size)
+        self.drafter = drafter
+        self.target = target
+        cfg = drafter.cfg
+        page_size = target.page_size
+        self.kv = torch.zeros(cfg.num_layers, 2, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim,
+                              dtype=target.dtype, device=target.device)
+        self.scratch_slot = num_pages * page_size
+        self.rope_cos, self.rope_sin = rope_cos_sin(cfg.as_model_config, target.device)
+
     def describe_buffers(self) -> list[PagedKVBuffer]:
         cfg = self.drafter.cfg
         return [PagedKVBuffer(
@@ -55,6 +75,10 @@ class DFlashProposer:
             head_start=0, total_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             dtype=str(self.kv.dtype).removeprefix("torch."))]
 
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """A copy of these pages of the draft KV, [layer, k/v, page, token, head, dim] (CPU)."""
+        return self.kv[:, :, pages].cpu()
+
     # ---- context ---------------------------------------------------------------------------
     @torch.inference_mode()
     def append_context(self, seqs: list[SeqCache], captured: dict[int, torch.Tensor], rows: list[torch.Tensor]) -> None:
@@ -62,12 +86,10 @@ class DFlashProposer:
         forward; rows[i]: which of those T rows are seqs[i]'s newly committed tokens, in order."""
         index = torch.cat(rows).to(self.target.device)
         ctx = self.drafter.fuse({layer: captured[layer][index] for layer in self.capture_layers})
-        positions, slots = [], []
-        for seq, r in zip(seqs, rows):
-            for pos in range(seq.length, seq.length + len(r)):
-                positions.append(pos)
-                slots.append(seq.pages[pos // self.pool.page_size] * self.pool.page_size + pos % self.pool.page_size)
-            seq.length += len(r)
+        self.write_context(ctx, *self.claim_slots(seqs, [len(r) for r in rows]))
+
+    def write_context(self, ctx: torch.Tensor, positions: list[int], slots: list[int]) -> None:
+        """Draft K/V of fused context rows ctx [T, H] at these positions, into these slots."""
         pos_t = torch.tensor(positions, device=self.target.device)
         slot_t = torch.tensor(slots, device=self.target.device)
         cos, sin = self.rope_cos[pos_t].to(ctx.dtype), self.rope_sin[pos_t].to(ctx.dtype)
