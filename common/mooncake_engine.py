@@ -191,6 +191,7 @@ def _wait(engine: Any, ids: list[int], deadline: float, where: str) -> None:
                 failed.append(rc)
             continue
         if time.monotonic() > deadline:
+            # The unfinished ids stay allocated: Mooncake refuses to free a batch still in flight.
             raise TransferError(f"Mooncake {where}: deadline passed with {len(pending)} of {len(ids)} entries "
                                 f"unfinished ({len(failed)} failed)")
         time.sleep(pause)
