@@ -65,9 +65,10 @@ class DecodeGraphs:
             self.copied.synchronize()  # the previous step's copy has left the pinned buffer
         self._fill(seqs, tokens, bs)
         self.inputs[:bs].copy_(self.host[:bs], non_blocking=True)
-        if self.capture:
+        if self.inputs.is_cuda:
             self.copied = torch.cuda.Event()
             self.copied.record()
+        if self.capture:
             self.graphs[bs].replay()
             return self.logits[bs][:n]
         return self._step(bs)[:n]

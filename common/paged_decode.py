@@ -51,21 +51,22 @@ def decode_attention_torch(q: torch.Tensor, kv_layer: torch.Tensor, page_table: 
     return out.squeeze(2)
 
 
+MAX_SPLITS = 64  # the merge kernel loads a row's slices in one block of this size
+
+
 def num_splits(batch: int, kv_heads: int, max_keys: int, block_n: int = 32) -> int:
     """Context slices per (row, KV head): enough programs to fill a large GPU at batch 1, but no
-    more slices than blocks of keys. A power of two (the merge kernel loads them at once)."""
-    want = max(1, 256 // (batch * kv_heads))
-    cap = max(1, -(-max_keys // block_n))
-    s = 1
-    while s * 2 <= min(want, cap, 64):
-        s *= 2
-    return s
+    more slices than blocks of keys. A runtime argument: one compiled kernel serves them all."""
+    return max(1, min(256 // (batch * kv_heads), -(-max_keys // block_n), MAX_SPLITS))
 
 
 def decode_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, page_table: torch.Tensor,
                             ctx_lens: torch.Tensor) -> torch.Tensor:
     B, Hq, d = q.shape
     page_size, Hkv = kv_layer.shape[2], kv_layer.shape[3]
+    # Rows may be strided (q is a slice of the fused q/k projection; the static inputs are
+    # columns of one packed buffer); the innermost dimension must not be.
+    assert q.stride(2) == 1 and page_table.stride(1) == 1
     group = Hq // Hkv
     splits = num_splits(B, Hkv, page_table.shape[1] * page_size)
     k_cache = kv_layer[0].view(-1, Hkv, d)  # [slot, head, dim]
@@ -76,12 +77,12 @@ def decode_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, page_table:
     block_d = triton.next_power_of_2(d)
     _split_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, page_table, ctx_lens, part_out, part_lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
-        d ** -0.5,
-        PAGE=page_size, GROUP=group, D=d, SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0), ctx_lens.stride(0),
+        d ** -0.5, splits,
+        PAGE=page_size, GROUP=group, D=d, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=32, IEEE=q.dtype == torch.float32)
-    _merge_kernel[(B, Hq)](part_out, part_lse, out, out.stride(0), out.stride(1),
-                           D=d, SPLITS=splits, BLOCK_D=block_d)
+    _merge_kernel[(B, Hq)](part_out, part_lse, out, out.stride(0), out.stride(1), splits,
+                           D=d, BLOCK_S=MAX_SPLITS, BLOCK_D=block_d)
     return out
 
 
@@ -91,8 +92,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, len_ptr, po_ptr, plse_ptr,
-                      stride_qb, stride_qh, stride_kt, stride_kh, stride_pt, scale,
-                      PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+                      stride_qb, stride_qh, stride_kt, stride_kh, stride_pt, stride_len, scale, splits,
+                      PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                       IEEE: tl.constexpr):
         # One program: row b, KV head h, slice s of the row's context, all GROUP query heads
@@ -100,8 +101,8 @@ if HAS_TRITON:
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
-        length = tl.load(len_ptr + b).to(tl.int32)
-        per = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+        length = tl.load(len_ptr + b * stride_len).to(tl.int32)
+        per = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
         start = s * per
         end = tl.minimum(start + per, length)
 
@@ -142,21 +143,23 @@ if HAS_TRITON:
         lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
         o = acc / tl.maximum(l, 1e-30)[:, None]
         heads = tl.num_programs(1) * GROUP  # Hq
-        base = (b * heads + h * GROUP + g) * SPLITS + s  # [b, query head, s] in the partials
+        base = (b * heads + h * GROUP + g) * splits + s  # [b, query head, s] in the partials
         tl.store(po_ptr + base[:, None] * D + dd[None, :], o, mask=g_ok[:, None] & d_ok[None, :])
         tl.store(plse_ptr + base, lse, mask=g_ok)
 
     @triton.jit
-    def _merge_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh,
-                      D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _merge_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, splits,
+                      D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         base = b * tl.num_programs(1) + h
-        sp = tl.arange(0, SPLITS)
+        sp = tl.arange(0, BLOCK_S)
+        sp_ok = sp < splits
         dd = tl.arange(0, BLOCK_D)
         d_ok = dd < D
-        lse = tl.load(plse_ptr + base * SPLITS + sp)
+        lse = tl.load(plse_ptr + base * splits + sp, mask=sp_ok, other=float("-inf"))
         w = tl.exp(lse - tl.max(lse, 0))  # slice 0 is never empty: the max is finite
-        parts = tl.load(po_ptr + (base * SPLITS + sp)[:, None] * D + dd[None, :], mask=d_ok[None, :], other=0.0)
+        parts = tl.load(po_ptr + (base * splits + sp)[:, None] * D + dd[None, :],
+                        mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
         o = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
         tl.store(out_ptr + b * stride_ob + h * stride_oh + dd, o.to(out_ptr.dtype.element_ty), mask=d_ok)

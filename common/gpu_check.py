@@ -1,0 +1,291 @@
+"""One command for a GPU machine: is the CUDA path right, and how fast is it?
+
+    python -m common.gpu_check OUT_DIR [--model PATH] [--skip-bench]
+
+Parts (each runs on its own: a failure prints its error and the next part goes on):
+  kernel     Triton paged decode vs the torch reference, fp32 and bf16, GQA 3/4, page sizes 4-64
+  static     static decode path (graphs captured, Triton and torch attention) vs extend(),
+             on a tiny random model: logits and greedy tokens over 32 steps
+  greedy     the model's greedy tokens for a few prompts, 32 each: CPU fp32 (reference) against
+             GPU fp32 + graphs, bf16 + graphs, bf16 eager; the first divergence of each
+  replay     decode step time of the embedded shape (random weights, bf16): graphs with each
+             attention backend, and eager, at batch 1, 8 and 32 (what the GPU does alone)
+  bench      `pdflash bench engine --device cuda --dtype bf16`: ours vs transformers at batch
+             1, 8, 32, then the Llama-3-8B-shaped step against its memory floor
+
+Prints a summary with the issue's targets and writes summary.json (+ engine.json) to OUT_DIR.
+No network access is needed; without the model file (gguf) `greedy` fails and `bench` runs
+on random weights in the model's shape. About 1-2 minutes on one H200.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+from common.decode_graphs import DecodeGraphs
+from common.model_shapes import SHAPES, random_token_ids, random_weights
+from common.runner import ModelRunner, SeqCache
+
+TARGET_TOK_S_B1 = 1000.0  # embedded model, batch 1, decode tok/s
+TARGET_X_FLOOR = 1.25  # Llama-3-8B shape, decode step / floor
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
+           "Write a short poem about the sea.", "Question: what is 17 times 23? Answer:"]
+
+
+# ---- checks that the tests share --------------------------------------------------------------
+
+def kernel_check(device: str, dtypes: list[torch.dtype]) -> list[dict]:
+    """Max |Triton - torch reference| of decode attention over scattered pages, per case."""
+    from common.paged_decode import decode_attention_torch, decode_attention_triton
+
+    torch.manual_seed(0)
+    # (q heads, kv heads, head dim, page size, context lengths): one-key rows, rows that end
+    # on a page boundary, long rows, and a batch of 32 x 8 KV heads (one context slice each).
+    cases = [(9, 3, 64, 16, [1, 37, 100]), (8, 2, 128, 4, [5, 64, 700]),
+             (32, 8, 128, 64, [1, 65, 300, 7]), (32, 8, 128, 64, [3 + 9 * i for i in range(32)])]
+    results = []
+    for dtype in dtypes:
+        for hq, hkv, d, page, lens in cases:
+            num_pages = sum(-(-n // page) for n in lens) + 3
+            max_pages = max(-(-n // page) for n in lens) + 2
+            kv = torch.randn(2, num_pages + 1, page, hkv, d, dtype=dtype, device=device)
+            table = torch.full((len(lens), max_pages), num_pages, dtype=torch.long)
+            free = torch.randperm(num_pages).tolist()
+            for b, n in enumerate(lens):
+                for j in range(-(-n // page)):
+                    table[b, j] = free.pop()
+            table = table.to(device)
+            q = torch.randn(len(lens), hq, d, dtype=dtype, device=device)
+            ctx = torch.tensor(lens, device=device)
+            ref = decode_attention_torch(q.float(), kv.float(), table, ctx)
+            got = decode_attention_triton(q, kv, table, ctx).float()
+            results.append({"dtype": str(dtype).removeprefix("torch."), "heads": f"{hq}/{hkv}", "head_dim": d,
+                            "page_size": page, "rows": len(lens), "max_abs_err": (got - ref).abs().max().item()})
+    return results
+
+
+def compare_static_decode(runner: ModelRunner, graphs: DecodeGraphs, prompts: list[list[int]],
+                          steps: int) -> dict:
+    """Decode the prompts twice in one runner, in different pages: through `graphs` and through
+    extend(). Returns the largest logit difference, whether the greedy tokens stayed equal,
+    and whether each request's pages ended with the same K/V."""
+    def prefill() -> tuple[list[SeqCache], list[int]]:
+        seqs = [SeqCache() for _ in prompts]
+        for s, p in zip(seqs, prompts):
+            runner.reserve(s, len(p) + steps)
+        return seqs, runner.extend(seqs, prompts).logits.argmax(-1).tolist()
+
+    dyn, dyn_tok = prefill()
+    static, static_tok = prefill()
+    saved, runner.decode_graphs = runner.decode_graphs, graphs
+    worst, same_tokens = 0.0, True
+    try:
+        for _ in range(steps):
+            expected = runner.extend(dyn, [[t] for t in dyn_tok]).logits
+            got = runner.decode(static, static_tok)
+            worst = max(worst, (got - expected).abs().max().item())
+            dyn_tok, static_tok = expected.argmax(-1).tolist(), got.argmax(-1).tolist()
+            same_tokens &= dyn_tok == static_tok
+    finally:
+        runner.decode_graphs = saved
+    kv_err = 0.0
+    for a, b in zip(dyn, static):
+        ka = runner.kv[:, :, a.pages].flatten(2, 3)[:, :, :a.length].float()
+        kb = runner.kv[:, :, b.pages].flatten(2, 3)[:, :, :b.length].float()
+        kv_err = max(kv_err, (ka - kb).abs().max().item())
+        runner.release(a), runner.release(b)
+    return {"max_abs_logit_diff": worst, "same_tokens": same_tokens, "max_abs_kv_diff": kv_err}
+
+
+def tiny_static_check(device: str, dtype: str, backend: str, capture: bool) -> dict:
+    """compare_static_decode on the tiny random shape: 3 requests at different lengths on a
+    size-4 graph, 32 steps."""
+    cfg = SHAPES["tiny"]
+    runner = ModelRunner(cfg, random_weights(cfg, torch.float32, "cpu"), dtype=dtype, device=device,
+                         num_pages=24, page_size=16, enforce_eager=True)
+    graphs = DecodeGraphs(runner, (1, 4), capture=capture, backend=backend)
+    prompts = [random_token_ids(cfg, n, seed=n) for n in (5, 20, 37)]
+    return compare_static_decode(runner, graphs, prompts, steps=32) | {
+        "dtype": dtype, "backend": backend, "cuda_graphs": capture}
+
+
+# ---- the GPU-only parts -----------------------------------------------------------------------
+
+def _greedy(model: str | None) -> dict:
+    from common.engine import Engine
+    from common.request import Request
+    from common.sampling import SamplingParams
+    from common.tokenizer import Tokenizer
+    from common.weights import load_weights, resolve_model
+
+    src = resolve_model(model)
+    cfg, tensors = load_weights(src)
+    tok = Tokenizer(src, cfg.eos_token_ids)
+    prompts = [tok.encode(p) for p in PROMPTS]
+
+    def run(device: str, dtype: str, eager: bool) -> list[list[int]]:
+        runner = ModelRunner(cfg, tensors, dtype=dtype, device=device, num_pages=32, page_size=64,
+                             enforce_eager=eager)
+        engine = Engine(runner, tok.eos_token_ids)
+        reqs = [Request(str(i), p, SamplingParams(max_new_tokens=32, ignore_eos=True)) for i, p in enumerate(prompts)]
+        for r in reqs:
+            engine.add(r)
+        while engine.has_work:
+            engine.step()
+        return [r.output_ids for r in reqs]
+
+    reference = run("cpu", "fp32", True)
+    out = {"reference": "cpu fp32", "runs": {}}
+    for name, args in {"cuda fp32 graphs": ("fp32", False), "cuda bf16 graphs": ("bf16", False),
+                       "cuda bf16 eager": ("bf16", True)}.items():
+        got = run("cuda", *args)
+        first = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), None) for r, g in zip(reference, got)]
+        out["runs"][name] = {"first_divergence": first, "identical": sum(f is None for f in first)}
+    out["prompts"] = len(prompts)
+    return out
+
+
+def _replay(steps: int = 50, context: int = 256) -> list[dict]:
+    """Decode step time without the engine around it (sampling, bookkeeping), in ms."""
+    cfg = SHAPES["embedded"]
+    tensors = random_weights(cfg, torch.bfloat16, "cuda")
+    rows = []
+    for mode in ("triton", "torch", "eager"):
+        runner = ModelRunner(cfg, tensors, dtype="bf16", device="cuda", num_pages=32 * 6 + 8, page_size=64,
+                             enforce_eager=True)
+        if mode != "eager":
+            runner.decode_graphs = DecodeGraphs(runner, (1, 8, 32), backend=mode)
+        for bs in (1, 8, 32):
+            seqs = [SeqCache() for _ in range(bs)]
+            for s in seqs:
+                runner.reserve(s, context + steps + 8)
+                s.length = context  # the cache holds garbage: only the time matters
+            tokens = random_token_ids(cfg, bs)
+            for _ in range(3):
+                runner.decode(seqs, tokens)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                runner.decode(seqs, tokens)
+            torch.cuda.synchronize()
+            rows.append({"mode": mode, "batch": bs, "context": context,
+                         "step_ms": 1e3 * (time.perf_counter() - t0) / steps})
+            for s in seqs:
+                runner.release(s)
+        del runner
+    return rows
+
+
+def _bench(out_dir: str, model: str | None) -> dict:
+    from common import cli
+
+    path = os.path.join(out_dir, "engine.json")
+    argv = ["bench", "engine", "--device", "cuda", "--dtype", "bf16", "--batches", "1,8,32",
+            "--decode-prompt-tokens", "128", "--new-tokens", "64", "--repeats", "2", "--warmup", "1",
+            "--prefill-tokens", "700", "--out", path]
+    try:
+        from common.weights import load_weights, resolve_model
+
+        load_weights(resolve_model(model))
+        argv += ["--model", model] if model else []
+    except Exception as e:  # no model file (or no gguf package): same shapes, random weights
+        print(f"bench: model not loadable ({e}); using --random-weights")
+        argv.append("--random-weights")
+    rc = cli.main(argv)
+    if rc != 0:
+        raise RuntimeError(f"bench engine exited {rc}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _summary(results: dict) -> list[str]:
+    lines = []
+    k = results.get("kernel")
+    if isinstance(k, list):
+        for dtype in ("float32", "bfloat16"):
+            errs = [r["max_abs_err"] for r in k if r["dtype"] == dtype]
+            lines.append(f"kernel   {dtype}: max |triton - torch| {max(errs):.2e} over {len(errs)} cases")
+    for r in results.get("static") or []:
+        lines.append(f"static   {r['dtype']} {r['backend']:6} graphs={r['cuda_graphs']}: max logit diff "
+                     f"{r['max_abs_logit_diff']:.2e}, same tokens {r['same_tokens']}, kv diff {r['max_abs_kv_diff']:.1e}")
+    g = results.get("greedy")
+    if isinstance(g, dict):
+        for name, r in g["runs"].items():
+            lines.append(f"greedy   {name} vs cpu fp32: {r['identical']}/{g['prompts']} identical over 32 tokens, "
+                         f"first divergence {r['first_divergence']}")
+    for r in results.get("replay") or []:
+        lines.append(f"replay   {r['mode']:6} batch {r['batch']:2}: {r['step_ms']:.3f} ms/step "
+                     f"({r['batch'] * 1e3 / r['step_ms']:.0f} tok/s)")
+    b = results.get("bench")
+    if isinstance(b, dict):
+        for r in b.get("rows", []):
+            what = "prefill" if r["metric"] == "prefill" else f"decode b{r['batch']:<2}"
+            lines.append(f"bench    {what}: ours {r['ours_tok_s']:9.1f} tok/s  transformers {r['hf_tok_s']:9.1f} "
+                         f"tok/s  x{r['ratio']:.2f}" + (f"  step {r['ours_step_ms']:.3f} ms" if r["ours_step_ms"] else ""))
+            if r["metric"] == "decode" and r["batch"] == 1:
+                ok = r["ours_tok_s"] >= TARGET_TOK_S_B1
+                lines.append(f"TARGET   embedded batch-1 decode >= {TARGET_TOK_S_B1:.0f} tok/s: "
+                             f"{r['ours_tok_s']:.0f} {'MET' if ok else 'NOT MET'}")
+        for r in b.get("floor", []):
+            lines.append(f"floor    {r['shape']} batch {r['batch']:2}: step {r['step_ms']:.3f} ms, floor "
+                         f"{r['floor_ms']:.3f} ms, x{r['x_floor']:.2f}")
+            if r["batch"] == 1:
+                ok = r["x_floor"] <= TARGET_X_FLOOR
+                lines.append(f"TARGET   {r['shape']} batch-1 step <= {TARGET_X_FLOOR}x floor: "
+                             f"x{r['x_floor']:.2f} {'MET' if ok else 'NOT MET'}")
+        lines.append(f"device   {b.get('gpu')}: copy bandwidth {b.get('copy_bandwidth_gbs', 0):.0f} GB/s")
+    for part, value in results.items():
+        if isinstance(value, str):
+            lines.append(f"ERROR    {part}: {value.splitlines()[-1] if value else value}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m common.gpu_check", description=__doc__.split("\n")[0])
+    p.add_argument("out_dir")
+    p.add_argument("--model", default=None, help="model for greedy/bench (default: the embedded one)")
+    p.add_argument("--skip-bench", action="store_true", help="only the correctness parts and replay timings")
+    args = p.parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 1
+    from common.paged_decode import HAS_TRITON
+
+    results: dict = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "triton": HAS_TRITON}}
+    parts = {
+        "kernel": lambda: kernel_check("cuda", [torch.float32, torch.bfloat16]),
+        "static": lambda: [tiny_static_check("cuda", dtype, backend, capture) for dtype in ("fp32", "bf16")
+                           for backend, capture in (("triton", True), ("torch", True), ("triton", False))],
+        "greedy": lambda: _greedy(args.model),
+        "replay": _replay,
+    }
+    if not args.skip_bench:
+        parts["bench"] = lambda: _bench(args.out_dir, args.model)
+    t_start = time.perf_counter()
+    for name, fn in parts.items():
+        t0 = time.perf_counter()
+        print(f"== {name}", flush=True)
+        try:
+            results[name] = fn()
+        except Exception:
+            results[name] = traceback.format_exc()
+            print(results[name], file=sys.stderr, flush=True)
+        results.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        with open(os.path.join(args.out_dir, "summary.json"), "w") as f:  # after each part: a crash keeps the rest
+            json.dump(results, f, indent=2)
+    print(f"\n== summary ({time.perf_counter() - t_start:.0f} s, parts {results['seconds']})")
+    for line in _summary(results):
+        print(line)
+    print(f"\nsaved {os.path.join(args.out_dir, 'summary.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
