@@ -10,6 +10,7 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
              GPU fp32 + graphs, bf16 + graphs, bf16 eager; the first divergence of each
   replay     decode step time of the embedded shape (random weights, bf16): graphs with each
              attention backend, and eager, at batch 1, 8 and 32 (what the GPU does alone)
+  profile    kernels per decode step and their summed time, tables per kernel (profile_b*.txt)
   bench      `pdflash bench engine --device cuda --dtype bf16`: ours vs transformers at batch
              1, 8, 32, then the Llama-3-8B-shaped step against its memory floor
 
@@ -182,6 +183,38 @@ def _replay(steps: int = 50, context: int = 256) -> list[dict]:
     return rows
 
 
+def _profile(out_dir: str, steps: int = 5) -> list[dict]:
+    """What one decode step launches (the static path run eagerly: the kernels a graph
+    replays), embedded shape, bf16, Triton attention; the per-kernel tables go to OUT_DIR."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = SHAPES["embedded"]
+    runner = ModelRunner(cfg, random_weights(cfg, torch.bfloat16, "cuda"), dtype="bf16", device="cuda",
+                         num_pages=64, page_size=64, enforce_eager=True)
+    runner.decode_graphs = DecodeGraphs(runner, (1, 32), capture=False)
+    rows = []
+    for bs in (1, 32):
+        seqs = [SeqCache() for _ in range(bs)]
+        for s in seqs:
+            runner.reserve(s, 128 + 2 * steps)
+            s.length = 128
+        tokens = random_token_ids(cfg, bs)
+        runner.decode(seqs, tokens)  # compile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                runner.decode(seqs, tokens)
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        with open(os.path.join(out_dir, f"profile_b{bs}.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
+        rows.append({"batch": bs, "kernels_per_step": sum(e.count for e in events) / steps,
+                     "kernel_ms_per_step": sum(e.self_device_time_total for e in events) / steps / 1e3})
+        for s in seqs:
+            runner.release(s)
+    return rows
+
+
 def _bench(out_dir: str, model: str | None) -> dict:
     from common import cli
 
@@ -222,6 +255,9 @@ def _summary(results: dict) -> list[str]:
     for r in results.get("replay") or []:
         lines.append(f"replay   {r['mode']:6} batch {r['batch']:2}: {r['step_ms']:.3f} ms/step "
                      f"({r['batch'] * 1e3 / r['step_ms']:.0f} tok/s)")
+    for r in results.get("profile") or []:
+        lines.append(f"profile  batch {r['batch']:2}: {r['kernels_per_step']:.0f} kernels, "
+                     f"{r['kernel_ms_per_step']:.3f} ms of kernel time per step (profile_b{r['batch']}.txt)")
     b = results.get("bench")
     if isinstance(b, dict):
         for r in b.get("rows", []):
@@ -265,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                            for backend, capture in (("triton", True), ("torch", True), ("triton", False))],
         "greedy": lambda: _greedy(args.model),
         "replay": _replay,
+        "profile": lambda: _profile(args.out_dir),
     }
     if not args.skip_bench:
         parts["bench"] = lambda: _bench(args.out_dir, args.model)
