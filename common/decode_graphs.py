@@ -116,7 +116,8 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(side)
             for bs in reversed(self.sizes):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # thread_local: service threads (KV transfers, checksums) may use CUDA meanwhile
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     self.logits[bs] = self._step(bs)
                 self.graphs[bs] = graph
         torch.cuda.synchronize()
