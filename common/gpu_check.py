@@ -12,9 +12,12 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
              attention backend, and eager, at batch 1, 8 and 32 (what the GPU does alone)
   profile    kernels per decode step and their summed time, tables per kernel (profile_b*.txt)
   bench      `pdflash bench engine --device cuda --dtype bf16`: ours vs transformers at batch
-             1, 8, 32, then the Llama-3-8B-shaped step against its memory floor
+             1, 8, 32 (engine.json)
+  floor      the same with `--shape llama3-8b`: the 8B-shaped step against its memory floor
+             (floor.json)
 
-Prints a summary with the issue's targets and writes summary.json (+ engine.json) to OUT_DIR.
+Prints each part's results as it ends, then a summary with the issue's targets; writes
+summary.json (rewritten after every part), engine.json, floor.json and profile_b*.txt to OUT_DIR.
 No network access is needed; without the model file (gguf) `greedy` fails and `bench` runs
 on random weights in the model's shape. About 1-2 minutes on one H200.
 """
@@ -215,26 +218,37 @@ def _profile(out_dir: str, steps: int = 5) -> list[dict]:
     return rows
 
 
-def _bench(out_dir: str, model: str | None) -> dict:
+def _bench(out_dir: str, model: str | None, floor: bool) -> dict:
+    """bench engine on cuda: the comparison with transformers (engine.json), or the
+    Llama-3-8B-shaped floor check alone (floor.json)."""
     from common import cli
 
-    path = os.path.join(out_dir, "engine.json")
+    path = os.path.join(out_dir, "floor.json" if floor else "engine.json")
     argv = ["bench", "engine", "--device", "cuda", "--dtype", "bf16", "--batches", "1,8,32",
             "--decode-prompt-tokens", "128", "--new-tokens", "64", "--repeats", "2", "--warmup", "1",
             "--prefill-tokens", "700", "--out", path]
-    try:
-        from common.weights import load_weights, resolve_model
+    if floor:
+        argv += ["--shape", "llama3-8b"]
+    else:
+        argv.append("--no-floor")
+        try:
+            from common.weights import load_weights, resolve_model
 
-        load_weights(resolve_model(model))
-        argv += ["--model", model] if model else []
-    except Exception as e:  # no model file (or no gguf package): same shapes, random weights
-        print(f"bench: model not loadable ({e}); using --random-weights")
-        argv.append("--random-weights")
+            load_weights(resolve_model(model))
+            argv += ["--model", model] if model else []
+        except Exception as e:  # no model file (or no gguf package): same shapes, random weights
+            print(f"bench: model not loadable ({e}); using --random-weights")
+            argv.append("--random-weights")
     rc = cli.main(argv)
     if rc != 0:
         raise RuntimeError(f"bench engine exited {rc}")
     with open(path) as f:
         return json.load(f)
+
+
+def _rows(results: dict, part: str) -> list[dict]:
+    value = results.get(part)
+    return value if isinstance(value, list) else []  # a failed part holds its traceback
 
 
 def _summary(results: dict) -> list[str]:
@@ -244,7 +258,7 @@ def _summary(results: dict) -> list[str]:
         for dtype in ("float32", "bfloat16"):
             errs = [r["max_abs_err"] for r in k if r["dtype"] == dtype]
             lines.append(f"kernel   {dtype}: max |triton - torch| {max(errs):.2e} over {len(errs)} cases")
-    for r in results.get("static") or []:
+    for r in _rows(results, "static"):
         lines.append(f"static   {r['dtype']} {r['backend']:6} graphs={r['cuda_graphs']}: max logit diff "
                      f"{r['max_abs_logit_diff']:.2e}, same tokens {r['same_tokens']}, kv diff {r['max_abs_kv_diff']:.1e}")
     g = results.get("greedy")
@@ -252,14 +266,15 @@ def _summary(results: dict) -> list[str]:
         for name, r in g["runs"].items():
             lines.append(f"greedy   {name} vs cpu fp32: {r['identical']}/{g['prompts']} identical over 32 tokens, "
                          f"first divergence {r['first_divergence']}")
-    for r in results.get("replay") or []:
+    for r in _rows(results, "replay"):
         lines.append(f"replay   {r['mode']:6} batch {r['batch']:2}: {r['step_ms']:.3f} ms/step "
                      f"({r['batch'] * 1e3 / r['step_ms']:.0f} tok/s)")
-    for r in results.get("profile") or []:
+    for r in _rows(results, "profile"):
         lines.append(f"profile  batch {r['batch']:2}: {r['kernels_per_step']:.0f} kernels, "
                      f"{r['kernel_ms_per_step']:.3f} ms of kernel time per step (profile_b{r['batch']}.txt)")
-    b = results.get("bench")
-    if isinstance(b, dict):
+    for b in (results.get("bench"), results.get("floor")):
+        if not isinstance(b, dict):
+            continue
         for r in b.get("rows", []):
             what = "prefill" if r["metric"] == "prefill" else f"decode b{r['batch']:<2}"
             lines.append(f"bench    {what}: ours {r['ours_tok_s']:9.1f} tok/s  transformers {r['hf_tok_s']:9.1f} "
@@ -304,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         "profile": lambda: _profile(args.out_dir),
     }
     if not args.skip_bench:
-        parts["bench"] = lambda: _bench(args.out_dir, args.model)
+        parts["bench"] = lambda: _bench(args.out_dir, args.model, floor=False)
+        parts["floor"] = lambda: _bench(args.out_dir, args.model, floor=True)
     t_start = time.perf_counter()
     for name, fn in parts.items():
         t0 = time.perf_counter()
@@ -315,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = traceback.format_exc()
             print(results[name], file=sys.stderr, flush=True)
         results.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        for line in _summary({name: results[name]}):  # now too: a run cut short still says something
+            print(line, flush=True)
         with open(os.path.join(args.out_dir, "summary.json"), "w") as f:  # after each part: a crash keeps the rest
             json.dump(results, f, indent=2)
     print(f"\n== summary ({time.perf_counter() - t_start:.0f} s, parts {results['seconds']})")
