@@ -83,3 +83,13 @@ class RoomBuffers:
 
     buffers: list[PagedKVBuffer | SlotStateBuffer]
     indices: dict[str, list[int]] = field(default_factory=dict)  # buffer name -> pages/slots
+
+
+@dataclass
+class RankEndpoint:
+    """One process (TP rank `tp_rank` of a stage) of an instance: its Mooncake session and the
+    buffers it registered there. A parallel instance has one per rank, rank 0 first."""
+
+    tp_rank: int
+    session_id: str
+    buffers: list[PagedKVBuffer | SlotStateBuffer]

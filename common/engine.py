@@ -16,6 +16,7 @@ import torch
 
 from common.dflash.proposer import DFlashProposer
 from common.dflash.spec_step import SpecStats, speculative_step
+from common.kv_checksum import room_checksums
 from common.page_pool import OutOfPages
 from common.request import Request
 from common.runner import ModelRunner
@@ -88,11 +89,13 @@ class Engine:
         """Every buffer a peer may read or write for a room: target KV (+ draft KV)."""
         return self.runner.describe_buffers() + (self.proposer.describe_buffers() if self.proposer else [])
 
-    def kv_tensors(self) -> dict[str, torch.Tensor]:
-        tensors = {"kv": self.runner.kv}
+    def room_checksums(self, req: Request) -> list[int]:
+        """CRC32s of the room's prompt KV (and draft KV) as the whole model holds it: every rank's
+        layers and heads, whatever the split (so P's and D's sums compare across TP/PP)."""
+        kv = {"kv": self.runner.read_pages(req.cache.pages)}
         if self.proposer is not None:
-            tensors["draft_kv"] = self.proposer.kv
-        return tensors
+            kv["draft_kv"] = self.proposer.read_pages(req.draft_cache.pages)
+        return room_checksums(kv, {name: list(range(t.shape[2])) for name, t in kv.items()}, req.prompt_len)
 
     def room_pages(self, req: Request) -> dict[str, list[int]]:
         pages = {"kv": list(req.cache.pages)}

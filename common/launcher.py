@@ -46,6 +46,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill instances (pd)")
     p.add_argument("--decode", type=int, default=1, help="decode instances (pd)")
     p.add_argument("--replicas", type=int, default=1, help="colocated replicas (colocated)")
+    p.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel processes per prefill instance")
+    p.add_argument("--prefill-pp", type=int, default=1, help="pipeline stages (processes) per prefill instance")
+    p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel processes per decode instance (or replica)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="router HTTP port (gRPC on port+1)")
     p.add_argument("--model", default=None, help="Hugging Face folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
@@ -194,11 +197,14 @@ def supervise(children: list[Child], router: Child) -> None:
 def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child]:
     common = model_flags(args) + spec_flags(args) + ["--host", args.host, "--chunk-size", str(args.chunk_size),
                                   "--deadline", str(args.deadline)]
+    prefill_par = ["--tp", str(args.prefill_tp), "--pp", str(args.prefill_pp)]
+    decode_par = ["--tp", str(args.decode_tp)]
     if args.mode == "pd":
         verify = ["--verify-transfer"] if args.verify_transfer else []
-        groups = [("prefill", "prefill_svc", args.prefill, verify), ("decode", "decode_svc", args.decode, ["--role", "decode"])]
+        groups = [("prefill", "prefill_svc", args.prefill, verify + prefill_par),
+                  ("decode", "decode_svc", args.decode, ["--role", "decode", *decode_par])]
     else:
-        groups = [("replica", "decode_svc", args.replicas, ["--role", "colocated"])]
+        groups = [("replica", "decode_svc", args.replicas, ["--role", "colocated", *decode_par])]
     workers: list[Child] = []
     for kind, module, count, extra in groups:  # P before D: P owns the bootstrap
         group = []

@@ -19,10 +19,14 @@ class ModelOptions:
     page_size: int = 64
     kv_pages: int = 512
     enforce_eager: bool = False  # CUDA: decode without CUDA graphs
+    tp: int = 1  # tensor-parallel ranks (processes) per pipeline stage
+    pp: int = 1  # pipeline stages (prefill instances only)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ModelOptions":
-        return cls(args.model, args.dtype, args.device, args.page_size, args.kv_pages, args.no_cuda_graphs)
+        # --tp / --pp exist only on the services (add_parallel_args)
+        return cls(args.model, args.dtype, args.device, args.page_size, args.kv_pages, args.no_cuda_graphs,
+                   getattr(args, "tp", 1), getattr(args, "pp", 1))
 
 
 def add_model_args(p: argparse.ArgumentParser, kv_pages: int = 512) -> None:
@@ -32,6 +36,12 @@ def add_model_args(p: argparse.ArgumentParser, kv_pages: int = 512) -> None:
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
     p.add_argument("--kv-pages", type=int, default=kv_pages, help="KV pages in the pool")
     p.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: decode eagerly, without CUDA graphs")
+
+
+def add_parallel_args(p: argparse.ArgumentParser, pipeline: bool) -> None:
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel: processes splitting heads and MLP width")
+    if pipeline:
+        p.add_argument("--pp", type=int, default=1, help="pipeline parallel: processes holding a range of layers each")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -59,12 +69,25 @@ def load_proposer(args: argparse.Namespace, runner: ModelRunner):
 
     path = args.draft_model or shipped_drafter_path(args.model)
     drafter = Drafter.load(path, device=runner.device, dtype=runner.dtype)
+    if runner.layout.pp > 1:  # the draft KV is built on the last stage
+        from common.dflash.pipeline_proposer import PipelineProposer
+
+        return PipelineProposer(path, drafter, runner, runner.pool.num_pages, block_size=args.spec_block)
+    # With TP only, the drafter runs whole on rank 0 (the driver): it is a few layers, and its
+    # inputs (the captured hidden states) are whole on every TP rank after the all-reduce, so
+    # splitting it would add all-reduces to a cheap step.
     return DFlashProposer(drafter, runner, runner.pool.num_pages, block_size=args.spec_block)
 
 
 def load_model(opts: ModelOptions) -> tuple[ModelRunner, Tokenizer]:
     src = resolve_model(opts.model)
     cfg, tensors = load_weights(src)
-    runner = ModelRunner(cfg, tensors, dtype=opts.dtype, device=opts.device,
-                         num_pages=opts.kv_pages, page_size=opts.page_size, enforce_eager=opts.enforce_eager)
+    if opts.tp * opts.pp > 1:
+        from common.parallel_runner import ParallelRunner
+
+        runner = ParallelRunner(cfg, tensors, tp=opts.tp, pp=opts.pp, dtype=opts.dtype, device=opts.device,
+                                num_pages=opts.kv_pages, page_size=opts.page_size)
+    else:
+        runner = ModelRunner(cfg, tensors, dtype=opts.dtype, device=opts.device,
+                             num_pages=opts.kv_pages, page_size=opts.page_size, enforce_eager=opts.enforce_eager)
     return runner, Tokenizer(src, cfg.eos_token_ids)

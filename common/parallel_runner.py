@@ -28,7 +28,8 @@ from common.mooncake_engine import MooncakeConfig
 from common.model_config import ModelConfig
 from common.parallel import RankLayout, check_parallel
 from common.pipeline import init_ranks, recv, stage_forward
-from common.rank_worker import (AppendContext, Endpoint, Forward, LoadDrafter, PackedTensors, ReadPages, Reply, StartTransfer, Stop,
+from common.buffers import RankEndpoint
+from common.rank_worker import (AppendContext, Forward, LoadDrafter, PackedTensors, ReadPages, Reply, StartTransfer, Stop,
                                 WorkerSpec, WriteJob, worker_main)
 from common.runner import ModelRunner, StepBatch
 from common.transfer_plan import TransferEntry
@@ -122,10 +123,11 @@ class ParallelRunner(ModelRunner):
         return next(part for part in self._read_all("draft_kv", pages) if part is not None)
 
     def _read_all(self, name: str, pages: list[int]) -> list[torch.Tensor | None]:
-        return [f.result(STARTUP_TIMEOUT_S) for f in self._call_all(lambda r: ("pages", r), ReadPages(name, pages))]
+        job = next(self._jobs)
+        return [f.result(STARTUP_TIMEOUT_S) for f in self._call_all(lambda r: ("pages", job, r), ReadPages(name, pages, job))]
 
     # ---- transfers -----------------------------------------------------------------------------
-    def start_transfer(self, config: MooncakeConfig) -> list[Endpoint]:
+    def start_transfer(self, config: MooncakeConfig) -> list[RankEndpoint]:
         """Each worker starts its own Mooncake engine and registers its buffers; their endpoints
         in rank order (rank 0's is the service's own)."""
         return [f.result(STARTUP_TIMEOUT_S) for f in self._call_all(lambda r: ("endpoint", r), StartTransfer(config))]

@@ -14,12 +14,12 @@ import os
 import signal
 import threading
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from common.buffers import PagedKVBuffer
+from common.buffers import RankEndpoint
 from common.model_config import ModelConfig
 from common.mooncake_engine import MooncakeConfig, MooncakeEngine
 from common.parallel import RankLayout
@@ -95,6 +95,7 @@ class ReadPages:
     """This rank's part of these pages of buffer `name` ("kv", or "draft_kv" where it is held)."""
     name: str
     pages: list[int]
+    job: int
 
 
 @dataclass
@@ -115,21 +116,15 @@ class WriteJob:
 
 @dataclass
 class Reply:
-    key: tuple  # ("ready" | "endpoint" | "drafter", rank) or ("write", job, rank)
+    key: tuple  # ("ready" | "endpoint" | "drafter", rank) or ("write" | "pages", job, rank)
     value: Any = None
     error: str | None = None
-
-
-@dataclass
-class Endpoint:
-    """One rank's Mooncake session and the buffers registered with it."""
-    session_id: str
-    buffers: list[PagedKVBuffer] = field(default_factory=list)
 
 
 # ---- the worker process ------------------------------------------------------------------------
 def worker_main(spec: WorkerSpec, commands, writes, replies) -> None:
     _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the driver stops us
     rank = spec.layout.rank
     logging.basicConfig(level=os.environ.get("PDFLASH_LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
@@ -164,7 +159,7 @@ def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
                     draft.write_context(drafter.fuse_sum(fc_sum[cmd.rows]), cmd.positions, cmd.slots)
         elif isinstance(cmd, ReadPages):
             holder = runner if cmd.name == "kv" else draft
-            replies.put(Reply(("pages", layout.rank), holder and holder.read_pages(cmd.pages)))
+            replies.put(Reply(("pages", cmd.job, layout.rank), holder and holder.read_pages(cmd.pages)))
         elif isinstance(cmd, LoadDrafter):
             drafter, draft = _load_drafter(cmd, runner)
             replies.put(Reply(("drafter", layout.rank)))
@@ -175,7 +170,7 @@ def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
             for buf in buffers:
                 mooncake.register(buf.base_addr, buf.length)
             threading.Thread(target=_write_loop, args=(mooncake, layout.rank, writes, replies), daemon=True).start()
-            replies.put(Reply(("endpoint", layout.rank), Endpoint(mooncake.session_id, buffers)))
+            replies.put(Reply(("endpoint", layout.rank), RankEndpoint(layout.tp_rank, mooncake.session_id, buffers)))
         elif isinstance(cmd, Stop):
             torch.distributed.destroy_process_group()
             return

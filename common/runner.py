@@ -161,6 +161,9 @@ class ModelRunner:
                 raise ValueError(f"sequence of {s.length + n} tokens exceeds the model context "
                                  f"({self.cfg.max_position})")
 
+    def close(self) -> None:
+        """Nothing to stop in one process (ParallelRunner stops its worker ranks)."""
+
     # ---- transfer description --------------------------------------------------------------
     def read_pages(self, pages: list[int]) -> torch.Tensor:
         """A copy of these pages of the KV, [layer, k/v, page, token, head, dim] (CPU)."""

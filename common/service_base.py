@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.mooncake_engine import MooncakeConfig, MooncakeEngine
+from common.parallel import ParallelConfigError
 
 
 # Channels between our own services (router -> P/D, D -> P, P -> D). gRPC's default reconnect
@@ -72,4 +73,8 @@ def run_service(main_coro) -> None:
             loop.add_signal_handler(sig, stop.set)
         await main_coro(stop)
 
-    asyncio.run(runner())
+    try:
+        asyncio.run(runner())
+    except ParallelConfigError as e:  # --tp/--pp that the model cannot take: one line, no traceback
+        print(f"python -m {sys.modules['__main__'].__spec__.parent}: error: {e}", file=sys.stderr)
+        sys.exit(2)

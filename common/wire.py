@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from common.buffers import PagedKVBuffer, RoomBuffers, SlotStateBuffer
+from common.buffers import PagedKVBuffer, RankEndpoint, RoomBuffers, SlotStateBuffer
 from protos import pdflash_pb2 as pb
 
 PAGED_KV = "paged_kv"
@@ -76,3 +76,17 @@ def _kv_planes(info: pb.BufferInfo) -> int:
             f"{info.num_layers} layers x {info.num_pages} pages x {info.bytes_per_page} bytes"
         )
     return info.length // per_plane
+
+
+def ranks_to_protos(ranks: list[RankEndpoint], indices: dict[str, list[int]]) -> list[pb.RankBuffers]:
+    """Every rank of an instance with a room's pages (the page tables are the same on every rank)."""
+    return [pb.RankBuffers(tp_rank=r.tp_rank, session_id=r.session_id,
+                           buffers=room_to_protos(RoomBuffers(r.buffers, indices))) for r in ranks]
+
+
+def ranks_from_bootstrap(msg: pb.BootstrapRequest) -> list[tuple[int, str, RoomBuffers]]:
+    """(tp rank, Mooncake session, room buffers) of each D rank; a D of one rank may send only
+    the single-rank fields."""
+    if not msg.ranks:
+        return [(msg.tp_rank, msg.session_id, room_from_protos(msg.buffers))]
+    return [(r.tp_rank, r.session_id, room_from_protos(r.buffers)) for r in msg.ranks]

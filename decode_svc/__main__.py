@@ -7,8 +7,10 @@ import asyncio
 
 from common.engine import Engine
 from common.engine_loop import EngineLoop
-from common.loader import ModelOptions, add_model_args, add_spec_args, load_model, load_proposer
-from common.service_base import add_mooncake_args, run_service, serve_grpc, setup_logging, start_mooncake
+from common.loader import (ModelOptions, add_model_args, add_parallel_args, add_spec_args, load_model,
+                           load_proposer)
+from common.service_base import add_mooncake_args, run_service, serve_grpc, setup_logging
+from common.transfer_ranks import TransferRanks
 from decode_svc.kv_receiver import KVReceiver
 from decode_svc.service import DecodeServicer
 from protos import pdflash_pb2_grpc as pb_grpc
@@ -23,6 +25,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--deadline", type=float, default=60.0, help="seconds for bootstrap + KV transfer")
     add_model_args(p)
+    add_parallel_args(p, pipeline=False)
     add_spec_args(p)
     add_mooncake_args(p)
     return p.parse_args(argv)
@@ -31,23 +34,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
     log = setup_logging(f"{args.role}:{args.port}")
     runner, tokenizer = load_model(ModelOptions.from_args(args))
-    engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, max_running=args.max_running,
-                    proposer=load_proposer(args, runner))
-    loop = EngineLoop(engine, asyncio.get_running_loop())
-    receiver = None
-    if args.role == "decode":
-        mooncake = start_mooncake(args)
-        for buf in engine.describe_buffers():
-            mooncake.register(buf.base_addr, buf.length)
-        receiver = KVReceiver(loop, mooncake.session_id, f"{args.host}:{args.port}")
-    servicer = DecodeServicer(loop, tokenizer, receiver, args.role, runner.cfg.name, args.deadline)
-    loop.start()
-    server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_DecodeServiceServicer_to_server(servicer, s))
-    log.info("ready on %s:%d (%s, %d KV pages of %d tokens)", args.host, args.port, args.role,
-             runner.pool.num_pages, runner.page_size)
-    await stop.wait()
-    await server.stop(grace=2)
-    loop.stop()
+    try:
+        engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, max_running=args.max_running,
+                        proposer=load_proposer(args, runner))
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        receiver = None
+        if args.role == "decode":
+            ranks = TransferRanks.start(args, engine)  # P writes each of our ranks' heads to that rank
+            receiver = KVReceiver(loop, ranks.mooncake.session_id, f"{args.host}:{args.port}", ranks.endpoints, args.tp)
+        servicer = DecodeServicer(loop, tokenizer, receiver, args.role, runner.cfg.name, args.deadline)
+        loop.start()
+        server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_DecodeServiceServicer_to_server(servicer, s))
+        log.info("ready on %s:%d (%s, TP %d, %d KV pages of %d tokens)", args.host, args.port, args.role, args.tp,
+                 runner.pool.num_pages, runner.page_size)
+        await stop.wait()
+        await server.stop(grace=2)
+        loop.stop()
+    finally:
+        runner.close()
 
 
 if __name__ == "__main__":

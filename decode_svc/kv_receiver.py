@@ -14,18 +14,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
-from common.buffers import RoomBuffers
+from common.buffers import RankEndpoint, RoomBuffers
 from common.engine_loop import EngineLoop
-from common.kv_checksum import room_checksums
 from common.page_pool import OutOfPages
 from common.request import Request
 from common.runner import SeqCache
 from common.service_base import PEER_CHANNEL_OPTIONS
-from common.wire import room_to_protos
+from common.wire import ranks_to_protos, room_to_protos
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 
@@ -45,8 +44,10 @@ class HandoffError(Exception):
 @dataclass
 class KVReceiver:
     loop: EngineLoop
-    session_id: str  # our Mooncake session "host:port"
+    session_id: str  # our Mooncake session "host:port" (rank 0's)
     self_addr: str  # our gRPC address, for P's TransferDone
+    ranks: list[RankEndpoint] = field(default_factory=list)  # every TP rank's buffers (rank 0 first)
+    tp: int = 1
 
     def __post_init__(self) -> None:
         self._acks: dict[str, asyncio.Future] = {}
@@ -93,8 +94,7 @@ class KVReceiver:
         return True
 
     async def _verify(self, req: Request, expected: list[int]) -> None:
-        engine = self.loop.engine
-        got = await asyncio.to_thread(room_checksums, engine.kv_tensors(), engine.room_pages(req), req.prompt_len)
+        got = await asyncio.to_thread(self.loop.engine.room_checksums, req)
         bad = sum(a != b for a, b in zip(got, expected)) + abs(len(got) - len(expected))
         if bad:
             raise HandoffError(grpc.StatusCode.DATA_LOSS,
@@ -117,9 +117,11 @@ class KVReceiver:
 
     async def _bootstrap(self, req: Request, prefill_addr: str, deadline: float) -> None:
         engine = self.loop.engine
+        pages = engine.room_pages(req)
         msg = pb.BootstrapRequest(
-            room=req.rid, session_id=self.session_id, tp_rank=0, tp_size=1, decode_addr=self.self_addr,
-            buffers=room_to_protos(RoomBuffers(engine.describe_buffers(), engine.room_pages(req))))
+            room=req.rid, session_id=self.session_id, tp_rank=0, tp_size=self.tp, decode_addr=self.self_addr,
+            buffers=room_to_protos(RoomBuffers(engine.describe_buffers(), pages)),
+            ranks=ranks_to_protos(self.ranks, pages))
         stub = pb_grpc.PrefillServiceStub(self._channel(prefill_addr))
         try:
             # wait_for_ready: as for P's TransferDone (a P just restarted is waited for, not refused)

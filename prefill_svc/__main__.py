@@ -6,8 +6,10 @@ import asyncio
 
 from common.engine import Engine
 from common.engine_loop import EngineLoop
-from common.loader import ModelOptions, add_model_args, add_spec_args, load_model, load_proposer
-from common.service_base import add_mooncake_args, run_service, serve_grpc, setup_logging, start_mooncake
+from common.loader import (ModelOptions, add_model_args, add_parallel_args, add_spec_args, load_model,
+                           load_proposer)
+from common.service_base import add_mooncake_args, run_service, serve_grpc, setup_logging
+from common.transfer_ranks import TransferRanks
 from prefill_svc.kv_sender import KVSender
 from prefill_svc.service import PrefillServicer
 from protos import pdflash_pb2_grpc as pb_grpc
@@ -21,6 +23,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deadline", type=float, default=60.0, help="seconds a room may take end to end")
     p.add_argument("--verify-transfer", action="store_true", help="send page checksums; D checks every page it received")
     add_model_args(p)
+    add_parallel_args(p, pipeline=True)
     add_spec_args(p)
     add_mooncake_args(p)
     return p.parse_args(argv)
@@ -29,20 +32,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
     log = setup_logging(f"prefill:{args.port}")
     runner, tokenizer = load_model(ModelOptions.from_args(args))
-    engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, prefill_only=True,
-                    proposer=load_proposer(args, runner))
-    loop = EngineLoop(engine, asyncio.get_running_loop())
-    mooncake = start_mooncake(args)
-    for buf in engine.describe_buffers():
-        mooncake.register(buf.base_addr, buf.length)
-    servicer = PrefillServicer(loop, KVSender(mooncake, engine, args.deadline, args.verify_transfer), runner.cfg.name, args.deadline)
-    loop.start()
-    server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_PrefillServiceServicer_to_server(servicer, s))
-    log.info("ready on %s:%d (mooncake %s, %d KV pages of %d tokens)", args.host, args.port,
-             mooncake.session_id, runner.pool.num_pages, runner.page_size)
-    await stop.wait()
-    await server.stop(grace=2)
-    loop.stop()
+    try:
+        engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, prefill_only=True,
+                        proposer=load_proposer(args, runner))
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        ranks = TransferRanks.start(args, engine)  # every rank sends its own layers' and heads' KV
+        servicer = PrefillServicer(loop, KVSender(ranks, engine, args.deadline, args.verify_transfer),
+                                   runner.cfg.name, args.deadline)
+        loop.start()
+        server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_PrefillServiceServicer_to_server(servicer, s))
+        log.info("ready on %s:%d (mooncake %s, TP %d x PP %d, %d KV pages of %d tokens)", args.host, args.port,
+                 ranks.mooncake.session_id, args.tp, args.pp, runner.pool.num_pages, runner.page_size)
+        await stop.wait()
+        await server.stop(grace=2)
+        loop.stop()
+    finally:
+        runner.close()
 
 
 if __name__ == "__main__":

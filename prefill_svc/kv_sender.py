@@ -7,21 +7,20 @@ import time
 
 import grpc
 
-from common.buffers import RoomBuffers
-from common.mooncake_engine import MooncakeEngine
+from common.buffers import RankEndpoint, RoomBuffers
 from common.service_base import PEER_CHANNEL_OPTIONS
 from common.request import Request
 from common.engine import Engine
-from common.kv_checksum import room_checksums
-from common.transfer_plan import build_plan
-from common.wire import room_from_protos
+from common.transfer_plan import TPRank, TransferPlanError, build_plan
+from common.transfer_ranks import TransferRanks, Writes
+from common.wire import ranks_from_bootstrap
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 
 
 class KVSender:
-    def __init__(self, mooncake: MooncakeEngine, engine: Engine, bootstrap_ttl_s: float, verify: bool):
-        self.mooncake = mooncake
+    def __init__(self, ranks: TransferRanks, engine: Engine, bootstrap_ttl_s: float, verify: bool):
+        self.ranks = ranks
         self.engine = engine
         self.verify = verify  # send page checksums so D can verify what it received
         self.bootstrap_ttl_s = bootstrap_ttl_s
@@ -71,16 +70,17 @@ class KVSender:
             self._boots.pop(room, None)
 
     async def send(self, req: Request, boot: pb.BootstrapRequest) -> int:
-        """Copy the prompt's KV into the pages D reserved. Plan errors (bounds, layouts) are
-        raised before any byte moves; a failed Mooncake batch raises TransferError."""
-        src = RoomBuffers(self.engine.describe_buffers(), self.engine.room_pages(req))
-        plan = build_plan(req.rid, src, room_from_protos(boot.buffers), num_tokens=req.prompt_len)
-        return await asyncio.to_thread(self.mooncake.write, boot.session_id, plan.entries)
+        """Copy the prompt's KV from each of our ranks into the pages D reserved on each of its
+        ranks. Plan errors (bounds, layouts) are raised before any byte moves; a failed
+        Mooncake batch raises TransferError."""
+        jobs = plan_writes(req.rid, self.ranks.endpoints, self.ranks.tp, self.engine.room_pages(req),
+                           ranks_from_bootstrap(boot), boot.tp_size or 1, req.prompt_len)
+        return await asyncio.to_thread(self.ranks.write, jobs)
 
     async def checksums(self, req: Request) -> list[int]:
         if not self.verify:
             return []
-        return await asyncio.to_thread(room_checksums, self.engine.kv_tensors(), self.engine.room_pages(req), req.prompt_len)
+        return await asyncio.to_thread(self.engine.room_checksums, req)
 
     async def ack(self, decode_addr: str, msg: pb.TransferDoneRequest, timeout: float) -> None:
         if decode_addr not in self._channels:
@@ -91,3 +91,26 @@ class KVSender:
         reply = await stub.TransferDone(msg, timeout=max(timeout, 1.0), wait_for_ready=True)
         if not reply.ok:
             raise RuntimeError(f"decode {decode_addr} no longer waits for room {msg.room}")
+
+
+def plan_writes(room: str, src: list[RankEndpoint], src_tp: int, pages: dict[str, list[int]],
+                dst: list[tuple[int, str, RoomBuffers]], dst_tp: int, num_tokens: int) -> list[Writes]:
+    """What each of our ranks writes to which D rank. A rank pair plans the buffers both hold
+    (the draft KV lives on one rank per side); each buffer must exist on both sides somewhere."""
+    ours = {b.name for r in src for b in r.buffers}
+    theirs = {b.name for _, _, d in dst for b in d.buffers}
+    if ours != theirs:
+        raise TransferPlanError(f"room {room}: buffers differ (prefill {sorted(ours)}, decode {sorted(theirs)}); "
+                                "are both started with the same --spec?")
+    jobs: list[Writes] = []
+    for rank in src:
+        writes: Writes = []
+        for d_rank, session, d_room in dst:
+            names = {b.name for b in rank.buffers} & {b.name for b in d_room.buffers}
+            plan = build_plan(room, RoomBuffers([b for b in rank.buffers if b.name in names], pages),
+                              RoomBuffers([b for b in d_room.buffers if b.name in names], d_room.indices),
+                              num_tokens, src_tp=TPRank(rank.tp_rank, src_tp), dst_tp=TPRank(d_rank, dst_tp))
+            if plan.entries:
+                writes.append((session, plan.entries))
+        jobs.append(writes)
+    return jobs

@@ -123,4 +123,4 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         pool = self.loop.engine.runner.pool
         return pb.HealthReply(ok=True, role="prefill", free_pages=pool.num_free, total_pages=pool.num_pages,
                               running=len(self.loop.engine.prefilling), model=self.model_name,
-                              mooncake_session=self.sender.mooncake.session_id)
+                              mooncake_session=self.sender.ranks.mooncake.session_id)

@@ -86,21 +86,33 @@ class PrefillReply(_message.Message):
     error: str
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
+class RankBuffers(_message.Message):
+    __slots__ = ("tp_rank", "session_id", "buffers")
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    tp_rank: int
+    session_id: str
+    buffers: _containers.RepeatedCompositeFieldContainer[BufferInfo]
+    def __init__(self, tp_rank: _Optional[int] = ..., session_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ...) -> None: ...
+
 class BootstrapRequest(_message.Message):
-    __slots__ = ("room", "session_id", "tp_rank", "tp_size", "buffers", "decode_addr")
+    __slots__ = ("room", "session_id", "tp_rank", "tp_size", "buffers", "decode_addr", "ranks")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     room: str
     session_id: str
     tp_rank: int
     tp_size: int
     buffers: _containers.RepeatedCompositeFieldContainer[BufferInfo]
     decode_addr: str
-    def __init__(self, room: _Optional[str] = ..., session_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., decode_addr: _Optional[str] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[RankBuffers]
+    def __init__(self, room: _Optional[str] = ..., session_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., decode_addr: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankBuffers, _Mapping]]] = ...) -> None: ...
 
 class BootstrapReply(_message.Message):
     __slots__ = ("ok", "error")

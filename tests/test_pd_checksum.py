@@ -79,7 +79,8 @@ def test_room_checksums_walks_buffers_in_name_order() -> None:
 
 
 def _receiver(tensor: torch.Tensor, pages: list[int]) -> tuple[KVReceiver, Request]:
-    engine = SimpleNamespace(kv_tensors=lambda: {"kv": tensor}, room_pages=lambda req: {"kv": list(req.cache.pages)})
+    engine = SimpleNamespace(room_checksums=lambda req: room_checksums({"kv": tensor}, {"kv": list(req.cache.pages)},
+                                                                      req.prompt_len))
     req = Request("room", list(range(7)), SamplingParams(max_new_tokens=1))
     req.cache.pages = pages
     return KVReceiver(SimpleNamespace(engine=engine), "127.0.0.1:1", "127.0.0.1:2"), req

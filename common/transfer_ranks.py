@@ -1,0 +1,56 @@
+"""An instance's KV transfer endpoints, one per rank: each rank registers its own buffers with
+its own Mooncake engine (a pipeline stage its layers, a TP rank its heads), and P writes a
+room's KV from every rank at once."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from common.buffers import RankEndpoint
+from common.engine import Engine
+from common.mooncake_engine import MooncakeEngine, TransferError
+from common.parallel_runner import ParallelRunner
+from common.service_base import start_mooncake
+from common.transfer_plan import TransferEntry
+
+Writes = list[tuple[str, list[TransferEntry]]]  # (peer Mooncake session, entries)
+
+
+@dataclass
+class TransferRanks:
+    mooncake: MooncakeEngine  # this process's: rank 0's
+    endpoints: list[RankEndpoint]  # every rank's, in rank order, rank 0 first
+    tp: int
+    engine: Engine
+
+    @classmethod
+    def start(cls, args: argparse.Namespace, engine: Engine) -> "TransferRanks":
+        mooncake = start_mooncake(args)
+        buffers = engine.describe_buffers()
+        for buf in buffers:
+            mooncake.register(buf.base_addr, buf.length)
+        endpoints = [RankEndpoint(0, mooncake.session_id, buffers)]
+        runner = engine.runner
+        if isinstance(runner, ParallelRunner):
+            endpoints += runner.start_transfer(mooncake.config)
+        return cls(mooncake, endpoints, runner.layout.tp, engine)
+
+    def write(self, jobs: list[Writes]) -> int:
+        """jobs[r]: what rank r writes. All ranks write at once; returns the bytes moved once
+        every rank has finished (so none still writes when the caller acks or frees pages),
+        or raises TransferError naming each rank that failed."""
+        runner = self.engine.runner
+        remote = [runner.write(r, w) for r, w in enumerate(jobs) if r and w]
+        moved, errors = 0, []
+        try:
+            moved += sum(self.mooncake.write(session, entries) for session, entries in jobs[0])
+        except TransferError as e:
+            errors.append(f"rank 0: {e}")
+        for fut in remote:
+            try:
+                moved += fut.result()
+            except Exception as e:
+                errors.append(str(e))
+        if errors:
+            raise TransferError("; ".join(errors))
+        return moved
