@@ -140,6 +140,10 @@ class ParallelRunner(ModelRunner):
         return fut
 
     # ---- lifetime ------------------------------------------------------------------------------
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
     def close(self) -> None:
         self._closing = True
         self._broadcast(Stop())

@@ -114,3 +114,44 @@ def test_unsplittable_tp_refused_before_any_process(embedded_weights) -> None:
     cfg, tensors = embedded_weights
     with pytest.raises(ParallelConfigError, match="9 attention heads do not split over TP 2"):
         ParallelRunner(cfg, tensors, tp=2)
+
+
+DRIVER = """
+import sys
+sys.path.insert(0, {tests!r})
+from tiny_models import random_model
+from common.parallel_runner import ParallelRunner
+from common.runner import SeqCache
+
+if __name__ == "__main__":
+    cfg, tensors = random_model(num_layers=4)
+    runner = ParallelRunner(cfg, tensors, pp=2, num_pages=4, page_size=8)
+    print(runner.worker_pids[0], flush=True)
+    while True:  # steps keep coming, as in a busy service
+        seq = SeqCache()
+        runner.reserve(seq, 8)
+        runner.extend([seq], [list(range(8))])
+        runner.release(seq)
+"""
+
+
+def test_dead_worker_stops_the_driver_with_an_error(tmp_path) -> None:
+    """A killed worker rank must not leave the service hanging in a collective: the driver
+    exits non-zero naming the rank (so `pdflash up` restarts the instance)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        worker = int(proc.stdout.readline())
+        os.kill(worker, signal.SIGKILL)
+        assert proc.wait(60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "worker pdflash-rank1 exited with code -9" in proc.stderr.read()
