@@ -59,6 +59,7 @@ class ParallelRunner(ModelRunner):
         self._pending: dict[tuple, Future] = {}
         self._lock = threading.Lock()
         self._closing = False
+        self._sent = 0  # commands broadcast so far (WriteJob.after)
         self._jobs = itertools.count()
         self._procs, self._commands, self._writes = [], [], []
         ready = [self._expect(("ready", r)) for r in range(1, layout.world)]
@@ -136,7 +137,8 @@ class ParallelRunner(ModelRunner):
         """Worker `rank` writes these entries from its KV into decode sessions; resolves to bytes."""
         job = next(self._jobs)
         fut = self._expect(("write", job, rank))
-        self._writes[rank - 1].put(WriteJob(job, writes))
+        with self._lock:  # after every command sent so far, e.g. the draft KV of this room
+            self._writes[rank - 1].put(WriteJob(job, writes, self._sent))
         return fut
 
     # ---- lifetime ------------------------------------------------------------------------------
@@ -155,8 +157,10 @@ class ParallelRunner(ModelRunner):
 
     # ---- plumbing ------------------------------------------------------------------------------
     def _broadcast(self, cmd) -> None:
-        for q in self._commands:
-            q.put(cmd)
+        with self._lock:
+            for q in self._commands:
+                q.put(cmd)
+            self._sent += 1
 
     def _call_all(self, key, cmd) -> list[Future]:
         futures = [self._expect(key(r)) for r in range(1, self.layout.world)]

@@ -112,6 +112,10 @@ class Stop:
 class WriteJob:
     job: int
     writes: list[tuple[str, list[TransferEntry]]]  # (decode rank's Mooncake session, entries)
+    # Start once this many commands are done: the driver learns that a room's prefill is done
+    # from the last stage's hidden states, before that rank has run the AppendContext that
+    # writes the room's draft KV (and before other ranks' queues are necessarily drained).
+    after: int
 
 
 @dataclass
@@ -146,6 +150,7 @@ def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
     del spec.tensors  # loaded into the model: let the driver's shared copy go
     replies.put(Reply(("ready", layout.rank)))
     drafter = draft = fc_sum = None
+    done = _Done()
     while True:
         cmd = commands.get()
         if isinstance(cmd, Forward):
@@ -169,11 +174,29 @@ def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
             buffers = runner.describe_buffers() + (draft.describe_buffers() if draft is not None else [])
             for buf in buffers:
                 mooncake.register(buf.base_addr, buf.length)
-            threading.Thread(target=_write_loop, args=(mooncake, layout.rank, writes, replies), daemon=True).start()
+            threading.Thread(target=_write_loop, args=(mooncake, layout.rank, writes, replies, done), daemon=True).start()
             replies.put(Reply(("endpoint", layout.rank), RankEndpoint(layout.tp_rank, mooncake.session_id, buffers)))
         elif isinstance(cmd, Stop):
             torch.distributed.destroy_process_group()
             return
+        done.advance()
+
+
+class _Done:
+    """How many commands the main thread has finished; the write thread waits on it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._cond = threading.Condition()
+
+    def advance(self) -> None:
+        with self._cond:
+            self.count += 1
+            self._cond.notify_all()
+
+    def wait_for(self, n: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.count >= n)
 
 
 def _load_drafter(cmd: LoadDrafter, runner: ModelRunner):
@@ -188,9 +211,10 @@ def _load_drafter(cmd: LoadDrafter, runner: ModelRunner):
     return drafter, draft
 
 
-def _write_loop(mooncake: MooncakeEngine, rank: int, writes, replies) -> None:
+def _write_loop(mooncake: MooncakeEngine, rank: int, writes, replies, done: _Done) -> None:
     while True:
         job: WriteJob = writes.get()
+        done.wait_for(job.after)
         try:
             moved = sum(mooncake.write(session, entries) for session, entries in job.writes)
             replies.put(Reply(("write", job.job, rank), moved))
