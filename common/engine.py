@@ -154,16 +154,17 @@ class Engine:
             chunks.append(req.prompt_ids[start:start + n])
             budget -= n
         capture = self.proposer.capture_layers if self.proposer else ()
-        out = self.runner.extend([r.cache for r in batch], chunks, capture_layers=capture)
+        # Logits only of prompts this step finishes: a step of middle chunks needs none, so a
+        # pipeline-parallel runner starts the next chunk while later stages still run this one.
+        done = [i for i, (r, c) in enumerate(zip(batch, chunks)) if r.prefill_remaining == len(c)]
+        out = self.runner.extend([r.cache for r in batch], chunks, capture_layers=capture, logits_of=done)
         if self.proposer:
             ends = torch.tensor([len(c) for c in chunks]).cumsum(0).tolist()
             rows = [torch.arange(e - len(c), e) for c, e in zip(chunks, ends)]
             self.proposer.append_context([r.draft_cache for r in batch], out.captured, rows)
-        logits = out.logits
-        done = [i for i, r in enumerate(batch) if r.prefill_remaining == 0]
         if not done:
             return []
-        tokens = sample(logits[done], [batch[i].params for i in done], [0] * len(done))
+        tokens = sample(out.logits, [batch[i].params for i in done], [0] * len(done))
         outputs = []
         for i, tok in zip(done, tokens):
             req = batch[i]

@@ -93,6 +93,8 @@ class ParallelRunner(ModelRunner):
         out = stage_forward(self, batch, capture_layers, self.drafter)
         if self.layout.pp == 1:
             return out.hidden, out.captured
+        if batch.num_rows == 0:  # middle chunks: don't wait for the last stage (see Engine._prefill_step)
+            return torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device), {}
         last = (self.layout.pp - 1) * self.layout.tp
         hidden = recv((batch.num_rows, self.cfg.hidden_size), self.dtype, self.device, last)
         # The captured states stay on their stages; their share of the draft context went down

@@ -155,7 +155,7 @@ def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
         cmd = commands.get()
         if isinstance(cmd, Forward):
             out = stage_forward(runner, cmd.batch, cmd.capture_layers, drafter)
-            if layout.is_last_stage and layout.pp > 1 and layout.tp_rank == 0:
+            if layout.is_last_stage and layout.pp > 1 and layout.tp_rank == 0 and cmd.batch.num_rows:
                 torch.distributed.send(out.hidden.contiguous(), 0)  # the driver computes the logits
             fc_sum = out.fc_sum
         elif isinstance(cmd, AppendContext):

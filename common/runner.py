@@ -40,7 +40,7 @@ class StepBatch:
     counts: list[int]
     page_tables: list[list[int]]
     token_ids: list[int]
-    logit_rows: list[int] | None  # rows whose final hidden state is wanted (None = all)
+    logit_rows: list[int] | None  # rows whose final hidden state is wanted (None = all, [] = none)
 
     @property
     def num_tokens(self) -> int:
@@ -115,14 +115,16 @@ class ModelRunner:
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def extend(self, seqs: list[SeqCache], tokens: list[list[int]], *, all_logits: bool = False,
-               capture_layers: tuple[int, ...] = ()) -> ExtendOutput:
+               capture_layers: tuple[int, ...] = (), logits_of: list[int] | None = None) -> ExtendOutput:
         """Append tokens[i] to seqs[i] (pages must be reserved) and run the model over them.
-        Returns logits of each request's last new token, or of every new token if all_logits."""
+        Returns logits of each request's last new token (only requests `logits_of`, if given),
+        or of every new token if all_logits."""
         counts = [len(t) for t in tokens]
         self._check_room(seqs, counts)
-        ends = torch.tensor(counts).cumsum(0)
+        ends = torch.tensor(counts).cumsum(0) - 1
+        rows = None if all_logits else ends.tolist() if logits_of is None else ends[logits_of].tolist()
         batch = StepBatch([s.length for s in seqs], counts, [list(s.pages) for s in seqs],
-                          [t for ts in tokens for t in ts], None if all_logits else (ends - 1).tolist())
+                          [t for ts in tokens for t in ts], rows)
         hidden, captured = self.forward(batch, capture_layers)
         for s, n in zip(seqs, counts):
             s.length += n

@@ -32,20 +32,25 @@ CAPTURE = (0, 3, 4, 5, 7, 15)
 
 
 def run_prefill(runner, proposer) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Two requests prefilled in two chunked steps (batched, then one alone), capturing the
-    drafter's layers and appending draft KV as the engine does. (logits, KV, draft KV)."""
+    """Two requests prefilled in chunked steps (batched; a middle chunk whose logits nobody
+    waits for; the last chunk), capturing the drafter's layers and appending draft KV as the
+    engine does. (logits, KV, draft KV)."""
     prompts = [list(range(3, 23)), list(range(40, 49))]
     seqs, drafts = [SeqCache(), SeqCache()], [SeqCache(), SeqCache()]
     for s, d, p in zip(seqs, drafts, prompts):
         runner.reserve(s, len(p))
         proposer.reserve(d, len(p))
     logits = []
-    for batch, chunks in (([0, 1], [prompts[0][:13], prompts[1]]), ([0], [prompts[0][13:]])):
-        out = runner.extend([seqs[i] for i in batch], chunks, all_logits=True, capture_layers=proposer.capture_layers)
+    steps = [([0, 1], [prompts[0][:13], prompts[1]], True), ([0], [prompts[0][13:17]], False),
+             ([0], [prompts[0][17:]], True)]
+    for batch, chunks, wanted in steps:
+        out = runner.extend([seqs[i] for i in batch], chunks, all_logits=wanted, logits_of=None if wanted else [],
+                            capture_layers=proposer.capture_layers)
         ends = torch.tensor([len(c) for c in chunks]).cumsum(0).tolist()
         proposer.append_context([drafts[i] for i in batch], out.captured,
                                 [torch.arange(e - len(c), e) for c, e in zip(chunks, ends)])
-        logits.append(out.logits)
+        if wanted:
+            logits.append(out.logits)
     pages = seqs[0].pages + seqs[1].pages
     draft_pages = drafts[0].pages + drafts[1].pages
     kv, draft_kv = runner.read_pages(pages), proposer.read_pages(draft_pages)
