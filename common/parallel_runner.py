@@ -77,7 +77,7 @@ class ParallelRunner(ModelRunner):
             self._writes.append(writes)
         threading.Thread(target=self._read_replies, name="rank-replies", daemon=True).start()
         threading.Thread(target=self._watch_workers, name="rank-watch", daemon=True).start()
-        reduce = init_ranks(layout, init_method, backend)
+        reduce = init_ranks(layout, init_method, backend, _rank_device(device, 0))
         super().__init__(cfg, tensors, dtype=dtype, device=_rank_device(device, 0), num_pages=num_pages,
                          page_size=page_size, layout=layout, reduce=reduce)
         for f in ready:

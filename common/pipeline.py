@@ -28,8 +28,10 @@ from common.runner import ModelRunner, StepBatch
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
-def init_ranks(layout: RankLayout, init_method: str, backend: str) -> Reduce:
+def init_ranks(layout: RankLayout, init_method: str, backend: str, device: str) -> Reduce:
     """Join the process group of all ranks; returns the all-reduce over this rank's TP group."""
+    if backend == "nccl":
+        torch.cuda.set_device(device)  # NCCL builds its communicators on the current device
     dist.init_process_group(backend, init_method=init_method, rank=layout.rank, world_size=layout.world,
                             timeout=COLLECTIVE_TIMEOUT)
     if layout.tp == 1:

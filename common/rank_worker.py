@@ -144,7 +144,7 @@ def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
     layout = spec.layout
     if spec.backend == "gloo":  # ranks compute in lock step: share the cores, don't oversubscribe them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world))
-    reduce = init_ranks(layout, spec.init_method, spec.backend)
+    reduce = init_ranks(layout, spec.init_method, spec.backend, spec.device)
     runner = ModelRunner(spec.cfg, spec.tensors.unpack(), dtype=spec.dtype, device=spec.device, num_pages=spec.num_pages,
                          page_size=spec.page_size, layout=layout, reduce=reduce)
     del spec.tensors  # loaded into the model: let the driver's shared copy go

@@ -68,12 +68,12 @@ def close(got: torch.Tensor, want: torch.Tensor, tol: float) -> float:
 
 
 def check_parallel_equals_single(cfg, tensors, drafter_path: str, splits: list[tuple[int, int]],
-                                 dtype: str, tol: float, tp_tol: float | None = None) -> None:
-    single = ModelRunner(cfg, tensors, dtype=dtype, num_pages=16, page_size=PAGE)
-    drafter = Drafter.load(drafter_path, dtype=single.dtype)
+                                 dtype: str, tol: float, tp_tol: float | None = None, device: str = "cpu") -> None:
+    single = ModelRunner(cfg, tensors, dtype=dtype, device=device, num_pages=16, page_size=PAGE)
+    drafter = Drafter.load(drafter_path, device=device, dtype=single.dtype)
     want = run_prefill(single, DFlashProposer(drafter, single, 16))
     for tp, pp in splits:
-        runner = ParallelRunner(cfg, tensors, tp=tp, pp=pp, dtype=dtype, num_pages=16, page_size=PAGE)
+        runner = ParallelRunner(cfg, tensors, tp=tp, pp=pp, dtype=dtype, device=device, num_pages=16, page_size=PAGE)
         try:
             proposer = (PipelineProposer(drafter_path, drafter, runner, 16) if pp > 1
                         else DFlashProposer(drafter, runner, 16))
@@ -104,6 +104,16 @@ def test_random_model_pp_bf16(random16, tmp_path) -> None:
     cfg, tensors = random16
     drafter = save_random_drafter(cfg, CAPTURE, str(tmp_path / "drafter"))
     check_parallel_equals_single(cfg, tensors, drafter, [(1, 4), (2, 2)], "bf16", BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_random_model_pp_and_tp_on_two_gpus(random16, tmp_path) -> None:
+    """NCCL between one process per GPU."""
+    cfg, tensors = random16
+    drafter = save_random_drafter(cfg, CAPTURE, str(tmp_path / "drafter"))
+    check_parallel_equals_single(cfg, tensors, drafter, [(1, 2), (2, 1)], "fp32", FP32_TOL, TP_FP32_TOL, device="cuda")
+    check_parallel_equals_single(cfg, tensors, drafter, [(1, 2), (2, 1)], "bf16", BF16_TOL, device="cuda")
 
 
 def test_embedded_model_pp_and_tp(embedded_weights) -> None:
