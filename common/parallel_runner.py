@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common.dflash.drafter import Drafter
 from common.mooncake_engine import MooncakeConfig
 from common.model_config import ModelConfig
 from common.parallel import RankLayout, check_parallel
@@ -102,7 +103,7 @@ class ParallelRunner(ModelRunner):
         return hidden, {}
 
     # ---- DFlash under pipeline parallelism ------------------------------------------------------
-    def load_pipeline_drafter(self, path: str, drafter, num_pages: int) -> None:
+    def load_pipeline_drafter(self, path: str, drafter: Drafter, num_pages: int) -> None:
         self.drafter = drafter
         for f in self._call_all(lambda r: ("drafter", r), LoadDrafter(path, num_pages)):
             f.result(STARTUP_TIMEOUT_S)
