@@ -192,8 +192,9 @@ def _profile(out_dir: str, steps: int = 5) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     cfg = SHAPES["embedded"]
+    pages_each = -(-(128 + 2 * steps) // 64)
     runner = ModelRunner(cfg, random_weights(cfg, torch.bfloat16, "cuda"), dtype="bf16", device="cuda",
-                         num_pages=64, page_size=64, enforce_eager=True)
+                         num_pages=32 * pages_each, page_size=64, enforce_eager=True)
     runner.decode_graphs = DecodeGraphs(runner, (1, 32), capture=False)
     rows = []
     for bs in (1, 32):
