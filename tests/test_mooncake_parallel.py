@@ -8,7 +8,6 @@ processes serve every layout, so the grid costs little more than its transfers.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 from typing import Any
 
 import numpy as np
@@ -23,10 +22,9 @@ from common.buffers import RoomBuffers  # noqa: E402
 from common.mooncake_engine import MooncakeConfig, MooncakeEngine, TransferError  # noqa: E402
 from common.transfer_plan import TPRank, TransferPlanError, build_plan  # noqa: E402
 from common.wire import room_from_protos, room_to_protos  # noqa: E402
+from peer_process import Peer  # noqa: E402
 from parallel_kv import KVSpec, Split, d_rooms, expected_d_caches, p_rooms  # noqa: E402
 from protos import pdflash_pb2 as pb  # noqa: E402
-
-REPLY_TIMEOUT_S = 60
 
 
 def _room(infos: list[bytes]) -> RoomBuffers:
@@ -89,34 +87,9 @@ def _peer_main(conn: Any) -> None:
             conn.send(("error", type(e).__name__, str(e)))
 
 
-class Peer:
-    def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_peer_main, args=(child,), daemon=True)
-        self.proc.start()
-
-    def call(self, *cmd: Any) -> tuple:
-        self.conn.send(cmd)
-        if not self.conn.poll(REPLY_TIMEOUT_S):
-            raise AssertionError(f"peer gave no reply to {cmd[0]} (alive: {self.proc.is_alive()})")
-        return self.conn.recv()
-
-    def ok(self, *cmd: Any) -> Any:
-        reply = self.call(*cmd)
-        assert reply[0] == "ok", reply
-        return reply[1]
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            self.ok("stop")
-        self.proc.join(10)
-        assert self.proc.exitcode == 0
-
-
 @pytest.fixture(scope="module")
 def peers():
-    p, d = Peer(), Peer()
+    p, d = Peer(_peer_main), Peer(_peer_main)
     yield p, d
     p.stop()
     d.stop()

@@ -25,9 +25,9 @@ torch = pytest.importorskip("torch")
 
 from common.mooncake_engine import MooncakeConfig, MooncakeEngine, TransferError, check_allocator_env  # noqa: E402
 from common.wire import room_from_protos  # noqa: E402
+from peer_process import REPLY_TIMEOUT_S, Peer  # noqa: E402
 from protos import pdflash_pb2 as pb  # noqa: E402
 
-REPLY_TIMEOUT_S = 60
 
 # name -> (layers, pages, page_size, num_heads, head_start, total_heads, head_dim) or
 # name -> (layers, slots, bytes_per_slot) for state slots.
@@ -109,34 +109,9 @@ def _peer_main(conn: Any, specs: dict[str, tuple]) -> None:
             conn.send(("error", type(e).__name__, str(e)))
 
 
-class Peer:
-    def __init__(self, specs: dict[str, tuple]):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_peer_main, args=(child, specs), daemon=True)
-        self.proc.start()
-
-    def call(self, *cmd: Any) -> tuple:
-        self.conn.send(cmd)
-        if not self.conn.poll(REPLY_TIMEOUT_S):
-            raise AssertionError(f"peer gave no reply to {cmd[0]} (alive: {self.proc.is_alive()})")
-        return self.conn.recv()
-
-    def ok(self, *cmd: Any) -> Any:
-        reply = self.call(*cmd)
-        assert reply[0] == "ok", reply
-        return reply[1]
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            self.ok("stop")
-        self.proc.join(10)
-        assert self.proc.exitcode == 0
-
-
 @pytest.fixture(scope="module")
 def pair():
-    src, dst = Peer(EQUAL_SPECS), Peer(EQUAL_SPECS)
+    src, dst = Peer(_peer_main, EQUAL_SPECS), Peer(_peer_main, EQUAL_SPECS)
     yield src, dst
     src.stop()
     dst.stop()
@@ -209,7 +184,7 @@ def test_write_to_a_frozen_peer_fails_at_the_deadline(pair, monkeypatch):
     deadline (5 s, the floor) has passed, not wait on, and work again once D resumes."""
     _, dst = pair
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "1")  # floored to 5 s; a spawned peer inherits it
-    src = Peer(EQUAL_SPECS)
+    src = Peer(_peer_main, EQUAL_SPECS)
     try:
         idx = {"kv": [0, 1], "draft_kv": [0, 1], "state": [0]}
         session, infos = dst.ok("describe", idx)
@@ -231,8 +206,8 @@ def test_write_to_a_frozen_peer_fails_at_the_deadline(pair, monkeypatch):
 def test_head_range_intersection_over_two_batches():
     """P holds heads 0-3 of 4, D holds heads 2-3: per-token entries, 4 x 2 x 192 = 1536 of
     them, so the engine must split them into two batches (<= 1024 each)."""
-    src = Peer({"kv": (4, 16, 16, 4, 0, 4, 8)})
-    dst = Peer({"kv": (4, 16, 16, 2, 2, 4, 8)})
+    src = Peer(_peer_main, {"kv": (4, 16, 16, 4, 0, 4, 8)})
+    dst = Peer(_peer_main, {"kv": (4, 16, 16, 2, 2, 4, 8)})
     try:
         src.ok("fill", 30)
         dst.ok("fill", 31)
