@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from common.bench.report import md_table
 from common.engine import Engine
 from common.loader import add_model_args
 from common.model_config import ModelConfig
@@ -396,18 +397,14 @@ def _fmt(r: Row) -> str:
 
 
 def floor_table(rows: list[FloorRow]) -> str:
-    lines = ["| shape | dtype | batch | prompt + new tokens | step ms | floor ms | step / floor | CUDA graphs |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r.shape} | {r.dtype} | {r.batch} | {r.prompt_tokens} + {r.new_tokens} | {r.step_ms:.3f} | "
-                     f"{r.floor_ms:.3f} | {r.x_floor:.2f}x | {'yes' if r.cuda_graphs else 'no'} |")
-    return "\n".join(lines)
+    return md_table(["shape", "dtype", "batch", "prompt + new tokens", "step ms", "floor ms", "step / floor", "CUDA graphs"],
+                    [[r.shape, r.dtype, str(r.batch), f"{r.prompt_tokens} + {r.new_tokens}", f"{r.step_ms:.3f}",
+                      f"{r.floor_ms:.3f}", f"{r.x_floor:.2f}x", "yes" if r.cuda_graphs else "no"] for r in rows])
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| dtype | metric | batch | prompt + new tokens | pdflash tok/s | transformers tok/s | ratio | ratio of medians |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r.dtype} | {r.metric} | {r.batch} | {r.prompt_tokens} + {r.new_tokens} | {r.ours_tok_s:.1f} | "
-                     f"{r.hf_tok_s:.1f} | {r.ratio:.2f}x | {r.ours_median_tok_s / r.hf_median_tok_s:.2f}x |")
-    return "\n".join(lines)
+    return md_table(["dtype", "metric", "batch", "prompt + new tokens", "pdflash tok/s", "transformers tok/s", "ratio",
+                     "ratio of medians"],
+                    [[r.dtype, r.metric, str(r.batch), f"{r.prompt_tokens} + {r.new_tokens}", f"{r.ours_tok_s:.1f}",
+                      f"{r.hf_tok_s:.1f}", f"{r.ratio:.2f}x", f"{r.ours_median_tok_s / r.hf_median_tok_s:.2f}x"]
+                     for r in rows])
