@@ -295,6 +295,8 @@ class _HfTimer:
 
         def stamp(input_ids, scores):  # called after each forward, before choosing the token
             if not first:
+                if scores.is_cuda:  # the prefill kernels are only queued: wait, as our side does
+                    torch.cuda.synchronize()
                 first.append(time.perf_counter())
             return scores
 

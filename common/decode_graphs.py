@@ -12,7 +12,8 @@ for a capture batch size bs >= n (the smallest that fits):
 The host fills one pinned buffer and sends it with one asynchronous copy; the step then runs
 without a host synchronisation until the caller reads the sampled tokens. With `capture`
 (CUDA), each size's step is a torch.cuda.CUDAGraph replayed over these buffers; without it
-(CPU tests, --no-cuda-graphs) the same static path runs eagerly.
+(tests, gpu_check's profile) the same static path runs eagerly. `--no-cuda-graphs` does not
+use this class at all: the runner then decodes through extend().
 """
 from __future__ import annotations
 
@@ -114,10 +115,15 @@ class DecodeGraphs:
                 for bs in self.sizes:
                     self._step(bs)
             torch.cuda.current_stream().wait_stream(side)
+            # Filled in locally and published together: a capture that fails half way must not
+            # leave some sizes without a graph while `self.graphs` looks captured.
+            graphs: dict[int, torch.cuda.CUDAGraph] = {}
+            logits: dict[int, torch.Tensor] = {}
             for bs in reversed(self.sizes):
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: service threads (KV transfers, checksums) may use CUDA meanwhile
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    self.logits[bs] = self._step(bs)
-                self.graphs[bs] = graph
+                    logits[bs] = self._step(bs)
+                graphs[bs] = graph
+            self.logits, self.graphs = logits, graphs
         torch.cuda.synchronize()

@@ -173,8 +173,8 @@ def _submit(engine: Any, peer: str, batch: Sequence[TransferEntry]) -> tuple[lis
     for n, e in enumerate(batch):
         batch_id = engine.transfer_submit_write(peer, e.src_addr, e.dst_addr, e.length)
         if batch_id == 0:  # the binding's only failure value (ids are pointers)
-            return ids, (f"entry {n + 1} ({e.length} bytes to {e.dst_addr:#x}) refused at submit (rc=0: "
-                         f"peer unknown or unreachable); {len(ids)} entries were in flight")
+            return ids, (f"entry {n + 1} ({e.length} bytes to {e.dst_addr:#x}) refused at submit (rc=0, "
+                         f"e.g. peer unknown or unreachable); {len(ids)} entries were in flight")
         ids.append(batch_id)
     return ids, ""
 
@@ -185,7 +185,9 @@ def _wait(engine: Any, ids: list[int], deadline: float, where: str) -> None:
     pending, failed, pause = deque(ids), [], POLL_MIN_S
     while pending:
         rc = engine.transfer_check_status(pending[0])
-        if rc != 0:  # 1 done; -1 failed; -2 Mooncake's slice timeout
+        # 1 done; -1 failed. -2 (Mooncake's own slice timeout, MC_SLICE_TIMEOUT) comes back while
+        # slices are still queued, so that entry is still in flight: keep polling it until ours.
+        if rc in (1, -1):
             pending.popleft()
             if rc < 0:
                 failed.append(rc)
