@@ -138,6 +138,8 @@ def stop_all(children: list[Child], timeout: float = 15.0) -> None:
 def run(args: argparse.Namespace) -> int:
     if min(args.prefill, args.decode, args.replicas) < 1:
         raise ValueError("--prefill, --decode and --replicas must be at least 1")
+    if args.mode == "colocated" and (args.prefill_tp, args.prefill_pp) != (1, 1):
+        raise ValueError("--prefill-tp/--prefill-pp apply to --mode pd; a colocated replica is split with --decode-tp")
     children: list[Child] = []
     stopping = False
 

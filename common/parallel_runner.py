@@ -91,13 +91,20 @@ class ParallelRunner(ModelRunner):
             raise ValueError("under pipeline parallelism layers are captured only for a DFlash drafter "
                              "(load_pipeline_drafter)")
         self._broadcast(Forward(batch, capture_layers))
-        out = stage_forward(self, batch, capture_layers, self.drafter)
-        if self.layout.pp == 1:
-            return out.hidden, out.captured
-        if batch.num_rows == 0:  # middle chunks: don't wait for the last stage (see Engine._prefill_step)
-            return torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device), {}
-        last = (self.layout.pp - 1) * self.layout.tp
-        hidden = recv((batch.num_rows, self.cfg.hidden_size), self.dtype, self.device, last)
+        try:
+            out = stage_forward(self, batch, capture_layers, self.drafter)
+            if self.layout.pp == 1:
+                return out.hidden, out.captured
+            if batch.num_rows == 0:  # middle chunks: don't wait for the last stage (see Engine._prefill_step)
+                return torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device), {}
+            last = (self.layout.pp - 1) * self.layout.tp
+            hidden = recv((batch.num_rows, self.cfg.hidden_size), self.dtype, self.device, last)
+        except BaseException:
+            # The workers are inside this forward's collectives; a next step's would pair up with
+            # them (wrong results or a hang). Same policy as a dead worker: stop, let `pdflash up` restart.
+            logger.critical("rank 0 failed in the middle of a forward; the ranks are out of step, stopping",
+                            exc_info=True)
+            os._exit(1)
         # The captured states stay on their stages; their share of the draft context went down
         # the pipeline and waits on the last stage for PipelineProposer.append_context.
         return hidden, {}

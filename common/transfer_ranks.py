@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from common.buffers import RankEndpoint
 from common.engine import Engine
-from common.mooncake_engine import MooncakeEngine, TransferError
+from common.mooncake_engine import P2P_HANDSHAKE, MooncakeEngine, TransferError
+from common.parallel import ParallelConfigError
 from common.parallel_runner import ParallelRunner
 from common.service_base import start_mooncake
 from common.transfer_plan import TransferEntry
@@ -32,6 +33,12 @@ class TransferRanks:
         endpoints = [RankEndpoint(0, mooncake.session_id, buffers)]
         runner = engine.runner
         if isinstance(runner, ParallelRunner):
+            if mooncake.config.metadata_server != P2P_HANDSHAKE:
+                # With a metadata server a Mooncake segment is named by its host alone, so the
+                # ranks of one host would all register under one name and receive each other's writes.
+                raise ParallelConfigError("TP/PP instances need Mooncake's P2P handshake for now "
+                                          "(drop --mooncake-metadata): with a metadata server every rank "
+                                          "of a host would share one segment name")
             endpoints += runner.start_transfer(mooncake.config)
         return cls(mooncake, endpoints, runner.layout.tp, engine)
 
@@ -44,7 +51,7 @@ class TransferRanks:
         moved, errors = 0, []
         try:
             moved += sum(self.mooncake.write(session, entries) for session, entries in jobs[0])
-        except TransferError as e:
+        except Exception as e:  # whatever it was, the other ranks' writes are waited for below
             errors.append(f"rank 0: {e}")
         for fut in remote:
             try:

@@ -73,8 +73,11 @@ class KVSender:
         """Copy the prompt's KV from each of our ranks into the pages D reserved on each of its
         ranks. Plan errors (bounds, layouts) are raised before any byte moves; a failed
         Mooncake batch raises TransferError."""
-        jobs = plan_writes(req.rid, self.ranks.endpoints, self.ranks.tp, self.engine.room_pages(req),
-                           ranks_from_bootstrap(boot), boot.tp_size or 1, req.prompt_len)
+        # Planned off the event loop: with differing head splits a long prompt's plan has an
+        # entry per token, layer and K/V, and other rooms' RPCs must not wait for it.
+        jobs = await asyncio.to_thread(plan_writes, req.rid, self.ranks.endpoints, self.ranks.tp,
+                                       self.engine.room_pages(req), ranks_from_bootstrap(boot),
+                                       boot.tp_size or 1, req.prompt_len)
         return await asyncio.to_thread(self.ranks.write, jobs)
 
     async def checksums(self, req: Request) -> list[int]:
