@@ -6,7 +6,25 @@ import multiprocessing as mp
 from collections.abc import Callable
 from typing import Any
 
+from common.mooncake_engine import MooncakeEngine, TransferError
+from common.transfer_plan import TransferPlanError
+
 REPLY_TIMEOUT_S = 60
+
+
+def serve(conn: Any, engine: MooncakeEngine, handle: Callable[[str, list], Any]) -> None:
+    """The child's side: answer each command with ("ok", handle(cmd, args)), a transfer or
+    plan error with ("error", kind, message), until ("stop",) closes the engine."""
+    while True:
+        cmd, *args = conn.recv()
+        try:
+            if cmd == "stop":
+                engine.close()
+                conn.send(("ok", None))
+                return
+            conn.send(("ok", handle(cmd, args)))
+        except (TransferError, TransferPlanError) as e:
+            conn.send(("error", type(e).__name__, str(e)))
 
 
 class Peer:

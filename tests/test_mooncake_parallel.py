@@ -19,10 +19,10 @@ except ImportError as e:
     pytest.skip(f"mooncake.engine cannot be imported: {e}", allow_module_level=True)
 
 from common.buffers import RoomBuffers  # noqa: E402
-from common.mooncake_engine import MooncakeConfig, MooncakeEngine, TransferError  # noqa: E402
-from common.transfer_plan import TPRank, TransferPlanError, build_plan  # noqa: E402
+from common.mooncake_engine import MooncakeConfig, MooncakeEngine  # noqa: E402
+from common.transfer_plan import TPRank, build_plan  # noqa: E402
 from common.wire import room_from_protos, room_to_protos  # noqa: E402
-from peer_process import Peer  # noqa: E402
+from peer_process import Peer, serve  # noqa: E402
 from parallel_kv import KVSpec, Split, d_rooms, expected_d_caches, p_rooms  # noqa: E402
 from protos import pdflash_pb2 as pb  # noqa: E402
 
@@ -55,36 +55,28 @@ def _peer_main(conn: Any) -> None:
         moved = engine.write(session, [e for plan in plans.values() for e in plan.entries])
         return moved, sorted(pair for pair, plan in plans.items() if plan.entries)
 
-    while True:
-        cmd, *args = conn.recv()
-        try:
-            if cmd == "stop":
-                engine.close()
-                conn.send(("ok", None))
-                return
-            if cmd in ("p_setup", "d_setup"):  # drop the previous layout, build this one
-                for arr in arrays:
-                    engine.unregister(arr.ctypes.data)
-                arrays.clear()
-                if cmd == "p_setup":
-                    rooms, caches = p_rooms(args[0], place), {}
-                    result: Any = None
-                else:
-                    rooms, caches = d_rooms(args[0], place)
-                    result = engine.session_id
-            elif cmd == "d_describe":  # what each D rank sends P in Bootstrap; args: {rank: kv pages}
-                for rank, pages in args[0].items():
-                    rooms[rank].indices["kv"] = pages
-                result = [[i.SerializeToString() for i in room_to_protos(room)] for room in rooms]
-            elif cmd == "d_caches":
-                result = {key: cache.copy() for key, cache in caches.items()}
-            elif cmd == "p_write":
-                result = write(*args)
-            else:
-                raise ValueError(f"unknown command {cmd}")
-            conn.send(("ok", result))
-        except (TransferError, TransferPlanError) as e:
-            conn.send(("error", type(e).__name__, str(e)))
+    def handle(cmd: str, args: list) -> Any:
+        nonlocal rooms, caches
+        if cmd in ("p_setup", "d_setup"):  # drop the previous layout, build this one
+            for arr in arrays:
+                engine.unregister(arr.ctypes.data)
+            arrays.clear()
+            if cmd == "p_setup":
+                rooms, caches = p_rooms(args[0], place), {}
+                return None
+            rooms, caches = d_rooms(args[0], place)
+            return engine.session_id
+        if cmd == "d_describe":  # what each D rank sends P in Bootstrap; args: {rank: kv pages}
+            for rank, pages in args[0].items():
+                rooms[rank].indices["kv"] = pages
+            return [[i.SerializeToString() for i in room_to_protos(room)] for room in rooms]
+        if cmd == "d_caches":
+            return {key: cache.copy() for key, cache in caches.items()}
+        if cmd == "p_write":
+            return write(*args)
+        raise ValueError(f"unknown command {cmd}")
+
+    serve(conn, engine, handle)
 
 
 @pytest.fixture(scope="module")

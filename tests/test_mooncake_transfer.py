@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 
 from common.mooncake_engine import MooncakeConfig, MooncakeEngine, TransferError, check_allocator_env  # noqa: E402
 from common.wire import room_from_protos  # noqa: E402
-from peer_process import REPLY_TIMEOUT_S, Peer  # noqa: E402
+from peer_process import REPLY_TIMEOUT_S, Peer, serve  # noqa: E402
 from protos import pdflash_pb2 as pb  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def _peer_main(conn: Any, specs: dict[str, tuple]) -> None:
     import torch
 
     from common.buffers import PagedKVBuffer, RoomBuffers, SlotStateBuffer
-    from common.transfer_plan import TransferEntry, TransferPlanError, build_plan
+    from common.transfer_plan import TransferEntry, build_plan
     from common.wire import room_to_protos
 
     engine = MooncakeEngine(MooncakeConfig(local_hostname="127.0.0.1"))
@@ -77,36 +77,28 @@ def _peer_main(conn: Any, specs: dict[str, tuple]) -> None:
                         out[name, l, s] = zlib.crc32(t[l, s].numpy().tobytes())
         return out
 
-    while True:
-        cmd, *args = conn.recv()
-        try:
-            if cmd == "stop":
-                engine.close()
-                conn.send(("ok", None))
-                return
-            if cmd == "fill":
-                gen = torch.Generator().manual_seed(args[0])
-                for t in tensors.values():
-                    t.copy_(torch.randn(t.shape, generator=gen))
-                result: Any = None
-            elif cmd == "describe":  # what D sends P in Bootstrap
-                room = RoomBuffers(list(buffers.values()), args[0])
-                result = (engine.session_id, [i.SerializeToString() for i in room_to_protos(room)])
-            elif cmd == "checksums":
-                result = checksums()
-            elif cmd == "write":  # P side: plan from both descriptions, then write
-                peer, dst_infos, src_indices, num_tokens = args
-                dst = room_from_protos(pb.BufferInfo.FromString(b) for b in dst_infos)
-                plan = build_plan("test-room", RoomBuffers(list(buffers.values()), src_indices), dst, num_tokens)
-                result = (engine.write(peer, plan.entries), len(plan.entries), len(plan.batches))
-            elif cmd == "write_raw":  # bypasses the plan's checks: the engine must refuse on its own
-                peer, dst_addr, length = args
-                result = engine.write(peer, [TransferEntry(buffers["kv"].base_addr, dst_addr, length)])
-            else:
-                raise ValueError(f"unknown command {cmd}")
-            conn.send(("ok", result))
-        except (TransferError, TransferPlanError) as e:
-            conn.send(("error", type(e).__name__, str(e)))
+    def handle(cmd: str, args: list) -> Any:
+        if cmd == "fill":
+            gen = torch.Generator().manual_seed(args[0])
+            for t in tensors.values():
+                t.copy_(torch.randn(t.shape, generator=gen))
+            return None
+        if cmd == "describe":  # what D sends P in Bootstrap
+            room = RoomBuffers(list(buffers.values()), args[0])
+            return engine.session_id, [i.SerializeToString() for i in room_to_protos(room)]
+        if cmd == "checksums":
+            return checksums()
+        if cmd == "write":  # P side: plan from both descriptions, then write
+            peer, dst_infos, src_indices, num_tokens = args
+            dst = room_from_protos(pb.BufferInfo.FromString(b) for b in dst_infos)
+            plan = build_plan("test-room", RoomBuffers(list(buffers.values()), src_indices), dst, num_tokens)
+            return engine.write(peer, plan.entries), len(plan.entries), len(plan.batches)
+        if cmd == "write_raw":  # bypasses the plan's checks: the engine must refuse on its own
+            peer, dst_addr, length = args
+            return engine.write(peer, [TransferEntry(buffers["kv"].base_addr, dst_addr, length)])
+        raise ValueError(f"unknown command {cmd}")
+
+    serve(conn, engine, handle)
 
 
 @pytest.fixture(scope="module")
