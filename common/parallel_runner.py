@@ -102,9 +102,9 @@ class ParallelRunner(ModelRunner):
         except BaseException:
             # The workers are inside this forward's collectives; a next step's would pair up with
             # them (wrong results or a hang). Same policy as a dead worker: stop, let `pdflash up` restart.
-            logger.critical("rank 0 failed in the middle of a forward; the ranks are out of step, stopping",
-                            exc_info=True)
-            os._exit(1)
+            # A worker that just died is usually why: give its exit a moment to be seen, to name it.
+            multiprocessing.connection.wait([p.sentinel for p in self._procs], timeout=1.0)
+            self._stop_instance("rank 0 failed in the middle of a forward; the ranks are out of step", exc_info=True)
         # The captured states stay on their stages; their share of the draft context went down
         # the pipeline and waits on the last stage for PipelineProposer.append_context.
         return hidden, {}
@@ -199,9 +199,15 @@ class ParallelRunner(ModelRunner):
         multiprocessing.connection.wait([p.sentinel for p in self._procs])
         if self._closing:
             return
+        self._stop_instance("a worker exited")
+
+    def _stop_instance(self, why: str, exc_info: bool = False) -> None:
+        """Exit non-zero (so `pdflash up` restarts the instance), naming a dead worker if any:
+        its death is the cause whatever failed on rank 0 because of it."""
         dead = [p for p in self._procs if not p.is_alive()]
-        logger.critical("worker %s exited with code %s; the model is incomplete, stopping this instance",
-                        dead[0].name, dead[0].exitcode)
+        if dead:
+            why, exc_info = f"worker {dead[0].name} exited with code {dead[0].exitcode}; the model is incomplete", False
+        logger.critical("%s, stopping this instance", why, exc_info=exc_info)
         for p in self._procs:
             p.kill()
         os._exit(1)
