@@ -17,15 +17,14 @@ import contextlib
 import json
 import os
 import random
-import signal
+import shlex
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 import requests
+
+from common.bench.stack import Stack
 
 UP_TIMEOUT_S = 600
 REQUEST_TIMEOUT_S = 1800
@@ -97,12 +96,12 @@ def run(args: argparse.Namespace) -> int:
         results.append(bench(args.url.rstrip("/"), _mode_of(args.url), args, rng))
     elif args.interleave:
         with contextlib.ExitStack() as stacks:
-            urls = [stacks.enter_context(_Stack(m, args, args.port + 10 * i)) for i, m in enumerate(modes)]
+            urls = [stacks.enter_context(_stack(m, args, args.port + 10 * i)).url for i, m in enumerate(modes)]
             results = bench_interleaved(urls, modes, args, rng)
     else:
         for mode in modes:
-            with _Stack(mode, args, args.port) as url:
-                results.append(bench(url, mode, args, rng))
+            with _stack(mode, args, args.port) as stack:
+                results.append(bench(stack.url, mode, args, rng))
     report = {
         "config": {k: getattr(args, k) for k in ("input_len", "output_len", "num", "concurrency", "warmup",
                                                   "page_size", "up_args", "url", "interleave")},
@@ -201,42 +200,10 @@ def print_table(report: dict) -> None:
               f"{report['pd_over_colocated_ttft_p50']:.3f}x (p50); target <= 1.2x")
 
 
-class _Stack:
-    """`pdflash up --mode MODE` for the length of a `with` block; yields its URL."""
-
-    def __init__(self, mode: str, args: argparse.Namespace, port: int):
-        self.argv = [sys.executable, "-m", "common.cli", "up", "--mode", mode, "--port", str(port),
-                     "--page-size", str(args.page_size), *args.up_args.split()]
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-        self.lines: list[str] = []
-
-    def __enter__(self) -> str:
-        print("starting:", " ".join(self.argv[2:]), flush=True)
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        up = threading.Event()
-
-        def pump() -> None:
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                if "pdflash is up" in line:
-                    up.set()
-            up.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not up.wait(UP_TIMEOUT_S) or self.proc.poll() is not None:
-            self.__exit__()
-            raise RuntimeError("pdflash up failed:\n" + "".join(self.lines[-40:]))
-        return self.url
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def _stack(mode: str, args: argparse.Namespace, port: int) -> Stack:
+    """`pdflash up --mode MODE` for the length of a `with` block."""
+    return Stack(["--mode", mode, "--port", str(port), "--page-size", str(args.page_size), *shlex.split(args.up_args)],
+                 timeout=UP_TIMEOUT_S)
 
 
 def _mode_of(url: str) -> str:

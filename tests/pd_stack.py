@@ -4,11 +4,6 @@ page pools through each service's own gRPC `Health`."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass
 
@@ -16,17 +11,12 @@ import grpc
 import psutil
 import requests
 
+from common.bench.stack import Stack as UpStack
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UP_TIMEOUT_S = 420  # each service loads the model; the machine may be busy with other tests
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -46,30 +36,12 @@ class Worker:
             return self.stub(channel).Health(pb.HealthRequest(), timeout=timeout)
 
 
-class Stack:
-    """`pdflash up --port P ARGS`; waits for its "is up" line. Its output is kept for messages."""
+class Stack(UpStack):
+    """`pdflash up ARGS`, started at once on free ports; its output is kept for messages."""
 
-    def __init__(self, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "common.cli", "up", "--port", str(self.port), *args],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        self.lines: list[str] = []
-        up = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                if "pdflash is up" in line:
-                    up.set()
-            up.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not up.wait(UP_TIMEOUT_S) or self.proc.poll() is not None:
-            self.stop()
-            raise RuntimeError("pdflash up failed:\n" + self.tail())
+    def __init__(self, *args: str, timeout: float = UP_TIMEOUT_S):
+        super().__init__(args, timeout=timeout)
+        self.start()
         info = requests.get(self.url + "/server_info", timeout=30).json()
         self.policy = info["policy"]  # "pd" or "round_robin"
         self.workers = [Worker(b["role"], b["addr"]) for b in info["backends"]]
@@ -79,18 +51,6 @@ class Stack:
         out = "".join(self.lines)
         for bad in ("Traceback", "never retrieved", "was destroyed but it is pending"):
             assert bad not in out, f"{bad!r} in the stack's output:\n" + out[max(0, out.index(bad) - 3000):][:6000]
-
-    def tail(self, n: int = 60) -> str:
-        return "".join(self.lines[-n:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only its children
-                self.proc.wait()
 
     # ---- workers -------------------------------------------------------------------------------
     def worker(self, role: str) -> Worker:

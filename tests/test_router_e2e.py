@@ -6,10 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import json
-import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,9 +15,9 @@ import openai
 import pytest
 import requests
 
+from pd_stack import Stack as PDStack
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
-from test_router_process import ROOT, free_port
 
 pytestmark = pytest.mark.slow
 if not all(importlib.util.find_spec(f"{svc}.__main__") for svc in ("prefill_svc", "decode_svc")):
@@ -32,43 +28,17 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):", "Wate
            "Once upon a time", "The largest planet is", "Roses are red,", "import numpy as"]
 
 
-class Stack:
-    """`pdflash up` on a free port; waits for its "is up" line."""
+class Stack(PDStack):
+    """`pdflash up` on free ports, seen through the router: what it reports of its backends."""
 
     def __init__(self, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "common.cli", "up", "--port", str(self.port), *args],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        up = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                if "pdflash is up" in line:
-                    up.set()
-            up.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not up.wait(UP_TIMEOUT_S) or self.proc.poll() is not None:
-            self.stop()
-            raise RuntimeError("pdflash up failed:\n" + "".join(self.lines[-50:]))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        super().__init__(*args, timeout=UP_TIMEOUT_S)
 
     def backends(self) -> list[dict]:
         return requests.get(self.url + "/server_info", timeout=30).json()["backends"]
 
     def wait_all_pages_free(self, timeout: float = 10) -> None:
+        """As the router reports it (its /server_info), which is part of what this file tests."""
         deadline = time.monotonic() + timeout
         while True:
             healths = [b["health"] for b in self.backends()]
