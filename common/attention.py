@@ -37,6 +37,11 @@ class AttnMeta:
     static_decode: StaticDecode | None = None
 
 
+def cache_slot(pages: list[int], pos: int, page_size: int) -> int:
+    """The slot of the token at `pos` of a request whose pages are `pages` (in token order)."""
+    return pages[pos // page_size] * page_size + pos % page_size
+
+
 def build_attn_meta(starts: list[int], counts: list[int], page_tables: list[list[int]],
                     page_size: int, scratch_slot: int, device: torch.device,
                     logit_rows: list[int] | None, causal: bool = True,
@@ -50,7 +55,7 @@ def build_attn_meta(starts: list[int], counts: list[int], page_tables: list[list
     for start, n, pages in zip(starts, counts, page_tables):
         for pos in range(start, start + n):
             positions.append(pos)
-            write_slots.append(pages[pos // page_size] * page_size + pos % page_size)
+            write_slots.append(cache_slot(pages, pos, page_size))
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
     meta = AttnMeta(as_long(positions), as_long(write_slots),
                     None if logit_rows is None else as_long(logit_rows))

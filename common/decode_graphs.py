@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from common.attention import AttnMeta
+from common.attention import AttnMeta, cache_slot
 from common.paged_decode import StaticDecode, default_backend
 
 if TYPE_CHECKING:
@@ -77,16 +78,21 @@ class DecodeGraphs:
     def _fill(self, seqs: list[SeqCache], tokens: list[int], bs: int) -> None:
         page_size = self.runner.page_size
         h = self.host.numpy()  # shares memory; numpy writes are much cheaper than tensor ones
-        h[:bs] = 0
-        h[:bs, _SLOT] = self.runner.scratch_slot
-        h[:bs, _LEN] = 1
-        h[:bs, _PAGES:] = self.scratch_page
+        self._pad(h[:bs])
         for i, (seq, tok) in enumerate(zip(seqs, tokens)):
             pos = seq.length
             used = pos // page_size + 1
             h[i, _ID], h[i, _POS], h[i, _LEN] = tok, pos, pos + 1
-            h[i, _SLOT] = seq.pages[pos // page_size] * page_size + pos % page_size
+            h[i, _SLOT] = cache_slot(seq.pages, pos, page_size)
             h[i, _PAGES:_PAGES + used] = seq.pages[:used]
+
+    def _pad(self, rows: np.ndarray) -> None:
+        """Make `rows` (a numpy view of the host buffer) padding: token 0 at position 0, context
+        length 1, writing and reading only the scratch slot."""
+        rows[:] = 0
+        rows[:, _SLOT] = self.runner.scratch_slot
+        rows[:, _LEN] = 1
+        rows[:, _PAGES:] = self.scratch_page
 
     def _step(self, bs: int) -> torch.Tensor:
         """The decode forward over the first bs rows of the static inputs (what is captured)."""
@@ -101,10 +107,7 @@ class DecodeGraphs:
         """Capture every size, largest first, in one memory pool (a smaller graph reuses the
         larger one's activations). Inputs are all padding meanwhile: capture writes only the
         scratch page."""
-        self.host.zero_()
-        self.host[:, _SLOT] = self.runner.scratch_slot
-        self.host[:, _LEN] = 1
-        self.host[:, _PAGES:] = self.scratch_page
+        self._pad(self.host.numpy())
         self.inputs.copy_(self.host)
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from common.attention import build_attn_meta, paged_attention
+from common.attention import build_attn_meta, cache_slot, paged_attention
 from common.buffers import PagedKVBuffer
 from common.dflash.drafter import Drafter, DrafterConfig
 from common.model import rope_cos_sin
@@ -50,7 +50,7 @@ class DraftPages:
         for seq, n in zip(seqs, counts):
             for pos in range(seq.length, seq.length + n):
                 positions.append(pos)
-                slots.append(seq.pages[pos // page_size] * page_size + pos % page_size)
+                slots.append(cache_slot(seq.pages, pos, page_size))
             seq.length += n
         return positions, slots
 
