@@ -12,10 +12,11 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from common.buffers import PagedKVBuffer, SlotStateBuffer
 from common.transfer_plan import TransferEntry, split_batches
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,10 @@ class MooncakeEngine:
         if rc != 0:
             raise TransferError(f"Mooncake register_memory({addr:#x}, {length}) failed (rc={rc})")
         self._registered[addr] = length
+
+    def register_buffers(self, buffers: Iterable[PagedKVBuffer | SlotStateBuffer]) -> None:
+        for buf in buffers:
+            self.register(buf.base_addr, buf.length)
 
     def unregister(self, addr: int) -> None:
         if addr not in self._registered:

@@ -33,7 +33,7 @@ from common.buffers import RankEndpoint
 from common.rank_worker import (AppendContext, Forward, LoadDrafter, PackedTensors, ReadPages, Reply, StartTransfer, Stop,
                                 WorkerSpec, WriteJob, worker_main)
 from common.runner import ModelRunner, StepBatch
-from common.transfer_plan import TransferEntry
+from common.transfer_plan import Writes
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class ParallelRunner(ModelRunner):
         in rank order (rank 0's is the service's own)."""
         return [f.result(STARTUP_TIMEOUT_S) for f in self._call_all(lambda r: ("endpoint", r), StartTransfer(config))]
 
-    def write(self, rank: int, writes: list[tuple[str, list[TransferEntry]]]) -> Future:
+    def write(self, rank: int, writes: Writes) -> Future:
         """Worker `rank` writes these entries from its KV into decode sessions; resolves to bytes."""
         job = next(self._jobs)
         fut = self._expect(("write", job, rank))

@@ -25,7 +25,7 @@ from common.mooncake_engine import MooncakeConfig, MooncakeEngine
 from common.parallel import RankLayout
 from common.pipeline import init_ranks, stage_forward
 from common.runner import ModelRunner, StepBatch
-from common.transfer_plan import TransferEntry
+from common.transfer_plan import Writes
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class Stop:
 @dataclass
 class WriteJob:
     job: int
-    writes: list[tuple[str, list[TransferEntry]]]  # (decode rank's Mooncake session, entries)
+    writes: Writes  # to decode ranks
     # Start once this many commands are done: the driver learns that a room's prefill is done
     # from the last stage's hidden states, before that rank has run the AppendContext that
     # writes the room's draft KV (and before other ranks' queues are necessarily drained).
@@ -172,8 +172,7 @@ def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
             mooncake = MooncakeEngine(cmd.config)
             mooncake.start()
             buffers = runner.describe_buffers() + (draft.describe_buffers() if draft is not None else [])
-            for buf in buffers:
-                mooncake.register(buf.base_addr, buf.length)
+            mooncake.register_buffers(buffers)
             threading.Thread(target=_write_loop, args=(mooncake, layout.rank, writes, replies, done), daemon=True).start()
             replies.put(Reply(("endpoint", layout.rank), RankEndpoint(layout.tp_rank, mooncake.session_id, buffers)))
         elif isinstance(cmd, Stop):

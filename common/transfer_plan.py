@@ -62,6 +62,9 @@ class TransferEntry:
     length: int
 
 
+Writes = list[tuple[str, list[TransferEntry]]]  # what one rank writes: (peer Mooncake session, entries)
+
+
 @dataclass(frozen=True)
 class TransferPlan:
     room: str

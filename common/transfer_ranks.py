@@ -11,10 +11,9 @@ from common.engine import Engine
 from common.mooncake_engine import P2P_HANDSHAKE, MooncakeEngine, TransferError
 from common.parallel import ParallelConfigError
 from common.parallel_runner import ParallelRunner
+from common.runner import ModelRunner
 from common.service_base import start_mooncake
-from common.transfer_plan import TransferEntry
-
-Writes = list[tuple[str, list[TransferEntry]]]  # (peer Mooncake session, entries)
+from common.transfer_plan import Writes
 
 
 @dataclass
@@ -22,14 +21,13 @@ class TransferRanks:
     mooncake: MooncakeEngine  # this process's: rank 0's
     endpoints: list[RankEndpoint]  # every rank's, in rank order, rank 0 first
     tp: int
-    engine: Engine
+    runner: ModelRunner  # rank 0's; a ParallelRunner reaches the other ranks
 
     @classmethod
     def start(cls, args: argparse.Namespace, engine: Engine) -> "TransferRanks":
         mooncake = start_mooncake(args)
         buffers = engine.describe_buffers()
-        for buf in buffers:
-            mooncake.register(buf.base_addr, buf.length)
+        mooncake.register_buffers(buffers)
         endpoints = [RankEndpoint(0, mooncake.session_id, buffers)]
         runner = engine.runner
         if isinstance(runner, ParallelRunner):
@@ -40,14 +38,13 @@ class TransferRanks:
                                           "(drop --mooncake-metadata): with a metadata server every rank "
                                           "of a host would share one segment name")
             endpoints += runner.start_transfer(mooncake.config)
-        return cls(mooncake, endpoints, runner.layout.tp, engine)
+        return cls(mooncake, endpoints, runner.layout.tp, runner)
 
     def write(self, jobs: list[Writes]) -> int:
         """jobs[r]: what rank r writes. All ranks write at once; returns the bytes moved once
         every rank has finished (so none still writes when the caller acks or frees pages),
         or raises TransferError naming each rank that failed."""
-        runner = self.engine.runner
-        remote = [runner.write(r, w) for r, w in enumerate(jobs) if r and w]
+        remote = [self.runner.write(r, w) for r, w in enumerate(jobs) if r and w]
         moved, errors = 0, []
         try:
             moved += sum(self.mooncake.write(session, entries) for session, entries in jobs[0])

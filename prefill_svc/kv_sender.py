@@ -11,8 +11,8 @@ from common.buffers import RankEndpoint, RoomBuffers
 from common.service_base import PEER_CHANNEL_OPTIONS
 from common.request import Request
 from common.engine import Engine
-from common.transfer_plan import TPRank, TransferPlanError, build_plan
-from common.transfer_ranks import TransferRanks, Writes
+from common.transfer_plan import TPRank, TransferPlanError, Writes, build_plan
+from common.transfer_ranks import TransferRanks
 from common.wire import ranks_from_bootstrap
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
