@@ -40,7 +40,7 @@ from common.bench.report import md_table
 from common.engine import Engine
 from common.loader import add_model_args
 from common.model_config import ModelConfig
-from common.model_shapes import SHAPES, copy_bandwidth, random_token_ids, random_weights, step_weight_bytes
+from common.model_shapes import SHAPES, memory_bandwidth, random_token_ids, random_weights, step_weight_bytes
 from common.request import Request
 from common.runner import DTYPES, ModelRunner
 from common.sampling import SamplingParams
@@ -76,7 +76,7 @@ class Row:
     hf_median_tok_s: float
     cpu_pressure: float | None = None  # Linux PSI "some" avg10 right after the case: load from elsewhere
     ours_step_ms: float | None = None  # decode rows: our best step time
-    floor_ms: float | None = None  # decode rows: weight bytes / copy bandwidth
+    floor_ms: float | None = None  # decode rows: weight bytes / memory bandwidth
 
     @property
     def ratio(self) -> float:
@@ -92,7 +92,7 @@ class FloorRow:
     new_tokens: int
     step_ms: float  # best run: decode time / (new_tokens - 1)
     median_step_ms: float
-    floor_ms: float  # weight bytes / copy bandwidth
+    floor_ms: float  # weight bytes / memory bandwidth
     weight_bytes: int
     kv_read_bytes: int  # KV one step reads, mid-run (not in the floor; small at short contexts)
     cuda_graphs: bool
@@ -143,13 +143,14 @@ def run(args: argparse.Namespace) -> int:
     cuda = torch.device(args.device).type == "cuda"
     batches = _ints(args.batches or ("1,8,32" if cuda else "1,8"), "--batches")
     contexts = _ints(args.decode_prompt_tokens, "--decode-prompt-tokens")
-    bandwidth = copy_bandwidth(args.device)
-    print(f"{args.device} copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write of a large copy)", flush=True)
+    bandwidth = memory_bandwidth(args.device)
+    how = "read + write of a 1 GiB copy" if cuda else "read by a 1 GiB matrix-vector product"
+    print(f"{args.device} memory bandwidth {bandwidth / 1e9:.1f} GB/s ({how})", flush=True)
     pressure_before = _cpu_pressure()
     result = {
         "device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "transformers": _hf_version(), "machine": platform.processor() or platform.machine(),
-        "gpu": torch.cuda.get_device_name() if cuda else None, "copy_bandwidth_gbs": bandwidth / 1e9,
+        "gpu": torch.cuda.get_device_name() if cuda else None, "memory_bandwidth_gbs": bandwidth / 1e9,
         "cuda_graphs": cuda and not args.no_cuda_graphs,
         "new_tokens": args.new_tokens, "prefill_tokens": args.prefill_tokens,
         "decode_prompt_tokens": contexts, "batches": batches, "repeats": args.repeats, "warmup": args.warmup,

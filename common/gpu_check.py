@@ -291,7 +291,7 @@ def _summary(results: dict) -> list[str]:
                 ok = r["x_floor"] <= TARGET_X_FLOOR
                 lines.append(f"TARGET   {r['shape']} batch-1 step <= {TARGET_X_FLOOR}x floor: "
                              f"x{r['x_floor']:.2f} {'MET' if ok else 'NOT MET'}")
-        lines.append(f"device   {b.get('gpu')}: copy bandwidth {b.get('copy_bandwidth_gbs', 0):.0f} GB/s")
+        lines.append(f"device   {b.get('gpu')}: memory bandwidth {b.get('memory_bandwidth_gbs', 0):.0f} GB/s")
     for part, value in results.items():
         if isinstance(value, str):
             lines.append(f"ERROR    {part}: {value.splitlines()[-1] if value else value}")

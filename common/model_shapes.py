@@ -75,26 +75,32 @@ def step_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, repeats: int = 10) -> float:
-    """Device memory bandwidth in bytes/s: read + write traffic of a large copy, best of
-    `repeats` (1 GiB on a GPU, 64 MiB elsewhere)."""
+def memory_bandwidth(device: torch.device | str, repeats: int = 5) -> float:
+    """What a decode step's weight reads can reach, in bytes/s, best of `repeats`.
+    GPU: read + write traffic of a 1 GiB copy. CPU: read traffic of a 1 GiB fp32
+    matrix-vector product, the access pattern of batch-1 decode; a copy there would measure
+    read + write traffic, and a buffer that fits in the last-level cache (hundreds of MiB on
+    server parts) would measure the cache."""
     device = torch.device(device)
-    cuda = device.type == "cuda"
-    nbytes = nbytes or (1 << 30 if cuda else 64 << 20)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        if cuda:
+    if device.type == "cuda":
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=device).fill_(1)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             dst.copy_(src)
             end.record()
             end.synchronize()
             best = min(best, start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
+        return 2 * src.numel() / best
+    weights = torch.ones(1 << 18, 1 << 10, device=device)  # 1 GiB
+    x = torch.ones(1 << 10, device=device)
+    torch.mv(weights, x)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mv(weights, x)
+        best = min(best, time.perf_counter() - t0)
+    return weights.numel() * weights.element_size() / best

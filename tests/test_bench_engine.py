@@ -21,7 +21,7 @@ def test_floor_check_on_a_shape(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["copy_bandwidth_gbs"] > 0 and "rows" not in result
+    assert result["memory_bandwidth_gbs"] > 0 and "rows" not in result
     assert [(f["shape"], f["batch"], f["dtype"]) for f in result["floor"]] == [("tiny", 1, "bf16"), ("tiny", 3, "bf16")]
     for f in result["floor"]:
         assert f["floor_ms"] > 0 and f["step_ms"] >= f["floor_ms"] and f["x_floor"] == f["step_ms"] / f["floor_ms"]
