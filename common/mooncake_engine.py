@@ -134,7 +134,8 @@ class MooncakeEngine:
     def write(self, peer_session_id: str, entries: Sequence[TransferEntry]) -> int:
         """Copy every entry from local memory into `peer_session_id`'s registered memory, at most
         MAX_BATCH_ENTRIES in flight at a time. Returns the bytes moved; raises TransferError if an
-        entry fails or the write outlives its deadline (the timeout plus 1 s per GiB)."""
+        entry fails or the write outlives its deadline (the timeout plus 1 s per GiB), in either
+        case only once no entry is in flight any more (see _wait)."""
         engine = self._started()
         nbytes = sum(e.length for e in entries)
         deadline = time.monotonic() + self._timeout_s + nbytes / 2**30
@@ -185,24 +186,31 @@ def _submit(engine: Any, peer: str, batch: Sequence[TransferEntry]) -> tuple[lis
 
 
 def _wait(engine: Any, ids: list[int], deadline: float, where: str) -> None:
-    """Sleep-poll until every id is done. A failed entry is reported only once the others have
-    finished, so that no byte of ours is still in flight when the caller learns of it."""
+    """Sleep-poll until every id has finished, then report the first failure or a passed
+    deadline. Never earlier: Mooncake cannot cancel an entry, so one still in flight when we
+    give up could land later, in pages that are by then another room's (the caller frees both
+    sides' pages once we return). A stalled entry ends when Mooncake's transport fails it
+    (MC_TCP_PROGRESS_TIMEOUT_SEC on TCP, 30 s by default)."""
     pending, failed, pause = deque(ids), [], POLL_MIN_S
+    late_by: float | None = None
     while pending:
         rc = engine.transfer_check_status(pending[0])
         # 1 done; -1 failed. -2 (Mooncake's own slice timeout, MC_SLICE_TIMEOUT) comes back while
-        # slices are still queued, so that entry is still in flight: keep polling it until ours.
+        # slices are still queued, so that entry is still in flight: keep polling it.
         if rc in (1, -1):
             pending.popleft()
             if rc < 0:
                 failed.append(rc)
             continue
-        if time.monotonic() > deadline:
-            # The unfinished ids stay allocated: Mooncake refuses to free a batch still in flight.
-            raise TransferError(f"Mooncake {where}: deadline passed with {len(pending)} of {len(ids)} entries "
-                                f"unfinished ({len(failed)} failed)")
+        if late_by is None and time.monotonic() > deadline:
+            late_by = time.monotonic()
+            logger.warning("Mooncake %s: deadline passed with %d of %d entries unfinished; waiting for them "
+                           "to finish or fail before giving the pages back", where, len(pending), len(ids))
         time.sleep(pause)
         pause = min(2 * pause, POLL_MAX_S)
+    if late_by is not None:
+        raise TransferError(f"Mooncake {where}: deadline passed before every entry had finished ({len(failed)} of "
+                            f"{len(ids)} failed; the last finished {time.monotonic() - late_by:.1f} s after it)")
     if failed:
         raise TransferError(f"Mooncake {where}: {len(failed)} of {len(ids)} entries failed (rc={failed[0]})")
 

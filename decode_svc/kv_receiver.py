@@ -30,7 +30,7 @@ from protos import pdflash_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("decode")
 
-PEER_ABORT_TIMEOUT_S = 10.0  # P answers Abort once no write of the room is in flight
+PEER_ABORT_TIMEOUT_S = 10.0  # per attempt; P answers Abort once no write of the room is in flight
 
 
 class HandoffError(Exception):
@@ -142,14 +142,27 @@ class KVReceiver:
         task.add_done_callback(self._parked.discard)
 
     async def _release_after_peer_abort(self, parked: Request, prefill_addr: str) -> None:
+        """P answers Abort once no write of the room is in flight, which can be long after the
+        room's deadline (Mooncake cannot cancel a write; P waits until it has finished or failed).
+        A P that does not answer in time is asked again, the pages staying parked: it may be
+        stalled, not dead, and its queued bytes still land when it resumes."""
         stub = pb_grpc.PrefillServiceStub(self._channel(prefill_addr))
+        abort = pb.AbortRequest(room=parked.rid, reason="decode gave up on the room")
         try:
-            await stub.Abort(pb.AbortRequest(room=parked.rid, reason="decode gave up on the room"),
-                             timeout=PEER_ABORT_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:  # P gone (it writes nothing more) or not answering
-            if e.code() != grpc.StatusCode.UNAVAILABLE:
-                logger.warning("room %s: prefill %s did not confirm the abort (%s); freeing its pages anyway",
-                               parked.rid, prefill_addr, e.code().name)
+            while True:
+                try:
+                    await stub.Abort(abort, timeout=PEER_ABORT_TIMEOUT_S)
+                    return
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:  # P gone: it writes nothing more
+                        return
+                    if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                        logger.warning("room %s: prefill %s failed the abort (%s: %s); freeing its pages",
+                                       parked.rid, prefill_addr, e.code().name, e.details())
+                        return
+                    logger.warning("room %s: prefill %s has not confirmed the abort within %.0f s; its %d pages "
+                                   "stay out of the pool, asking again", parked.rid, prefill_addr,
+                                   PEER_ABORT_TIMEOUT_S, len(parked.cache.pages) + len(parked.draft_cache.pages))
         finally:
             await self.loop.call(lambda e: e.release(parked))
 

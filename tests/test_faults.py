@@ -28,6 +28,7 @@ import grpc
 import pytest
 import requests
 
+from decode_svc.kv_receiver import PEER_ABORT_TIMEOUT_S
 from pd_stack import ROOT, Stack
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
@@ -260,7 +261,9 @@ def test_bootstrap_timeout_with_prefill_frozen(stack: Stack, short_router: Route
 
 def test_transfer_timeout(stack: Stack, short_router: RouterProcess, reference: list[int]) -> None:
     """Bootstrap completes, then P stalls mid-prefill (frozen, so the test does not depend on how
-    fast this machine computes the prompt): the KV never arrives within the 5 s deadline."""
+    fast this machine computes the prompt): the KV never arrives within the 5 s deadline. D gives
+    up on the room but keeps its pages out of the pool while P, which could still write into them
+    once it resumes, has not confirmed the abort, also after D's first attempt has timed out."""
     pid = stack.pid(stack.worker("prefill"))
     start = time.monotonic()
     call = pool.submit(post, short_router.url, LONG, timeout=60)
@@ -269,6 +272,8 @@ def test_transfer_timeout(stack: Stack, short_router: RouterProcess, reference: 
     try:
         resp = call.result(timeout=60)
         took = time.monotonic() - start
+        time.sleep(PEER_ABORT_TIMEOUT_S + 2)
+        assert not all_free(health(stack, "decode")), "D freed the room's pages before P confirmed the abort"
     finally:
         os.kill(pid, signal.SIGCONT)
     assert_error(resp, 504, "did not finish within the deadline")

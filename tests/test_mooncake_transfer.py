@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import zlib
 from typing import Any
@@ -171,26 +172,66 @@ def test_unregistered_destination_raises_transfer_error(pair):
     assert src.ok("write_raw", session, kv.base_addr, 64) == 64  # the engine still works afterwards
 
 
-def test_write_to_a_frozen_peer_fails_at_the_deadline(pair, monkeypatch):
-    """D stops reading (SIGSTOP) after P's connections are up: P's write must raise once its
-    deadline (5 s, the floor) has passed, not wait on, and work again once D resumes."""
+FROZEN_IDX = {"kv": [0, 1], "draft_kv": [0, 1], "state": [0]}
+
+
+def _write_to_frozen(dst: Peer, src: Peer, resume_after_s: float | None) -> tuple[tuple, float]:
+    """src writes a room to dst while dst is stopped (SIGSTOP), after a first write has set up
+    the connections; dst resumes after `resume_after_s` (None: when the write has returned)."""
+    session, infos = dst.ok("describe", FROZEN_IDX)
+    assert src.ok("write", session, infos, FROZEN_IDX, 8)[0] > 0  # handshake and lanes before the freeze
+    src.ok("fill", 77)  # new bytes, so that the test sees whether they landed
+    os.kill(dst.proc.pid, signal.SIGSTOP)
+    resume = None
+    if resume_after_s is not None:
+        resume = threading.Timer(resume_after_s, os.kill, (dst.proc.pid, signal.SIGCONT))
+        resume.start()
+    try:
+        start = time.monotonic()
+        reply = src.call("write", session, infos, FROZEN_IDX, 8)
+        return reply, time.monotonic() - start
+    finally:
+        if resume is not None:
+            resume.join()
+        os.kill(dst.proc.pid, signal.SIGCONT)
+
+
+def test_write_to_a_stalled_peer_returns_only_once_nothing_is_in_flight(pair, monkeypatch):
+    """D stops reading for 8 s, past P's deadline (5 s, the floor). Mooncake cannot cancel the
+    entries it has queued, and they land when D resumes; so the write may report the passed
+    deadline only once they have finished: otherwise P and D would free the room's pages with
+    bytes still on their way into them."""
     _, dst = pair
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "1")  # floored to 5 s; a spawned peer inherits it
     src = Peer(_peer_main, EQUAL_SPECS)
     try:
-        idx = {"kv": [0, 1], "draft_kv": [0, 1], "state": [0]}
-        session, infos = dst.ok("describe", idx)
-        assert src.ok("write", session, infos, idx, 8)[0] > 0  # handshake and lanes before the freeze
-        os.kill(dst.proc.pid, signal.SIGSTOP)
-        try:
-            start = time.monotonic()
-            reply = src.call("write", session, infos, idx, 8)
-            took = time.monotonic() - start
-        finally:
-            os.kill(dst.proc.pid, signal.SIGCONT)
+        reply, took = _write_to_frozen(dst, src, resume_after_s=8)
         assert reply[:2] == ("error", "TransferError") and "deadline passed" in reply[2], reply
-        assert 5 <= took < 8, took
-        assert src.ok("write", session, infos, idx, 8)[0] > 0
+        assert 8 <= took < 12, took
+        sent, got = src.ok("checksums"), dst.ok("checksums")
+        written = [k for k in sent if k[0] != "state" and k[3] in FROZEN_IDX[k[0]]]
+        assert written and all(got[k] == sent[k] for k in written)  # landed before the write returned
+        session, infos = dst.ok("describe", FROZEN_IDX)
+        assert src.ok("write", session, infos, FROZEN_IDX, 8)[0] > 0  # and the next write works
+    finally:
+        src.stop()
+
+
+def test_write_to_a_frozen_peer_fails_when_mooncake_gives_up(pair, monkeypatch):
+    """D never resumes during the write: it ends when Mooncake's TCP transport has failed every
+    stalled entry. A lane drops its connection after MC_TCP_PROGRESS_TIMEOUT_SEC without
+    progress (30 s by default, 3 s here) and the next queued entry stalls on a new one: 11
+    entries on 4 lanes take 3 rounds, so the write ends ~9 s in, past its 5 s deadline."""
+    _, dst = pair
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "1")
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "3")
+    src = Peer(_peer_main, EQUAL_SPECS)
+    try:
+        reply, took = _write_to_frozen(dst, src, resume_after_s=None)
+        assert reply[:2] == ("error", "TransferError") and "deadline passed" in reply[2], reply
+        assert 8 <= took < 15, took
+        session, infos = dst.ok("describe", FROZEN_IDX)
+        assert src.ok("write", session, infos, FROZEN_IDX, 8)[0] > 0
     finally:
         src.stop()
 
