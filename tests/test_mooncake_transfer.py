@@ -220,11 +220,12 @@ def test_write_to_a_stalled_peer_returns_only_once_nothing_is_in_flight(pair, mo
 def test_write_to_a_frozen_peer_fails_when_mooncake_gives_up(pair, monkeypatch):
     """D never resumes during the write: it ends when Mooncake's TCP transport has failed every
     stalled entry. A lane drops its connection after MC_TCP_PROGRESS_TIMEOUT_SEC without
-    progress (30 s by default, 3 s here) and the next queued entry stalls on a new one: 11
-    entries on 4 lanes take 3 rounds, so the write ends ~9 s in, past its 5 s deadline."""
+    progress (30 s by default, 8 s here; 11 entries, each on a lane of its own), so the write
+    ends ~8 s in, past its 5 s deadline. (With more entries than lanes, a lane's next entry
+    stalls on a new connection and waits as long again.)"""
     _, dst = pair
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "1")
-    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "3")
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "8")
     src = Peer(_peer_main, EQUAL_SPECS)
     try:
         reply, took = _write_to_frozen(dst, src, resume_after_s=None)
