@@ -2,8 +2,8 @@
 
 A decode step at small batch reads every weight once, so it cannot beat
     floor = weight bytes read per step / device memory bandwidth,
-with the bandwidth measured in the same run as a large device-to-device copy (its read and
-write traffic over its time). Random weights have the real shapes, so they time like the
+with the bandwidth measured in the same run (memory_bandwidth: a 1 GiB copy on a GPU, a 1 GiB
+matrix-vector product on a CPU). Random weights have the real shapes, so they time like the
 model without needing its files.
 """
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.buffers import PagedKVBuffer, SlotStateBuffer
-from common.transfer_plan import TransferEntry, split_batches
+from common.transfer_plan import MAX_BATCH_ENTRIES, TransferEntry
 
 logger = logging.getLogger(__name__)
 
@@ -42,20 +43,33 @@ class MooncakeConfig:
     metadata_server: str = P2P_HANDSHAKE  # or "http://host:port/metadata", "etcd://host:port"
     protocol: str = "tcp"  # "tcp" or "rdma"
     device_name: str = ""  # RDMA devices, e.g. "mlx5_0,mlx5_1"; empty = all
-    # Seconds before a write gives up, plus 1 s per GiB written, at least 5 (the rule of
-    # Mooncake's own synchronous calls). None: MC_TRANSFER_TIMEOUT, else Mooncake's 30.
+    # Seconds a write may take, plus 1 s per GiB written, at least 5 (the rule of Mooncake's own
+    # synchronous calls); past it nothing more is submitted, the entries in flight are waited
+    # for, and the write fails. None: MC_TRANSFER_TIMEOUT, else Mooncake's 30.
     transfer_timeout_s: int | None = None
-    # TCP connections per peer (Mooncake's MC_TCP_LANES_PER_PEER, which wins when set; its own
-    # default is 4, its maximum 16). A lane carries one entry at a time and waits for the
-    # receiver's acknowledgement before its next, so more lanes keep more bytes moving: on a
-    # 2-vCPU VM 16 lanes moved a 2K-token room at 0.30-0.91 of plain TCP's rate against 0.28-0.44
-    # with 4 (docs/PERFORMANCE.md).
+    # TCP connections per peer (Mooncake's MC_TCP_LANES_PER_PEER, or its older name
+    # MC_TCP_MAX_CONNECTIONS_PER_PEER, wins when set; Mooncake's own default is 4, its range
+    # 1-16). A lane carries one entry at a time and waits for the receiver's acknowledgement
+    # before its next, so more lanes keep more bytes moving: on a 2-vCPU VM 16 lanes moved a
+    # 2K-token room at 0.30-0.91 of plain TCP's rate against 0.28-0.44 with 4 (docs/PERFORMANCE.md).
     tcp_lanes_per_peer: int = 16
+    tcp_in_flight_bytes: int = 8 << 20  # see in_flight_limit
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
+        if not 1 <= self.tcp_lanes_per_peer <= 16:  # outside it Mooncake silently uses 4
+            raise ValueError(f"tcp_lanes_per_peer must be 1-16, got {self.tcp_lanes_per_peer}")
 
+    def in_flight_limit(self, entry_bytes: float) -> int:
+        """Entries a write keeps submitted at once. A TCP lane takes its next entry only once we
+        have noticed the last one finish (we poll about every millisecond), so large entries
+        need two per lane and small ones tcp_in_flight_bytes' worth queued; no more, because after
+        a stall each queued entry ends only when Mooncake fails it. RDMA takes whole batches."""
+        if self.protocol != "tcp":
+            return MAX_BATCH_ENTRIES
+        by_bytes = math.ceil(self.tcp_in_flight_bytes / max(entry_bytes, 1.0))
+        return min(MAX_BATCH_ENTRIES, max(2 * self.tcp_lanes_per_peer, by_bytes))
 
 def check_allocator_env(environ: Mapping[str, str] = os.environ) -> None:
     """Mooncake cannot register memory from PyTorch's expandable segments ("Bad address",
@@ -92,7 +106,8 @@ class MooncakeEngine:
         if cfg.protocol == "tcp":
             # Without it a host with RDMA cards silently uses RDMA whatever `protocol` says.
             os.environ["MC_FORCE_TCP"] = "1"
-            os.environ.setdefault("MC_TCP_LANES_PER_PEER", str(cfg.tcp_lanes_per_peer))
+            if not any(v in os.environ for v in ("MC_TCP_LANES_PER_PEER", "MC_TCP_MAX_CONNECTIONS_PER_PEER")):
+                os.environ["MC_TCP_LANES_PER_PEER"] = str(cfg.tcp_lanes_per_peer)
         elif os.environ.get("MC_FORCE_TCP"):
             raise TransferError("protocol 'rdma' requested but MC_FORCE_TCP is set in the environment")
         engine = _load_engine_class()()
@@ -138,21 +153,60 @@ class MooncakeEngine:
             raise TransferError(f"Mooncake unregister_memory({addr:#x}) failed (rc={rc})")
         del self._registered[addr]
 
+    # Every entry goes in as a batch of its own because transfer_check_status answers for one
+    # entry without blocking. The binding's calls that wait on a whole batch
+    # (batch_transfer_sync_write, get_batch_transfer_status) spin on a core until it is done; on
+    # a 2-core host that thread takes the CPU that Mooncake's TCP thread needs to move the bytes.
     def write(self, peer_session_id: str, entries: Sequence[TransferEntry]) -> int:
-        """Copy every entry from local memory into `peer_session_id`'s registered memory, at most
-        MAX_BATCH_ENTRIES in flight at a time. Returns the bytes moved; raises TransferError if an
-        entry fails or the write outlives its deadline (the timeout plus 1 s per GiB), in either
-        case only once no entry is in flight any more (see _wait)."""
+        """Copy every entry from local memory into `peer_session_id`'s registered memory, keeping
+        at most `config.in_flight_limit()` entries submitted. Returns the bytes moved. Raises
+        TransferError if an entry is refused or fails, or if the deadline (the timeout plus 1 s per
+        GiB) passes before every entry has been submitted; in every case only once no entry is in
+        flight any more: Mooncake cannot cancel one, so an entry we stopped waiting for could land
+        later in pages that are by then another room's (the caller frees both sides' pages once
+        we return). A stalled entry ends when Mooncake's transport fails it
+        (MC_TCP_PROGRESS_TIMEOUT_SEC on TCP, 30 s by default)."""
         engine = self._started()
         nbytes = sum(e.length for e in entries)
         deadline = time.monotonic() + self._timeout_s + nbytes / 2**30
-        for i, batch in enumerate(batches := split_batches(entries)):
-            where = f"write to {peer_session_id}, batch {i + 1}/{len(batches)} of {len(batch)} entries"
-            in_flight, submit_error = _submit(engine, peer_session_id, batch)
-            # Wait even after a failed submit: the entries already in flight still read our memory.
-            _wait(engine, in_flight, deadline, where)
-            if submit_error:
-                raise TransferError(f"Mooncake {where}: {submit_error}")
+        where = f"write of {len(entries)} entries to {peer_session_id}"
+        limit = self.config.in_flight_limit(nbytes / max(len(entries), 1))
+        pending: deque[int] = deque()
+        submitted, failed, error, late_since, pause = 0, 0, "", None, POLL_MIN_S
+        while True:
+            # Keep the window full while all is well; after a refusal, a failure or the deadline,
+            # only wait for what is in flight.
+            while not (error or failed or late_since) and submitted < len(entries) and len(pending) < limit:
+                batch_id, error = _submit(engine, peer_session_id, entries[submitted], submitted)
+                if batch_id:
+                    pending.append(batch_id)
+                    submitted += 1
+            if not pending:
+                break
+            rc = engine.transfer_check_status(pending[0])
+            # 1 done; -1 failed. -2 (Mooncake's own slice timeout, MC_SLICE_TIMEOUT) comes back
+            # while slices are still queued, so that entry is still in flight: keep polling it.
+            if rc in (1, -1):
+                pending.popleft()
+                failed += rc < 0
+                continue
+            if late_since is None and submitted < len(entries) and time.monotonic() > deadline:
+                late_since = time.monotonic()
+                logger.warning("Mooncake %s: deadline passed with %d entries not yet submitted; waiting for the %d in "
+                               "flight to finish or fail before giving the pages back", where,
+                               len(entries) - submitted, len(pending))
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_MAX_S)
+        problems = [error] if error else []
+        if late_since is not None:
+            problems.append(f"deadline passed with {len(entries) - submitted} entries not submitted (those in "
+                            f"flight then took {time.monotonic() - late_since:.1f} s more to end)")
+        if failed:
+            problems.append(f"{failed} of the {submitted} submitted entries failed (rc=-1)")
+        if problems:
+            raise TransferError(f"Mooncake {where}: " + "; ".join(problems))
+        if time.monotonic() > deadline:
+            logger.warning("Mooncake %s: finished %.1f s after its deadline", where, time.monotonic() - deadline)
         return nbytes
 
     def close(self) -> None:
@@ -175,51 +229,16 @@ def _timeout_s(config: MooncakeConfig) -> int:
     return max(MIN_TIMEOUT_S, timeout)
 
 
-# Every entry goes in as a batch of its own because transfer_check_status answers for one entry
-# without blocking. The binding's calls that wait on a whole batch (batch_transfer_sync_write,
-# get_batch_transfer_status) spin on a core until it is done; on a 2-core host that spinning
-# thread takes the CPU that Mooncake's TCP thread needs to move the bytes.
-def _submit(engine: Any, peer: str, batch: Sequence[TransferEntry]) -> tuple[list[int], str]:
-    """Start every entry; stop at the first the engine refuses. Returns the ids in flight and,
-    if one was refused, why."""
-    ids = []
-    for n, e in enumerate(batch):
+def _submit(engine: Any, peer: str, e: TransferEntry, n: int) -> tuple[int, str]:
+    """Start entry number n: (its id, "") or (0, why the engine refused it)."""
+    what = f"entry {n + 1} ({e.length} bytes to {e.dst_addr:#x}) refused at submit"
+    try:
         batch_id = engine.transfer_submit_write(peer, e.src_addr, e.dst_addr, e.length)
-        if batch_id == 0:  # the binding's only failure value (ids are pointers)
-            return ids, (f"entry {n + 1} ({e.length} bytes to {e.dst_addr:#x}) refused at submit (rc=0, "
-                         f"e.g. peer unknown or unreachable); {len(ids)} entries were in flight")
-        ids.append(batch_id)
-    return ids, ""
-
-
-def _wait(engine: Any, ids: list[int], deadline: float, where: str) -> None:
-    """Sleep-poll until every id has finished, then report the first failure or a passed
-    deadline. Never earlier: Mooncake cannot cancel an entry, so one still in flight when we
-    give up could land later, in pages that are by then another room's (the caller frees both
-    sides' pages once we return). A stalled entry ends when Mooncake's transport fails it
-    (MC_TCP_PROGRESS_TIMEOUT_SEC on TCP, 30 s by default)."""
-    pending, failed, pause = deque(ids), [], POLL_MIN_S
-    late_by: float | None = None
-    while pending:
-        rc = engine.transfer_check_status(pending[0])
-        # 1 done; -1 failed. -2 (Mooncake's own slice timeout, MC_SLICE_TIMEOUT) comes back while
-        # slices are still queued, so that entry is still in flight: keep polling it.
-        if rc in (1, -1):
-            pending.popleft()
-            if rc < 0:
-                failed.append(rc)
-            continue
-        if late_by is None and time.monotonic() > deadline:
-            late_by = time.monotonic()
-            logger.warning("Mooncake %s: deadline passed with %d of %d entries unfinished; waiting for them "
-                           "to finish or fail before giving the pages back", where, len(pending), len(ids))
-        time.sleep(pause)
-        pause = min(2 * pause, POLL_MAX_S)
-    if late_by is not None:
-        raise TransferError(f"Mooncake {where}: deadline passed before every entry had finished ({len(failed)} of "
-                            f"{len(ids)} failed; the last finished {time.monotonic() - late_by:.1f} s after it)")
-    if failed:
-        raise TransferError(f"Mooncake {where}: {len(failed)} of {len(ids)} entries failed (rc={failed[0]})")
+    except Exception as exc:  # a binding that raises instead of returning 0
+        return 0, f"{what} ({exc!r})"
+    if batch_id == 0:  # the binding's only failure value (ids are pointers)
+        return 0, f"{what} (rc=0, e.g. peer unknown or unreachable)"
+    return batch_id, ""
 
 
 def _has_rdma_device(topology_json: str) -> bool:

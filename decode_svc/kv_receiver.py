@@ -12,6 +12,7 @@ confirms it will not (or P is unreachable), so that no other room gets them and 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -142,29 +143,37 @@ class KVReceiver:
         task.add_done_callback(self._parked.discard)
 
     async def _release_after_peer_abort(self, parked: Request, prefill_addr: str) -> None:
-        """P answers Abort once no write of the room is in flight, which can be long after the
-        room's deadline (Mooncake cannot cancel a write; P waits until it has finished or failed).
-        A P that does not answer in time is asked again, the pages staying parked: it may be
-        stalled, not dead, and its queued bytes still land when it resumes."""
+        # Cancelled only when the service stops: then there is no pool to give pages back to.
+        since = time.monotonic()
+        await self._peer_abort_confirmed(parked.rid, prefill_addr)
+        await self.loop.call(lambda e: e.release(parked))
+        held = time.monotonic() - since
+        if held > PEER_ABORT_TIMEOUT_S:
+            logger.info("room %s: its pages are back in the pool after %.0f s parked", parked.rid, held)
+
+    async def _peer_abort_confirmed(self, room: str, prefill_addr: str) -> None:
+        """Returns once P has answered Abort, i.e. no write of the room is in flight, which can be
+        long after the room's deadline (Mooncake cannot cancel a write; P waits until what it
+        submitted has finished or failed), or once P is unreachable (gone: it writes nothing
+        more). A P that does not answer in time is asked again: it may be stalled, not dead, and
+        its queued bytes still land when it resumes."""
         stub = pb_grpc.PrefillServiceStub(self._channel(prefill_addr))
-        abort = pb.AbortRequest(room=parked.rid, reason="decode gave up on the room")
-        try:
-            while True:
-                try:
-                    await stub.Abort(abort, timeout=PEER_ABORT_TIMEOUT_S)
+        abort = pb.AbortRequest(room=room, reason="decode gave up on the room")
+        for attempt in itertools.count():
+            try:
+                await stub.Abort(abort, timeout=PEER_ABORT_TIMEOUT_S)
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
                     return
-                except grpc.aio.AioRpcError as e:
-                    if e.code() == grpc.StatusCode.UNAVAILABLE:  # P gone: it writes nothing more
-                        return
-                    if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                        logger.warning("room %s: prefill %s failed the abort (%s: %s); freeing its pages",
-                                       parked.rid, prefill_addr, e.code().name, e.details())
-                        return
-                    logger.warning("room %s: prefill %s has not confirmed the abort within %.0f s; its %d pages "
-                                   "stay out of the pool, asking again", parked.rid, prefill_addr,
-                                   PEER_ABORT_TIMEOUT_S, len(parked.cache.pages) + len(parked.draft_cache.pages))
-        finally:
-            await self.loop.call(lambda e: e.release(parked))
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    logger.warning("room %s: prefill %s failed the abort (%s: %s); freeing its pages",
+                                   room, prefill_addr, e.code().name, e.details())
+                    return
+                if attempt % 6 == 0:  # once a minute
+                    logger.warning("room %s: prefill %s has not confirmed the abort for %.0f s; its pages stay "
+                                   "out of the pool until it does", room, prefill_addr,
+                                   (attempt + 1) * PEER_ABORT_TIMEOUT_S)
 
     def _channel(self, addr: str) -> grpc.aio.Channel:
         if addr not in self._channels:

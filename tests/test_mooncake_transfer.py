@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -39,7 +40,7 @@ EQUAL_SPECS: dict[str, tuple] = {
 }
 
 
-def _peer_main(conn: Any, specs: dict[str, tuple]) -> None:
+def _peer_main(conn: Any, specs: dict[str, tuple], config: MooncakeConfig = MooncakeConfig("127.0.0.1")) -> None:
     """One P or D process: an engine, its registered tensors, and a command loop."""
     import torch
 
@@ -47,7 +48,7 @@ def _peer_main(conn: Any, specs: dict[str, tuple]) -> None:
     from common.transfer_plan import TransferEntry, build_plan
     from common.wire import room_to_protos
 
-    engine = MooncakeEngine(MooncakeConfig(local_hostname="127.0.0.1"))
+    engine = MooncakeEngine(config)
     engine.start()
     tensors: dict[str, torch.Tensor] = {}
     buffers: dict[str, PagedKVBuffer | SlotStateBuffer] = {}
@@ -172,14 +173,19 @@ def test_unregistered_destination_raises_transfer_error(pair):
     assert src.ok("write_raw", session, kv.base_addr, 64) == 64  # the engine still works afterwards
 
 
-FROZEN_IDX = {"kv": [0, 1], "draft_kv": [0, 1], "state": [0]}
+FROZEN_IDX = {"kv": [0, 1], "draft_kv": [0, 1], "state": [0]}  # 11 entries
+# 6 pages each way round (no two entries merge): 36 + 12 + 3 entries, more than a write keeps in
+# flight at once (2 per TCP lane, 16 lanes)
+SCATTERED_SRC = {"kv": list(range(6)), "draft_kv": list(range(6)), "state": [0]}
+SCATTERED_DST = {"kv": list(range(5, -1, -1)), "draft_kv": list(range(5, -1, -1)), "state": [0]}
 
 
-def _write_to_frozen(dst: Peer, src: Peer, resume_after_s: float | None) -> tuple[tuple, float]:
+def _write_to_frozen(dst: Peer, src: Peer, resume_after_s: float | None, src_idx: dict = FROZEN_IDX,
+                     dst_idx: dict = FROZEN_IDX, num_tokens: int = 8) -> tuple[tuple, float]:
     """src writes a room to dst while dst is stopped (SIGSTOP), after a first write has set up
     the connections; dst resumes after `resume_after_s` (None: when the write has returned)."""
-    session, infos = dst.ok("describe", FROZEN_IDX)
-    assert src.ok("write", session, infos, FROZEN_IDX, 8)[0] > 0  # handshake and lanes before the freeze
+    session, infos = dst.ok("describe", dst_idx)
+    assert src.ok("write", session, infos, src_idx, num_tokens)[0] > 0  # handshake and lanes before the freeze
     src.ok("fill", 77)  # new bytes, so that the test sees whether they landed
     os.kill(dst.proc.pid, signal.SIGSTOP)
     resume = None
@@ -188,7 +194,7 @@ def _write_to_frozen(dst: Peer, src: Peer, resume_after_s: float | None) -> tupl
         resume.start()
     try:
         start = time.monotonic()
-        reply = src.call("write", session, infos, FROZEN_IDX, 8)
+        reply = src.call("write", session, infos, src_idx, num_tokens)
         return reply, time.monotonic() - start
     finally:
         if resume is not None:
@@ -196,41 +202,54 @@ def _write_to_frozen(dst: Peer, src: Peer, resume_after_s: float | None) -> tupl
         os.kill(dst.proc.pid, signal.SIGCONT)
 
 
-def test_write_to_a_stalled_peer_returns_only_once_nothing_is_in_flight(pair, monkeypatch):
-    """D stops reading for 8 s, past P's deadline (5 s, the floor). Mooncake cannot cancel the
-    entries it has queued, and they land when D resumes; so the write may report the passed
-    deadline only once they have finished: otherwise P and D would free the room's pages with
-    bytes still on their way into them."""
-    _, dst = pair
+@pytest.fixture
+def short_deadline_src(monkeypatch) -> Iterator[Peer]:
+    """A source peer whose writes have a 5 s deadline (the floor) and keep 2 entries per lane,
+    32, in flight whatever their size (this test's entries are small)."""
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "1")  # floored to 5 s; a spawned peer inherits it
-    src = Peer(_peer_main, EQUAL_SPECS)
-    try:
-        reply, took = _write_to_frozen(dst, src, resume_after_s=8)
-        assert reply[:2] == ("error", "TransferError") and "deadline passed" in reply[2], reply
-        assert 8 <= took < 12, took
-        sent, got = src.ok("checksums"), dst.ok("checksums")
-        written = [k for k in sent if k[0] != "state" and k[3] in FROZEN_IDX[k[0]]]
-        assert written and all(got[k] == sent[k] for k in written)  # landed before the write returned
-        session, infos = dst.ok("describe", FROZEN_IDX)
-        assert src.ok("write", session, infos, FROZEN_IDX, 8)[0] > 0  # and the next write works
-    finally:
-        src.stop()
+    src = Peer(_peer_main, EQUAL_SPECS, MooncakeConfig("127.0.0.1", tcp_in_flight_bytes=1))
+    yield src
+    src.stop()
+
+
+def test_write_all_in_flight_at_the_deadline_waits_for_it(pair, short_deadline_src):
+    """D stops reading for 8 s, past P's 5 s deadline, after the room's 11 entries have all been
+    submitted. Mooncake cannot cancel them, and they land when D resumes: the write waits for
+    them and succeeds, late, rather than returning with bytes still on their way into pages
+    that P and D would then free."""
+    _, dst = pair
+    src = short_deadline_src
+    reply, took = _write_to_frozen(dst, src, resume_after_s=8)
+    assert reply[0] == "ok" and reply[1][0] > 0, reply
+    assert 8 <= took < 12, took
+    sent, got = src.ok("checksums"), dst.ok("checksums")
+    written = [k for k in sent if k[0] != "state" and k[3] in FROZEN_IDX[k[0]]]
+    assert written and all(got[k] == sent[k] for k in written)
+
+
+def test_write_past_its_deadline_stops_submitting_and_drains(pair, short_deadline_src):
+    """A room of 51 entries to a D stopped for 8 s: 32 go in flight, the deadline passes at 5 s
+    with the rest unsubmitted; the write submits nothing more, waits until the 32 have landed
+    (D resumed), and fails saying so."""
+    _, dst = pair
+    reply, took = _write_to_frozen(dst, short_deadline_src, 8, SCATTERED_SRC, SCATTERED_DST, num_tokens=24)
+    assert reply[:2] == ("error", "TransferError"), reply
+    assert "deadline passed with 19 entries not submitted" in reply[2], reply
+    assert 8 <= took < 12, took
 
 
 def test_write_to_a_frozen_peer_fails_when_mooncake_gives_up(pair, monkeypatch):
     """D never resumes during the write: it ends when Mooncake's TCP transport has failed every
     stalled entry. A lane drops its connection after MC_TCP_PROGRESS_TIMEOUT_SEC without
-    progress (30 s by default, 8 s here; 11 entries, each on a lane of its own), so the write
-    ends ~8 s in, past its 5 s deadline. (With more entries than lanes, a lane's next entry
-    stalls on a new connection and waits as long again.)"""
+    progress (30 s by default, 8 s here; 11 entries, each on a lane of its own)."""
     _, dst = pair
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "1")
     monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "8")
     src = Peer(_peer_main, EQUAL_SPECS)
     try:
         reply, took = _write_to_frozen(dst, src, resume_after_s=None)
-        assert reply[:2] == ("error", "TransferError") and "deadline passed" in reply[2], reply
-        assert 8 <= took < 15, took
+        assert reply[:2] == ("error", "TransferError") and "11 of the 11 submitted entries failed" in reply[2], reply
+        assert 7.5 <= took < 20, took
         session, infos = dst.ok("describe", FROZEN_IDX)
         assert src.ok("write", session, infos, FROZEN_IDX, 8)[0] > 0
     finally:
