@@ -71,6 +71,7 @@ class MooncakeConfig:
         by_bytes = math.ceil(self.tcp_in_flight_bytes / max(entry_bytes, 1.0))
         return min(MAX_BATCH_ENTRIES, max(2 * self.tcp_lanes_per_peer, by_bytes))
 
+
 def check_allocator_env(environ: Mapping[str, str] = os.environ) -> None:
     """Mooncake cannot register memory from PyTorch's expandable segments ("Bad address",
     Mooncake issue 2511), so refuse that allocator setting up front."""

@@ -72,7 +72,7 @@ class KVSender:
     async def send(self, req: Request, boot: pb.BootstrapRequest) -> int:
         """Copy the prompt's KV from each of our ranks into the pages D reserved on each of its
         ranks. Plan errors (bounds, layouts) are raised before any byte moves; a failed
-        Mooncake batch raises TransferError."""
+        Mooncake write raises TransferError once none of its entries is in flight."""
         # Planned off the event loop: with differing head splits a long prompt's plan has an
         # entry per token, layer and K/V, and other rooms' RPCs must not wait for it.
         jobs = await asyncio.to_thread(plan_writes, req.rid, self.ranks.endpoints, self.ranks.tp,
