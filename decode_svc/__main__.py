@@ -5,12 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from common.engine import Engine
-from common.engine_loop import EngineLoop
-from common.loader import (ModelOptions, add_model_args, add_parallel_args, add_spec_args, load_model,
-                           load_proposer)
-from common.service_base import add_mooncake_args, run_service, serve_grpc, setup_logging
-from common.transfer_ranks import TransferRanks
+from common.engine.engine import Engine
+from common.service.engine_loop import EngineLoop
+from common.service.grpc_process import run_service, serve_grpc, setup_logging
+from common.service.loader import (
+    ModelOptions,
+    add_model_args,
+    add_parallel_args,
+    add_spec_args,
+    load_model,
+    load_proposer,
+)
+from common.service.transfer_ranks import TransferRanks, add_mooncake_args
 from decode_svc.kv_receiver import KVReceiver
 from decode_svc.service import DecodeServicer
 from protos import pdflash_pb2_grpc as pb_grpc

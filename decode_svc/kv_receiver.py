@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from common.buffers import RankEndpoint, RoomBuffers
-from common.engine_loop import EngineLoop
-from common.page_pool import OutOfPages
-from common.request import Request
-from common.runner import SeqCache
-from common.service_base import PEER_CHANNEL_OPTIONS
-from common.wire import ranks_to_protos, room_to_protos
+from common.engine.request import Request
+from common.kv.buffers import RankEndpoint, RoomBuffers
+from common.kv.page_pool import OutOfPages
+from common.kv.seq_cache import SeqCache
+from common.service.engine_loop import EngineLoop
+from common.service.grpc_process import PEER_CHANNEL_OPTIONS
+from common.transfer.wire import ranks_to_protos, room_to_protos
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 

@@ -8,18 +8,17 @@ Generate(room):
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
 import grpc
 
-from common.engine_loop import EngineFailure, EngineLoop
-from common.messages import meta_to_proto, sampling_from_proto
-from common.meta import meta_info
-from common.request import Request
-from common.sampling import InvalidRequest
-from common.tokenizer import IncrementalDecoder, Tokenizer
+from common.engine.meta import meta_info
+from common.engine.request import Request
+from common.engine.sampling import InvalidRequest
+from common.model.tokenizer import IncrementalDecoder, Tokenizer
+from common.service.engine_loop import EngineFailure, EngineLoop
+from common.service.messages import meta_to_proto, sampling_from_proto
 from decode_svc.kv_receiver import HandoffError, KVReceiver
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc

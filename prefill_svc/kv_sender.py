@@ -7,13 +7,13 @@ import time
 
 import grpc
 
-from common.buffers import RankEndpoint, RoomBuffers
-from common.service_base import PEER_CHANNEL_OPTIONS
-from common.request import Request
-from common.engine import Engine
-from common.transfer_plan import TPRank, TransferPlanError, Writes, build_plan
-from common.transfer_ranks import TransferRanks
-from common.wire import ranks_from_bootstrap
+from common.engine.engine import Engine
+from common.engine.request import Request
+from common.kv.buffers import RankEndpoint, RoomBuffers
+from common.service.grpc_process import PEER_CHANNEL_OPTIONS
+from common.service.transfer_ranks import TransferRanks
+from common.transfer.plan import TPRank, TransferPlanError, Writes, build_plan
+from common.transfer.wire import ranks_from_bootstrap
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 

@@ -15,9 +15,9 @@ import time
 
 import grpc
 
-from common.engine_loop import EngineFailure, EngineLoop
-from common.messages import sampling_from_proto
-from common.request import Request
+from common.engine.request import Request
+from common.service.engine_loop import EngineFailure, EngineLoop
+from common.service.messages import sampling_from_proto
 from prefill_svc.kv_sender import KVSender
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc

@@ -17,9 +17,9 @@ from typing import Any
 
 import grpc
 
-from common.messages import sampling_to_proto
-from common.sampling import SamplingParams
-from common.service_base import PEER_CHANNEL_OPTIONS
+from common.engine.sampling import SamplingParams
+from common.service.grpc_process import PEER_CHANNEL_OPTIONS
+from common.service.messages import sampling_to_proto
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 from router_svc.errors import ApiError, from_grpc

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from jinja2 import TemplateError
 
-from common.sampling import InvalidRequest, SamplingParams
-from common.tokenizer import Tokenizer
+from common.engine.sampling import InvalidRequest, SamplingParams
+from common.model.tokenizer import Tokenizer
 from protos import pdflash_pb2 as pb
 from router_svc.dispatch import Dispatcher
 from router_svc.errors import INVALID, ApiError, invalid
+from router_svc.generation import Generation
 from router_svc.metrics import Metrics
 from router_svc.model_info import ModelInfo
 
@@ -36,48 +35,6 @@ class Job:
     sampling: SamplingParams
     # No max-token limit was given (OpenAI chat): generate up to the end of the context.
     fill_context: bool = False
-
-
-@dataclass
-class Generation:
-    """One dispatched request and what has come back for it so far."""
-
-    endpoint: str
-    input_ids: list[int]
-    sampling: SamplingParams
-    room: str = field(default_factory=lambda: uuid.uuid4().hex)
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    chunks: int = 0
-    meta: pb.MetaInfo | None = None  # from the last chunk
-    created: int = field(default_factory=lambda: int(time.time()))
-    start: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-
-    def add(self, chunk: pb.GenerateChunk) -> None:
-        if chunk.token_ids and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
-        self.chunks += 1
-        self.output_ids.extend(chunk.token_ids)
-        self.text += chunk.text
-        if chunk.finished:
-            self.meta = chunk.meta
-
-    @property
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.meta.prompt_tokens if self.meta else len(self.input_ids)
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.meta.completion_tokens if self.meta else len(self.output_ids)
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.meta.cached_tokens if self.meta else 0
 
 
 class Frontend:

@@ -9,8 +9,8 @@ from contextlib import aclosing
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.messages import sampling_from_proto
-from common.sampling import InvalidRequest
+from common.engine.sampling import InvalidRequest
+from common.service.messages import sampling_from_proto
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 from router_svc.errors import ApiError, internal

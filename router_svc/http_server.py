@@ -11,11 +11,12 @@ from typing import Any
 from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
-from common.sampling import InvalidRequest
+from common.engine.sampling import InvalidRequest
 from protos import pdflash_pb2 as pb
 from router_svc import openai_api, sglang_api, sse
 from router_svc.errors import INVALID, ApiError, internal, invalid
-from router_svc.frontend import Frontend, Generation, Job
+from router_svc.frontend import Frontend, Job
+from router_svc.generation import Generation
 from router_svc.metrics import CONTENT_TYPE
 
 log = logging.getLogger("router_svc")

@@ -13,11 +13,20 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Summary,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from router_svc.generation import Generation
 
 if TYPE_CHECKING:
     from router_svc.dispatch import BackendHealth, Dispatcher
-    from router_svc.frontend import Generation
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -9,8 +9,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from common.model_config import ModelConfig
-from common.weights import ModelSource
+from common.model.config import ModelConfig
+from common.model.weights import ModelSource
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,8 @@ def read_model_info(src: ModelSource) -> ModelInfo:
     meta = read_gguf_metadata(src.path)
     arch = meta["general.architecture"]
     return ModelInfo(
-        name=os.path.splitext(src.gguf_file or "model")[0],  # as common.weights names it
-        max_context=meta.get(f"{arch}.context_length", 4096),  # common.weights' default too
+        name=os.path.splitext(src.gguf_file or "model")[0],  # as common.model.weights names it
+        max_context=meta.get(f"{arch}.context_length", 4096),  # common.model.weights' default too
         vocab_size=meta.get(f"{arch}.vocab_size") or meta["tokenizer.ggml.tokens"],
     )
 

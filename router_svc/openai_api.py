@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from common.sampling import InvalidRequest
+from common.engine.sampling import InvalidRequest
 from protos import pdflash_pb2 as pb
-from router_svc.frontend import ChatMessages, Generation, Job, Prompt
+from router_svc.frontend import ChatMessages, Job, Prompt
+from router_svc.generation import Generation
 from router_svc.params import Fields, is_token_list, read_sampling
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: pass temperature=0 for greedy output

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from common.sampling import InvalidRequest, SamplingParams
+from common.engine.sampling import InvalidRequest, SamplingParams
 
 BODY = "the request body"
 INT32_MAX = 2**31 - 1

@@ -12,8 +12,8 @@ import signal
 
 from aiohttp import web
 
-from common.tokenizer import Tokenizer
-from common.weights import resolve_model
+from common.model.tokenizer import Tokenizer
+from common.model.weights import resolve_model
 from router_svc import grpc_server
 from router_svc.config import RouterConfig
 from router_svc.dispatch import Backend, Dispatcher

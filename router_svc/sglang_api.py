@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from common.sampling import InvalidRequest, SamplingParams
+from common.engine.sampling import InvalidRequest, SamplingParams
 from protos import pdflash_pb2 as pb
 from router_svc.frontend import Generation, Job
 from router_svc.params import Fields, read_sampling

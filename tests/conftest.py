@@ -6,7 +6,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def embedded_source():
-    from common.weights import resolve_model
+    from common.model.weights import resolve_model
 
     return resolve_model(None)
 
@@ -14,14 +14,14 @@ def embedded_source():
 @pytest.fixture(scope="session")
 def embedded_weights(embedded_source):
     """(ModelConfig, Hugging Face-named fp32 tensors) of the embedded model."""
-    from common.weights import load_weights
+    from common.model.weights import load_weights
 
     return load_weights(embedded_source)
 
 
 @pytest.fixture(scope="session")
 def embedded_tokenizer(embedded_source, embedded_weights):
-    from common.tokenizer import Tokenizer
+    from common.model.tokenizer import Tokenizer
 
     return Tokenizer(embedded_source, embedded_weights[0].eos_token_ids)
 
@@ -29,7 +29,7 @@ def embedded_tokenizer(embedded_source, embedded_weights):
 @pytest.fixture(scope="session")
 def make_embedded_runner(embedded_weights):
     """Factory: a fresh ModelRunner (own weights copy and KV pool) of the embedded model."""
-    from common.runner import ModelRunner
+    from common.runner.model_runner import ModelRunner
 
     def make(dtype: str = "fp32", page_size: int = 16, num_pages: int = 256) -> ModelRunner:
         cfg, tensors = embedded_weights

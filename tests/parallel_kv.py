@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.buffers import DTYPE_BYTES, PagedKVBuffer, RoomBuffers
-from common.parallel import kv_head_range, layer_range
+from common.kv.buffers import DTYPE_BYTES, PagedKVBuffer, RoomBuffers
+from common.runner.layout import kv_head_range, layer_range
 
 
 @dataclass(frozen=True)

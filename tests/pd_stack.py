@@ -11,7 +11,7 @@ import grpc
 import psutil
 import requests
 
-from common.bench.stack import Stack as UpStack
+from common.tools.bench.stack import Stack as UpStack
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 

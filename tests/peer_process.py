@@ -6,8 +6,8 @@ import multiprocessing as mp
 from collections.abc import Callable
 from typing import Any
 
-from common.mooncake_engine import MooncakeEngine, TransferError
-from common.transfer_plan import TransferPlanError
+from common.transfer.mooncake import MooncakeEngine, TransferError
+from common.transfer.plan import TransferPlanError
 
 REPLY_TIMEOUT_S = 60
 

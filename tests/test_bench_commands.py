@@ -12,8 +12,9 @@ import sys
 import pytest
 import requests
 
+from common.tools.bench import serving
+
 from bench_fields import assert_gsm8k_run, assert_serving_summary
-from common.bench import serving
 from pd_stack import ROOT, Stack
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from common import bench_engine, cli
-from common.model_shapes import SHAPES
+from common.model.shapes import SHAPES
 
 PDFLASH = os.path.join(os.path.dirname(sys.executable), "pdflash")
 SMALL = ["--device", "cpu", "--batches", "1,3", "--new-tokens", "3", "--repeats", "1", "--warmup", "0",

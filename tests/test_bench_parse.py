@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from common.bench import gsm8k_data as data
+from common.tools.bench import gsm8k_data as data
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -67,7 +67,10 @@ def test_missing_file_is_a_clear_error(tmp_path):
         data.load(str(tmp_path / "nope.jsonl"))
 
 
-def test_default_paths_are_beside_the_repo():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    assert data.DEFAULT_TEST == os.path.normpath(os.path.join(root, "..", "shared", "data", "gsm8k", "test.jsonl"))
-    assert data.DEFAULT_TRAIN.endswith(os.path.join("gsm8k", "train.jsonl"))
+def test_default_data_ships_with_the_package():
+    """No command defaults to data outside the installed package."""
+    package = os.path.dirname(os.path.abspath(data.__file__))
+    for path in (data.DEFAULT_TEST, data.DEFAULT_TRAIN):
+        assert os.path.commonpath([package, path]) == package and os.path.isfile(path)
+    assert len(data.load(data.DEFAULT_TEST)) == 1000
+    assert len(data.load(data.DEFAULT_TRAIN)) == 8

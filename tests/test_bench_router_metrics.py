@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.bench import stats
-from common.sampling import SamplingParams
+from common.engine.sampling import SamplingParams
+from common.tools.bench import stats
 from protos import pdflash_pb2 as pb
 from router_svc.dispatch import Route
 from router_svc.frontend import Generation

@@ -11,10 +11,11 @@ import os
 import numpy as np
 import pytest
 
+from common.tools.bench import ab, gsm8k, serving, stats, warmup
+from common.tools.bench import gsm8k_data as data
+from common.tools.bench.client import Response
+
 from bench_fields import assert_gsm8k_run, assert_serving_summary
-from common.bench import ab, gsm8k, serving, stats, warmup
-from common.bench import gsm8k_data as data
-from common.bench.client import Response
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 

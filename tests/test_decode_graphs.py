@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 
-from common.decode_graphs import DecodeGraphs
-from common.engine import Engine
-from common.gpu_check import compare_static_decode
-from common.paged_decode import HAS_TRITON, decode_attention_torch
-from common.request import Request
-from common.sampling import SamplingParams
+from common.engine.engine import Engine
+from common.engine.request import Request
+from common.engine.sampling import SamplingParams
+from common.model.static_attention import HAS_TRITON, decode_attention_torch
+from common.runner.decode_graphs import DecodeGraphs
+from common.tools.gpu.checks import compare_static_decode
 
 PROMPT_LENS = (5, 20, 37)  # three requests at different lengths, on a size-4 graph
 STEPS = 32
@@ -47,10 +47,7 @@ def test_engine_outputs_unchanged_with_static_decode(make_embedded_runner, embed
                 for i in range(3)]
         engine.add(reqs[0])
         engine.step(), engine.step()
-        for r in reqs[1:]:
-            engine.add(r)
-        while engine.has_work:
-            engine.step()
+        engine.run_all(reqs[1:])
         runs.append([r.output_ids for r in reqs])
     assert runs[1] == runs[0] and runs[2] == runs[0]
 
@@ -62,7 +59,7 @@ def test_triton_decode_kernel_and_static_path():
     Triton's interpreter, fp32 only (the interpreter's bf16 tl.dot is wrong even for a plain
     16x16 product)."""
     cuda = torch.cuda.is_available()
-    code = ("import json, torch; from common.gpu_check import kernel_check, tiny_static_check; "
+    code = ("import json, torch; from common.tools.gpu.checks import kernel_check, tiny_static_check; "
             f"dtypes = [torch.float32] + [torch.bfloat16] * {cuda}; device = {'cuda' if cuda else 'cpu'!r}; "
             "print(json.dumps({'kernel': kernel_check(device, dtypes), "
             f"'static': tiny_static_check(device, 'fp32', 'triton', capture={cuda})}}))")
@@ -95,7 +92,7 @@ def test_torch_decode_attention_reads_only_its_length():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_cuda_graphs_match_eager(embedded_weights, embedded_tokenizer, dtype):
-    from common.runner import ModelRunner
+    from common.runner.model_runner import ModelRunner
 
     cfg, tensors = embedded_weights
     ids = embedded_tokenizer.encode("The lighthouse keeper climbed the stairs at dusk with a lamp and a notebook.")
@@ -107,10 +104,7 @@ def test_cuda_graphs_match_eager(embedded_weights, embedded_tokenizer, dtype):
         engine = Engine(runner, embedded_tokenizer.eos_token_ids)
         reqs = [Request(f"r{i}", ids[i:i + 4 + 5 * i], SamplingParams(max_new_tokens=32, ignore_eos=True))
                 for i in range(3)]
-        for r in reqs:
-            engine.add(r)
-        while engine.has_work:
-            engine.step()
+        engine.run_all(reqs)
         outs.append([r.output_ids for r in reqs])
     if dtype == "fp32":
         assert outs[1] == outs[0]

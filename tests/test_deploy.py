@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "deploy"))
 
 from pdeploy.__main__ import main as pd_main  # noqa: E402
-from pdeploy.commands import ComposeLauncher, Cmd, on, quote  # noqa: E402
+from pdeploy.commands import Cmd, ComposeLauncher, on, quote  # noqa: E402
 from pdeploy.config import load_config, read_env_file  # noqa: E402
 from pdeploy.topology import Node, build_topology  # noqa: E402
 

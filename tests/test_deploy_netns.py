@@ -143,7 +143,7 @@ def test_pd_across_namespaces_survives_a_cut_link(namespaces, tmp_path):
     profile = tmp_path / "netns.env"
     write_profile(profile, ns, results)
     # The reference answer, computed while the stack starts.
-    ref_proc = subprocess.Popen([sys.executable, "-m", "common.cli", "generate", "--prompt", PROMPT, "--max-new-tokens",
+    ref_proc = subprocess.Popen([sys.executable, "-m", "common.tools.cli", "generate", "--prompt", PROMPT, "--max-new-tokens",
                                  str(NEW_TOKENS), "--json", "--device", "cpu"], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         started = pd("start", profile)

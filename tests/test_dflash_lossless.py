@@ -10,9 +10,9 @@ import pytest
 
 from common.dflash.drafter import SHIPPED, Drafter
 from common.dflash.proposer import DFlashProposer
-from common.engine import Engine
-from common.request import Request
-from common.sampling import SamplingParams
+from common.engine.engine import Engine
+from common.engine.request import Request
+from common.engine.sampling import SamplingParams
 
 QUESTIONS = [
     "What is 7 times 8?", "Tom has 3 apples and buys 5 more. How many apples does he have?",
@@ -54,11 +54,7 @@ def proposer(runner):
 
 def run_all(engine: Engine, prompts: list[list[int]], concurrency: int) -> list[Request]:
     reqs = [Request(uuid.uuid4().hex, ids, SamplingParams(max_new_tokens=MAX_NEW)) for ids in prompts]
-    pending = list(reqs)
-    while pending or engine.has_work:
-        while pending and len(engine.waiting) + len(engine.prefilling) + len(engine.running) < concurrency:
-            engine.add(pending.pop(0))
-        engine.step()
+    engine.run_all(reqs, concurrency)
     return reqs
 
 
@@ -86,7 +82,7 @@ def test_drafter_predicts_something(runner, proposer, embedded_tokenizer, prompt
 def test_in_process_lossless(runner, proposer, embedded_tokenizer, prompts, plain_outputs, concurrency, count):
     """All 32 prompts batched (requests join and leave the batch at different steps), and a
     subset one at a time."""
-    from common.meta import meta_info
+    from common.engine.meta import meta_info
 
     engine = Engine(runner, embedded_tokenizer.eos_token_ids, chunk_size=37, proposer=proposer)
     reqs = run_all(engine, prompts[:count], concurrency)

@@ -10,15 +10,21 @@ import os
 import pytest
 import torch
 
-from common.dflash.data import GenSettings, Sequence, file_sha256, generate, load_sequences, read_prompts
 from common.dflash.drafter import Drafter
-from common.dflash.objective import (IGNORE, block_attention_mask, block_labels, draft_hidden, make_batch,
-                                    sample_anchors)
-from common.dflash.train import add_args, drafter_config, train
-from common.dflash.trainer import Trainer
-from common.engine import Engine
-from common.request import Request
-from common.sampling import SamplingParams
+from common.engine.engine import Engine
+from common.engine.request import Request
+from common.engine.sampling import SamplingParams
+from common.tools.drafter.data import GenSettings, Sequence, file_sha256, generate, load_sequences, read_prompts
+from common.tools.drafter.objective import (
+    IGNORE,
+    block_attention_mask,
+    block_labels,
+    draft_hidden,
+    make_batch,
+    sample_anchors,
+)
+from common.tools.drafter.train import add_args, drafter_config, train
+from common.tools.drafter.trainer import Trainer
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "fixtures", "dflash_prompts.jsonl")
 NEW_TOKENS = 6
@@ -85,7 +91,7 @@ def test_anchors_and_labels():
 
 @pytest.fixture(scope="module")
 def target():
-    from common.loader import ModelOptions, load_model
+    from common.service.loader import ModelOptions, load_model
 
     # One intra-op thread for this module: on a busy 2-core machine two OpenMP threads that
     # wait on each other made these tests 3-4x slower (26 s vs 114 s); restored afterwards.
@@ -126,9 +132,7 @@ def test_data_matches_engine(target, dataset):
     for i, q in enumerate(prompts):
         reqs.append(Request(f"ref{i}", tok.apply_chat_template([{"role": "user", "content": q}]),
                             SamplingParams(max_new_tokens=NEW_TOKENS)))
-        engine.add(reqs[-1])
-    while engine.has_work:
-        engine.step()
+    engine.run_all(reqs)
     greedy = {s.i: s for s in seqs if s.k == 0}
     for i, req in enumerate(reqs):
         assert greedy[i].prompt_len == req.prompt_len

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from common.engine import Engine
-from common.request import Request
-from common.sampling import InvalidRequest, SamplingParams
-from common.tokenizer import IncrementalDecoder
+from common.engine.engine import Engine
+from common.engine.request import Request
+from common.engine.sampling import InvalidRequest, SamplingParams
+from common.model.tokenizer import IncrementalDecoder
 
 _TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lamp, a "
          "notebook and a flask of tea. From the top he could see the whole bay: fishing boats "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.runner import SeqCache
+from common.kv.seq_cache import SeqCache
 
 # fp32: the same math in different shapes (batched + masked vs one query) differs by ~1e-5.
 TOL = dict(rtol=1e-4, atol=2e-4)

@@ -1,6 +1,6 @@
 """Hugging Face folders: small random-weight Llama / Qwen2 / Qwen3 checkpoints written here with
 transformers' save_pretrained (safetensors + the embedded model's tokenizer files), loaded with
-common.loader.load_model, and compared with transformers on the same folder."""
+common.service.loader.load_model, and compared with transformers on the same folder."""
 from __future__ import annotations
 
 import json
@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-from common.engine import Engine
-from common.loader import ModelOptions, load_model
-from common.request import Request
-from common.runner import SeqCache
-from common.sampling import SamplingParams
+from common.engine.engine import Engine
+from common.engine.request import Request
+from common.engine.sampling import SamplingParams
+from common.kv.seq_cache import SeqCache
+from common.service.loader import ModelOptions, load_model
 
 NEW_TOKENS = 24
 SMALL = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
@@ -112,10 +112,7 @@ def test_folder_logits_and_greedy_match_transformers(checkpoint):
 
     engine = Engine(runner, tok.eos_token_ids, chunk_size=13)
     reqs = [Request(str(i), p, SamplingParams(max_new_tokens=NEW_TOKENS)) for i, p in enumerate(prompts)]
-    for r in reqs:
-        engine.add(r)
-    while engine.has_work:
-        engine.step()
+    engine.run_all(reqs)
     for r in reqs:
         x = torch.tensor([r.prompt_ids])
         with torch.inference_mode():

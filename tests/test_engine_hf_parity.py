@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine import Engine
-from common.request import Request
-from common.runner import SeqCache
-from common.sampling import SamplingParams
+from common.engine.engine import Engine
+from common.engine.request import Request
+from common.engine.sampling import SamplingParams
+from common.kv.seq_cache import SeqCache
 
 NEW_TOKENS = 64
 _LONG_TEXT = (
@@ -50,10 +50,7 @@ def _hf_greedy(hf, ids: list[int], eos: tuple[int, ...], n: int) -> list[int]:
 def _our_greedy(runner, eos, prompts: list[list[int]], n: int) -> list[list[int]]:
     engine = Engine(runner, eos)
     reqs = [Request(str(i), p, SamplingParams(max_new_tokens=n)) for i, p in enumerate(prompts)]
-    for r in reqs:
-        engine.add(r)
-    while engine.has_work:
-        engine.step()
+    engine.run_all(reqs)
     return [r.output_ids for r in reqs]
 
 

@@ -27,12 +27,14 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import requests
+from test_router_process import RouterProcess
 
+from common.parallel.ports import free_port
 from decode_svc.kv_receiver import PEER_ABORT_TIMEOUT_S
-from pd_stack import ROOT, Stack
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
-from test_router_process import RouterProcess
+
+from pd_stack import ROOT, Stack
 
 pytestmark = pytest.mark.slow
 
@@ -338,12 +340,6 @@ def _new_pid(stack: Stack, worker, old: int) -> bool:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serving(worker) -> bool:
     try:
         return worker.health(timeout=2).ok
@@ -373,7 +369,7 @@ def test_late_write_of_an_aborted_room_lands_in_no_other_room(stack: Stack, refe
     d = stack.worker("decode")
     b_ids = SHORT
     want = stack.generate(b_ids, max_new_tokens=600, ignore_eos=True)["output_ids"]
-    port = _free_port()
+    port = free_port()
     p2 = subprocess.Popen([sys.executable, "-m", "prefill_svc", "--port", str(port), "--page-size", "16",
                            "--kv-pages", "512"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

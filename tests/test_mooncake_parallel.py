@@ -18,13 +18,14 @@ try:
 except ImportError as e:
     pytest.skip(f"mooncake.engine cannot be imported: {e}", allow_module_level=True)
 
-from common.buffers import RoomBuffers  # noqa: E402
-from common.mooncake_engine import MooncakeConfig, MooncakeEngine  # noqa: E402
-from common.transfer_plan import TPRank, build_plan  # noqa: E402
-from common.wire import room_from_protos, room_to_protos  # noqa: E402
-from peer_process import Peer, serve  # noqa: E402
-from parallel_kv import KVSpec, Split, d_rooms, expected_d_caches, p_rooms  # noqa: E402
+from common.kv.buffers import RoomBuffers  # noqa: E402
+from common.transfer.mooncake import MooncakeConfig, MooncakeEngine  # noqa: E402
+from common.transfer.plan import TPRank, build_plan  # noqa: E402
+from common.transfer.wire import room_from_protos, room_to_protos  # noqa: E402
 from protos import pdflash_pb2 as pb  # noqa: E402
+
+from parallel_kv import KVSpec, Split, d_rooms, expected_d_caches, p_rooms  # noqa: E402
+from peer_process import Peer, serve  # noqa: E402
 
 
 def _room(infos: list[bytes]) -> RoomBuffers:

@@ -25,11 +25,11 @@ except ImportError as e:
     pytest.skip(f"mooncake.engine cannot be imported: {e}", allow_module_level=True)
 torch = pytest.importorskip("torch")
 
-from common.mooncake_engine import MooncakeConfig, MooncakeEngine, TransferError, check_allocator_env  # noqa: E402
-from common.wire import room_from_protos  # noqa: E402
-from peer_process import REPLY_TIMEOUT_S, Peer, serve  # noqa: E402
+from common.transfer.mooncake import MooncakeConfig, MooncakeEngine, TransferError, check_allocator_env  # noqa: E402
+from common.transfer.wire import room_from_protos  # noqa: E402
 from protos import pdflash_pb2 as pb  # noqa: E402
 
+from peer_process import REPLY_TIMEOUT_S, Peer, serve  # noqa: E402
 
 # name -> (layers, pages, page_size, num_heads, head_start, total_heads, head_dim) or
 # name -> (layers, slots, bytes_per_slot) for state slots.
@@ -44,9 +44,9 @@ def _peer_main(conn: Any, specs: dict[str, tuple], config: MooncakeConfig = Moon
     """One P or D process: an engine, its registered tensors, and a command loop."""
     import torch
 
-    from common.buffers import PagedKVBuffer, RoomBuffers, SlotStateBuffer
-    from common.transfer_plan import TransferEntry, build_plan
-    from common.wire import room_to_protos
+    from common.kv.buffers import PagedKVBuffer, RoomBuffers, SlotStateBuffer
+    from common.transfer.plan import TransferEntry, build_plan
+    from common.transfer.wire import room_to_protos
 
     engine = MooncakeEngine(config)
     engine.start()

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from common.page_pool import OutOfPages, PagePool
+from common.kv.page_pool import OutOfPages, PagePool
 
 
 def test_alloc_and_free_account_for_every_page():

@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from common.dflash.drafter import Drafter
-from common.dflash.pipeline_proposer import PipelineProposer
 from common.dflash.proposer import DFlashProposer
-from common.parallel import ParallelConfigError
-from common.parallel_runner import ParallelRunner
-from common.runner import ModelRunner, SeqCache
+from common.kv.seq_cache import SeqCache
+from common.parallel.driver import ParallelRunner
+from common.parallel.pipeline_proposer import PipelineProposer
+from common.runner.layout import ParallelConfigError
+from common.runner.model_runner import ModelRunner
+
 from tiny_models import random_model, save_random_drafter
 
 PAGE = 8
@@ -135,8 +137,8 @@ DRIVER = """
 import sys
 sys.path.insert(0, {tests!r})
 from tiny_models import random_model
-from common.parallel_runner import ParallelRunner
-from common.runner import SeqCache
+from common.parallel.driver import ParallelRunner
+from common.kv.seq_cache import SeqCache
 
 if __name__ == "__main__":
     cfg, tensors = random_model(num_layers=4)

@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
-from common.kv_checksum import page_checksums, room_checksums
-from common.request import Request
-from common.sampling import SamplingParams
+from common.engine.request import Request
+from common.engine.sampling import SamplingParams
+from common.kv.checksum import page_checksums, room_checksums
 from decode_svc.kv_receiver import HandoffError, KVReceiver
 
 LAYERS, PAGES, PAGE, HEADS, DIM = 3, 10, 4, 2, 8

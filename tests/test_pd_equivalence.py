@@ -1,5 +1,5 @@
 """Greedy output through the real stack (`pdflash up`, real gRPC and Mooncake) equals the
-in-process runner (`common.engine.Engine` over the same weights) token for token: one request at a
+in-process runner (`common.engine.engine.Engine` over the same weights) token for token: one request at a
 time and 16 at once; pd (`--verify-transfer`: every page D received is checksummed against what P
 sent) and colocated with two replicas. Page size 16, so prompts of 15/16/17, 31/32/33, 63/64/65
 tokens start, fill and overflow pages, and decoding crosses page boundaries."""
@@ -62,11 +62,11 @@ class Expected:
 @pytest.fixture(scope="module")
 def expected(embedded_weights, embedded_tokenizer) -> dict[Case, Expected]:
     """Each case alone through an in-process Engine: the reference."""
-    from common.engine import Engine
-    from common.request import Request
-    from common.runner import ModelRunner
-    from common.sampling import SamplingParams
-    from common.tokenizer import IncrementalDecoder
+    from common.engine.engine import Engine
+    from common.engine.request import Request
+    from common.engine.sampling import SamplingParams
+    from common.model.tokenizer import IncrementalDecoder
+    from common.runner.model_runner import ModelRunner
 
     cfg, tensors = embedded_weights
     assert cfg.num_layers == LAYERS
@@ -82,10 +82,7 @@ def expected(embedded_weights, embedded_tokenizer) -> dict[Case, Expected]:
             ids = tok.apply_chat_template([{"role": "user", "content": case.prompt}])
         params = SamplingParams(max_new_tokens=case.max_new_tokens, ignore_eos=case.ignore_eos)
         req = Request(uuid.uuid4().hex, ids, params, IncrementalDecoder(tok))
-        engine.add(req)
-        text = []
-        while engine.has_work:
-            text += [o.text for o in engine.step()]
+        text = [o.text for outputs in engine.run([req]) for o in outputs]
         assert engine.runner.pool.num_free == engine.runner.pool.num_pages
         out[case] = Expected(ids, req.output_ids, "".join(text))
     return out

@@ -27,18 +27,15 @@ STACK_ARGS = ["--page-size", str(PAGE), "--kv-pages", "64", "--chunk-size", "32"
 
 @pytest.fixture(scope="module")
 def expected(embedded_weights, embedded_tokenizer) -> list[list[int]]:
-    from common.engine import Engine
-    from common.request import Request
-    from common.runner import ModelRunner
-    from common.sampling import SamplingParams
+    from common.engine.engine import Engine
+    from common.engine.request import Request
+    from common.engine.sampling import SamplingParams
+    from common.runner.model_runner import ModelRunner
 
     cfg, tensors = embedded_weights
     engine = Engine(ModelRunner(cfg, tensors, num_pages=32, page_size=PAGE), embedded_tokenizer.eos_token_ids)
     reqs = [Request(uuid.uuid4().hex, ids, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)) for ids in PROMPTS]
-    for req in reqs:
-        engine.add(req)
-    while engine.has_work:
-        engine.step()
+    engine.run_all(reqs)
     return [r.output_ids for r in reqs]
 
 
@@ -61,7 +58,7 @@ def test_parallel_stack_equals_in_process(expected: list[list[int]]) -> None:
 
 def test_unsplittable_tp_refused_at_start_up() -> None:
     """9 query heads over TP 2: P exits at once with the reason, and so does `pdflash up`."""
-    out = subprocess.run([sys.executable, "-m", "common.cli", "up", "--port", "1", "--prefill-tp", "2"],
+    out = subprocess.run([sys.executable, "-m", "common.tools.cli", "up", "--port", "1", "--prefill-tp", "2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 1
     assert "9 attention heads do not split over TP 2" in out.stderr

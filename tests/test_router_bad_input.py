@@ -12,10 +12,10 @@ import openai
 import pytest
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_router_process import RouterProcess, dead_backend_args
 
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
-from test_router_process import RouterProcess, dead_backend_args
 
 CONTEXT = 8192  # the embedded model's
 LONG_IDS = [1] * (CONTEXT + 10)

@@ -15,9 +15,10 @@ import openai
 import pytest
 import requests
 
-from pd_stack import Stack as PDStack
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
+
+from pd_stack import Stack as PDStack
 
 pytestmark = pytest.mark.slow
 if not all(importlib.util.find_spec(f"{svc}.__main__") for svc in ("prefill_svc", "decode_svc")):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine import Engine
-from common.request import Request
-from common.sampling import InvalidRequest, SamplingParams, sample
-from common.tokenizer import IncrementalDecoder
+from common.engine.engine import Engine
+from common.engine.request import Request
+from common.engine.sampling import InvalidRequest, SamplingParams, sample
+from common.model.tokenizer import IncrementalDecoder
 
 V = 1000
 
@@ -82,11 +82,7 @@ def test_invalid_params(bad, match):
 def _generate(runner, tok, ids, params) -> tuple[Request, str]:
     engine = Engine(runner, tok.eos_token_ids)
     req = Request("r", ids, params, IncrementalDecoder(tok, params.stop))
-    engine.add(req)
-    text = ""
-    while engine.has_work:
-        for out in engine.step():
-            text += out.text
+    text = "".join(out.text for outputs in engine.run([req]) for out in outputs)
     assert runner.pool.num_free == runner.pool.num_pages
     return req, text
 

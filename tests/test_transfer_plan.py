@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from common.buffers import PagedKVBuffer, RoomBuffers, SlotStateBuffer
-from common.transfer_plan import (
+from common.kv.buffers import PagedKVBuffer, RoomBuffers, SlotStateBuffer
+from common.transfer.plan import (
     MAX_BATCH_ENTRIES,
     TransferEntry,
     TransferPlan,
@@ -17,7 +17,7 @@ from common.transfer_plan import (
     build_plan,
     split_batches,
 )
-from common.wire import buffer_to_proto, room_from_protos, room_to_protos
+from common.transfer.wire import buffer_to_proto, room_from_protos, room_to_protos
 from protos import pdflash_pb2 as pb
 
 SRC_BASE, DST_BASE = 0x10_0000_0000, 0x20_0000_0000

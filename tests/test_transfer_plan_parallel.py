@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from common.buffers import PagedKVBuffer, RoomBuffers, SlotStateBuffer
-from common.transfer_plan import (
+from common.kv.buffers import PagedKVBuffer, RoomBuffers, SlotStateBuffer
+from common.transfer.plan import (
     TPRank,
     TransferEntry,
     TransferPlan,
@@ -23,6 +23,7 @@ from common.transfer_plan import (
     sender_heads,
     source_ranks,
 )
+
 from parallel_kv import KVSpec, Split, d_rooms, expected_d_caches, heads_of, p_rooms
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from common.dflash.drafter import Drafter, DrafterConfig
-from common.model_config import ModelConfig
+from common.model.config import ModelConfig
 
 
 def random_model(num_layers: int = 16, hidden: int = 64, heads: int = 4, kv_heads: int = 2, mlp: int = 128,

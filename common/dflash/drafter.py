@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model import MLP, RMSNorm, apply_rope
-from common.model_config import ModelConfig
-
+from common.model.config import ModelConfig
+from common.model.transformer import MLP, RMSNorm, apply_rope
 
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafters", "smollm2-135m-instruct-dflash")
 
@@ -71,7 +70,7 @@ class DrafterConfig:
 
     @property
     def as_model_config(self) -> ModelConfig:
-        """The draft layers are Llama layers with q/k norm; this lets them reuse common.model."""
+        """The draft layers are Llama layers with q/k norm; this lets them reuse common.model.transformer."""
         return ModelConfig(arch="qwen3", num_layers=self.num_layers, hidden_size=self.hidden_size,
                            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            intermediate_size=self.intermediate_size, vocab_size=1, rope_theta=self.rope_theta,

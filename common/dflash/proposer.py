@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from common.attention import build_attn_meta, cache_slot, paged_attention
-from common.buffers import PagedKVBuffer
 from common.dflash.drafter import Drafter, DrafterConfig
-from common.model import rope_cos_sin
-from common.model_config import ModelConfig
-from common.page_pool import PagePool
-from common.runner import ModelRunner, SeqCache
+from common.kv.buffers import PagedKVBuffer
+from common.kv.page_pool import PagePool
+from common.kv.seq_cache import SeqCache
+from common.model.attention import build_attn_meta, cache_slot, paged_attention
+from common.model.config import ModelConfig
+from common.model.transformer import rope_cos_sin
+from common.runner.model_runner import ModelRunner
 
 
 class DraftPages:

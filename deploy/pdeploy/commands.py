@@ -169,7 +169,7 @@ class ProcessLauncher(Launcher):
         return f"{self.cfg['PYTHON']} deploy/tools/client.py {args}"
 
     def pdflash(self, router: Service, args: str) -> str:
-        return f"{self.cfg['PYTHON']} -m common.cli {args}"
+        return f"{self.cfg['PYTHON']} -m common.tools.cli {args}"
 
 
 def launcher(cfg: Config, run_id: str) -> ComposeLauncher | ProcessLauncher:

@@ -42,7 +42,7 @@ def check(cfg: Config, topo: Topology) -> list[str]:
 
 
 def _expandable_segments(conf: str) -> bool:
-    # Same rule as the services' own check (common.mooncake_engine.check_allocator_env).
+    # Same rule as the services' own check (common.transfer.mooncake.check_allocator_env).
     for option in conf.split(","):
         key, _, value = option.partition(":")
         if key.strip() == "expandable_segments" and value.strip().lower() == "true":

@@ -1,0 +1,66 @@
+"""A request's state inside an engine: small, named, changed only through methods."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from common.engine.sampling import SamplingParams
+from common.engine.spec_stats import SpecStats
+from common.kv.seq_cache import SeqCache
+from common.model.tokenizer import IncrementalDecoder
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    decoder: IncrementalDecoder | None = None  # None: no text (prefill-only engines)
+    cache: SeqCache = field(default_factory=SeqCache)
+    draft_cache: SeqCache = field(default_factory=SeqCache)  # DFlash draft KV (speculative engines)
+    spec: SpecStats | None = None  # acceptance counters (speculative engines)
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    matched_stop: str | int | None = None
+    verified_pages: int = 0  # KV pages checksummed after a transfer (PD with --verify-transfer)
+    transfer_bytes: int = 0  # KV bytes received from P (PD)
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def budget(self) -> int:
+        """Tokens of cache the request may ever need; reserved at admission so a running
+        request never waits for pages (no retraction)."""
+        return self.prompt_len + self.params.max_new_tokens
+
+    @property
+    def prefill_remaining(self) -> int:
+        return self.prompt_len - self.cache.length
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_token(self, token: int, eos_ids: tuple[int, ...]) -> None:
+        """Commit one output token and decide whether the request stops after it."""
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_ids.append(token)
+        p = self.params
+        if (not p.ignore_eos and token in eos_ids) or token in p.stop_token_ids:
+            self.finish_reason, self.matched_stop = "stop", token
+        elif len(self.output_ids) >= p.max_new_tokens:
+            self.finish_reason = "length"
+
+    def take_text(self) -> str:
+        """New output text since the last call; a stop string ends the request here."""
+        if self.decoder is None:
+            return ""
+        delta = self.decoder.update(self.output_ids, self.finished)
+        if self.decoder.matched_stop is not None and self.finish_reason != "stop":
+            self.finish_reason, self.matched_stop = "stop", self.decoder.matched_stop
+        return delta

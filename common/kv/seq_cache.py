@@ -1,0 +1,12 @@
+"""One request's place in a paged cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SeqCache:
+    """One request's place in the cache: its pages in token order and how many tokens are stored."""
+
+    pages: list[int] = field(default_factory=list)
+    length: int = 0

@@ -1,0 +1,133 @@
+"""Paged attention in plain PyTorch, and the metadata that describes one batch for it.
+
+A batch is a set of requests, each adding `n` new tokens at positions [start, start+n) on top
+of `start` tokens already in its pages. Prefill chunks (n = chunk), decode (n = 1) and the
+speculative verify step (n = block) are the same computation with different n.
+
+KV cache of one layer: [2 (k/v), num_pages, page_size, kv_heads, head_dim]; a token's slot is
+page * page_size + offset.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common.model.static_attention import StaticDecode
+
+
+@dataclass
+class AttnMeta:
+    positions: torch.Tensor  # [T] absolute position of each new token
+    write_slots: torch.Tensor  # [T] cache slot that receives each new token's K/V
+    logit_rows: torch.Tensor | None  # rows whose final hidden state is returned (None = all)
+    # Padded per-request view used by the general path; unused when `fresh_causal`.
+    q_index: torch.Tensor | None = None  # [B, maxQ] row of T for each padded query; None: no padding
+    kv_pages: torch.Tensor | None = None  # [B, maxPages] pages each request reads (scratch-padded)
+    max_kv: int = 0  # keys read per request: the first max_kv slots of its kv_pages
+    # One request whose pages are consecutive (the usual case: the pool hands out low pages
+    # first): read them as a slice of the cache, without a copy. (first page, page count)
+    page_range: tuple[int, int] | None = None
+    mask: torch.Tensor | None = None  # [B, 1, maxQ, maxKV] True = may attend; None = all
+    out_rows: torch.Tensor | None = None  # [T] index into the flattened [B*maxQ] output; None: all
+    # One request whose tokens all start at position 0: attend to the new K/V directly.
+    fresh_causal: bool = False
+    # Decode with static shapes (common.runner.decode_graphs): only positions, write_slots and this.
+    static_decode: StaticDecode | None = None
+
+
+def cache_slot(pages: list[int], pos: int, page_size: int) -> int:
+    """The slot of the token at `pos` of a request whose pages are `pages` (in token order)."""
+    return pages[pos // page_size] * page_size + pos % page_size
+
+
+def build_attn_meta(starts: list[int], counts: list[int], page_tables: list[list[int]],
+                    page_size: int, scratch_slot: int, device: torch.device,
+                    logit_rows: list[int] | None, causal: bool = True,
+                    window: int | None = None) -> AttnMeta:
+    """starts[i] tokens of request i are cached; counts[i] new ones follow. `scratch_slot` is a
+    slot no request owns: padded keys read it (and are masked out).
+    causal=False: the new tokens see each other both ways (a DFlash draft block); then
+    `window` limits how many cached tokens before the block they see."""
+    positions: list[int] = []
+    write_slots: list[int] = []
+    for start, n, pages in zip(starts, counts, page_tables):
+        for pos in range(start, start + n):
+            positions.append(pos)
+            write_slots.append(cache_slot(pages, pos, page_size))
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
+    meta = AttnMeta(as_long(positions), as_long(write_slots),
+                    None if logit_rows is None else as_long(logit_rows))
+    if causal and len(starts) == 1 and starts[0] == 0:
+        meta.fresh_causal = True
+        return meta
+
+    B, max_q = len(starts), max(counts)
+    kv_lens = [s + n for s, n in zip(starts, counts)]
+    max_kv = max(kv_lens)
+    q_index = torch.zeros(B, max_q, dtype=torch.long)
+    # Keys are gathered a whole page at a time (one contiguous copy per page, much faster on
+    # CPU than one per token); slots past a request's length are masked out or sliced off.
+    max_pages = -(-max_kv // page_size)
+    kv_pages = torch.full((B, max_pages), scratch_slot // page_size, dtype=torch.long)
+    out_rows = torch.empty(sum(counts), dtype=torch.long)
+    row = 0
+    for b, (start, n, pages) in enumerate(zip(starts, counts, page_tables)):
+        q_index[b, :n] = torch.arange(row, row + n)
+        out_rows[row:row + n] = torch.arange(b * max_q, b * max_q + n)
+        used = -(-(start + n) // page_size)
+        kv_pages[b, :used] = torch.tensor(pages[:used], dtype=torch.long)
+        row += n
+    needs_mask = (causal and max_q > 1) or len(set(kv_lens)) > 1 or window is not None
+    if needs_mask:
+        k_pos = torch.arange(max_kv)[None, None, :]
+        mask = k_pos < torch.tensor(kv_lens)[:, None, None]
+        if causal:
+            # Query i of request b (position start_b + i) sees keys at positions <= its own.
+            q_pos = torch.tensor(starts)[:, None] + torch.arange(max_q)[None, :]  # [B, maxQ]
+            mask = mask & (k_pos <= q_pos[:, :, None])
+        if window is not None:
+            mask = mask & (k_pos >= torch.tensor(starts)[:, None, None] - window)
+        mask = mask.expand(B, max_q, max_kv).clone()
+        padded = torch.arange(max_q)[None, :] >= torch.tensor(counts)[:, None]
+        mask[padded] = True  # padded query rows must see something, or SDPA yields NaN
+        meta.mask = mask.unsqueeze(1).to(device)
+    meta.kv_pages, meta.max_kv = kv_pages.to(device), max_kv
+    if len(set(counts)) > 1:  # requests of equal counts (decode, verify) need no padding
+        meta.q_index, meta.out_rows = q_index.to(device), out_rows.to(device)
+    used = page_tables[0][:max_pages]
+    if B == 1 and used == list(range(used[0], used[0] + max_pages)):
+        meta.page_range = (used[0], max_pages)
+    return meta
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_layer: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    """q [T, Hq, d], k/v [T, Hkv, d] for the new tokens. Writes k/v into the cache, then
+    returns attention output [T, Hq, d]."""
+    k_cache = kv_layer[0].view(-1, *k.shape[1:])
+    v_cache = kv_layer[1].view(-1, *v.shape[1:])
+    k_cache.index_copy_(0, meta.write_slots, k)
+    v_cache.index_copy_(0, meta.write_slots, v)
+    if meta.static_decode is not None:
+        return meta.static_decode.attend(q, kv_layer)
+    gqa = q.shape[1] != k.shape[1]
+    if meta.fresh_causal:
+        # 4-D inputs: with 3-D ones PyTorch's CPU SDPA falls back to its (much slower) math path.
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=True, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+    B = meta.kv_pages.shape[0]
+    qb = (q.reshape(B, -1, *q.shape[1:]) if meta.q_index is None else q[meta.q_index]).transpose(1, 2)
+    if meta.page_range is not None:
+        first, n = meta.page_range
+        kb, vb = kv_layer[0, first:first + n], kv_layer[1, first:first + n]
+    else:
+        pages = meta.kv_pages.flatten()
+        kb, vb = kv_layer[0].index_select(0, pages), kv_layer[1].index_select(0, pages)
+    kb = kb.view(B, -1, *k.shape[1:])[:, :meta.max_kv].transpose(1, 2)  # [B, Hkv, maxKV, d]
+    vb = vb.view(B, -1, *v.shape[1:])[:, :meta.max_kv].transpose(1, 2)
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.mask, enable_gqa=gqa)
+    out = out.transpose(1, 2).reshape(-1, *q.shape[1:])
+    return out if meta.out_rows is None else out[meta.out_rows]

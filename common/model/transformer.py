@@ -1,0 +1,222 @@
+"""The transformer math for Llama / Qwen2 / Qwen3 dense decoders over a paged KV cache.
+
+Only math lives here: weights come from common.model.weights, the KV cache and the per-batch
+attention metadata are passed in explicitly (see common.model.attention.AttnMeta).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.model.attention import AttnMeta, paged_attention
+from common.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale in the input dtype, as the reference implementations do,
+        # so fp32 and bf16 outputs match Hugging Face's. (One fused op instead of six: the
+        # decode step is short enough on CPU that per-op overhead shows.)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def rope_cos_sin(cfg: ModelConfig, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_position, head_dim] in fp32 for rotate-half RoPE."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope_scaling is not None:
+        inv_freq = _llama3_scale(inv_freq, cfg)
+    t = torch.arange(cfg.max_position, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    rs = cfg.rope_scaling
+    low_wavelen = rs.original_max_position / rs.low_freq_factor
+    high_wavelen = rs.original_max_position / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    mid = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; cos/sin [T, d] already gathered at the tokens' positions."""
+    half = x.shape[-1] // 2
+    return apply_rope_signed(x, cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
+
+
+def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """apply_rope with the sign of rotate-half folded into the sin table (first half negated):
+    rotate_half(x) * sin == roll(x, d/2) * sin_signed, exactly, in fewer ops."""
+    return (x * cos.unsqueeze(1) + x.roll(x.shape[-1] // 2, -1) * sin_signed.unsqueeze(1)).to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except for one bf16 row on CPU (batch-1 decode): there PyTorch's GEMM path is
+    compute-bound and its GEMV kernel (torch.mv) reads the weights ~1.3x faster."""
+    if x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        y = torch.mv(weight, x[0]).unsqueeze(0)
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        # q, k and v in one matmul: one weight read and one kernel launch instead of three.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attn_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_layer: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        cfg = self.cfg
+        T = x.shape[0]
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = qkv[:, :cfg.q_size + cfg.kv_size].split([cfg.q_size, cfg.kv_size], dim=-1)
+            q = apply_rope_signed(self.q_norm(q.view(T, cfg.num_heads, cfg.head_dim)), cos, sin)
+            k = apply_rope_signed(self.k_norm(k.view(T, cfg.num_kv_heads, cfg.head_dim)), cos, sin)
+        else:  # q and k heads side by side in one rotation
+            qk = apply_rope_signed(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), cos, sin)
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+        out = paged_attention(q, k, v, kv_layer, meta)
+        return linear(out.reshape(T, cfg.q_size), self.o_proj.weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight)
+
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class DecoderLayer(nn.Module):
+    """With tensor parallelism `cfg` holds this rank's share of the heads and MLP width: q/k/v
+    and gate/up are column slices, o_proj and down_proj row slices, so each rank's attention
+    and MLP outputs are partial sums that `reduce` (an all-reduce) completes."""
+
+    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce):
+        super().__init__()
+        self.reduce = reduce
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, kv_layer, meta):
+        h = h + self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta))
+        return h + self.reduce(self.mlp(self.post_attention_layernorm(h)))
+
+
+class Transformer(nn.Module):
+    """forward() returns the final-normed hidden states of the rows in `meta.logit_rows` and,
+    if asked, the residual stream after each layer in `capture_layers` (all rows).
+
+    A pipeline stage holds `cfg.num_layers` layers starting at global layer `first_layer` and
+    runs embed / run_layers / final_norm piece by piece (common.parallel.stage); capture layers are
+    global indices either way."""
+
+    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce, first_layer: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.first_layer = first_layer
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, reduce) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Filled by init_rope() once the module sits on its device (it may be built on "meta").
+        self.rope_cos = self.rope_sin_signed = torch.empty(0)
+
+    def init_rope(self, device: torch.device) -> None:
+        self.rope_cos, sin = rope_cos_sin(self.cfg, device)
+        half = self.cfg.head_dim // 2
+        self.rope_sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.lm_head_weight).float()
+
+    def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttnMeta,
+                capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        h, captured = self.run_layers(self.embed_tokens(input_ids), kv_cache, meta, capture_layers)
+        return self.final_norm(h, meta), captured
+
+    def run_layers(self, h: torch.Tensor, kv_cache: torch.Tensor, meta: AttnMeta,
+                   capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The residual stream h [T, hidden] through this module's layers (kv_cache holds
+        exactly those layers)."""
+        cos = self.rope_cos[meta.positions].to(h.dtype)
+        sin = self.rope_sin_signed[meta.positions].to(h.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_cache[i], meta)
+            if self.first_layer + i in capture_layers:
+                captured[self.first_layer + i] = h
+        return h, captured
+
+    def final_norm(self, h: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        if meta.logit_rows is not None:
+            h = h[meta.logit_rows]
+        return self.norm(h)
+
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up as this module stores them."""
+        cfg = self.cfg
+        own = {}
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            own[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+                [tensors[a + "q_proj.weight"], tensors[a + "k_proj.weight"], tensors[a + "v_proj.weight"]])
+            if cfg.attn_bias:
+                own[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
+                    [tensors[a + "q_proj.bias"], tensors[a + "k_proj.bias"], tensors[a + "v_proj.bias"]])
+            if cfg.qk_norm:
+                own[f"layers.{i}.self_attn.q_norm.weight"] = tensors[a + "q_norm.weight"]
+                own[f"layers.{i}.self_attn.k_norm.weight"] = tensors[a + "k_norm.weight"]
+            own[f"layers.{i}.self_attn.o_proj.weight"] = tensors[a + "o_proj.weight"]
+            own[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+                [tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
+            own[f"layers.{i}.mlp.down_proj.weight"] = tensors[p + "mlp.down_proj.weight"]
+            own[f"layers.{i}.input_layernorm.weight"] = tensors[p + "input_layernorm.weight"]
+            own[f"layers.{i}.post_attention_layernorm.weight"] = tensors[p + "post_attention_layernorm.weight"]
+        own["embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+        own["norm.weight"] = tensors["model.norm.weight"]
+        if self.lm_head is not None:
+            own["lm_head.weight"] = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+        missing, unexpected = self.load_state_dict(own, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")

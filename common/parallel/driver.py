@@ -1,0 +1,229 @@
+"""ParallelRunner: a model split over TP x PP processes behind the ModelRunner interface.
+
+The service process is rank 0, the driver: it owns the page pool (so the Engine and the
+services are unchanged) and holds stage 0's layers and TP rank 0's heads. It starts the other
+ranks (common.parallel.worker), announces every forward pass to them, runs its own part, and gets
+the final hidden states back from the last stage, where it computes the logits itself (the
+LM head is replicated). Activations move between stages and all-reduces run within a stage
+over torch.distributed (gloo on CPU, NCCL on GPU).
+
+A worker that dies leaves the model incomplete: the driver logs which rank and how it ended,
+and exits non-zero, so that `pdflash up` restarts the whole instance (its gRPC health goes with it).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing.connection
+import os
+import threading
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from common.dflash.drafter import Drafter
+from common.kv.buffers import RankEndpoint
+from common.model.config import ModelConfig
+from common.parallel.ports import free_port
+from common.parallel.stage import init_ranks, recv, stage_forward
+from common.parallel.worker import (
+    AppendContext,
+    Forward,
+    LoadDrafter,
+    PackedTensors,
+    ReadPages,
+    Reply,
+    StartTransfer,
+    Stop,
+    WorkerSpec,
+    WriteJob,
+    worker_main,
+)
+from common.runner.layout import RankLayout, check_parallel
+from common.runner.model_runner import ModelRunner, StepBatch
+from common.transfer.mooncake import MooncakeConfig
+from common.transfer.plan import Writes
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+class WorkerError(RuntimeError):
+    """A worker rank reported a failure (e.g. a KV write)."""
+
+
+class ParallelRunner(ModelRunner):
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, tp: int = 1, pp: int = 1,
+                 dtype: str = "fp32", device: str = "cpu", num_pages: int = 512, page_size: int = 64):
+        check_parallel(cfg, tp, pp)  # before any process starts
+        layout = RankLayout(tp, pp, 0)
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        # forkserver: one clean process imports torch and this package once, and every worker
+        # forks from it (a fresh interpreter per worker costs seconds each on a small machine).
+        # torch._dynamo: building a model on the meta device imports it, 1-2 s per process.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["common.parallel.worker", "torch._dynamo"])
+        self._replies = ctx.SimpleQueue()
+        self._pending: dict[tuple, Future] = {}
+        self._lock = threading.Lock()
+        self._closing = False
+        self._sent = 0  # commands broadcast so far (WriteJob.after)
+        self._jobs = itertools.count()
+        self._procs, self._commands, self._writes = [], [], []
+        ready = [self._expect(("ready", r)) for r in range(1, layout.world)]
+        packed = PackedTensors.pack(tensors)
+        for r in range(1, layout.world):
+            rank = layout.with_rank(r)
+            spec = WorkerSpec(rank, cfg, packed, dtype, _rank_device(device, r),
+                              num_pages, page_size, init_method, backend)
+            commands, writes = ctx.SimpleQueue(), ctx.SimpleQueue()
+            proc = ctx.Process(target=worker_main, args=(spec, commands, writes, self._replies),
+                               name=f"pdflash-rank{r}", daemon=True)
+            proc.start()
+            self._procs.append(proc)
+            self._commands.append(commands)
+            self._writes.append(writes)
+        threading.Thread(target=self._read_replies, name="rank-replies", daemon=True).start()
+        threading.Thread(target=self._watch_workers, name="rank-watch", daemon=True).start()
+        reduce = init_ranks(layout, init_method, backend, _rank_device(device, 0))
+        super().__init__(cfg, tensors, dtype=dtype, device=_rank_device(device, 0), num_pages=num_pages,
+                         page_size=page_size, layout=layout, reduce=reduce)
+        for f in ready:
+            f.result(STARTUP_TIMEOUT_S)
+        self.drafter = None  # pipeline-parallel DFlash: this stage's share of the fused context
+
+    # ---- forward -----------------------------------------------------------------------------
+    def forward(self, batch: StepBatch, capture_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        if capture_layers and self.layout.pp > 1 and self.drafter is None:
+            raise ValueError("under pipeline parallelism layers are captured only for a DFlash drafter "
+                             "(load_pipeline_drafter)")
+        self._broadcast(Forward(batch, capture_layers))
+        try:
+            out = stage_forward(self, batch, capture_layers, self.drafter)
+            if self.layout.pp == 1:
+                return out.hidden, out.captured
+            if batch.num_rows == 0:  # middle chunks: don't wait for the last stage (see Engine._prefill_step)
+                return torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device), {}
+            last = (self.layout.pp - 1) * self.layout.tp
+            hidden = recv((batch.num_rows, self.cfg.hidden_size), self.dtype, self.device, last)
+        except BaseException:
+            # The workers are inside this forward's collectives; a next step's would pair up with
+            # them (wrong results or a hang). Same policy as a dead worker: stop, let `pdflash up` restart.
+            # A worker that just died is usually why: give its exit a moment to be seen, to name it.
+            multiprocessing.connection.wait([p.sentinel for p in self._procs], timeout=1.0)
+            self._stop_instance("rank 0 failed in the middle of a forward; the ranks are out of step", exc_info=True)
+        # The captured states stay on their stages; their share of the draft context went down
+        # the pipeline and waits on the last stage for PipelineProposer.append_context.
+        return hidden, {}
+
+    # ---- DFlash under pipeline parallelism ------------------------------------------------------
+    def load_pipeline_drafter(self, path: str, drafter: Drafter, num_pages: int) -> None:
+        self.drafter = drafter
+        for f in self._call_all(lambda r: ("drafter", r), LoadDrafter(path, num_pages)):
+            f.result(STARTUP_TIMEOUT_S)
+
+    def append_draft_context(self, rows: list[int], positions: list[int], slots: list[int]) -> None:
+        self._broadcast(AppendContext(rows, positions, slots))
+
+    # ---- reading the KV back -------------------------------------------------------------------
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """These pages of the whole model's KV, every rank's layers and heads put in place."""
+        parts = [super().read_pages(pages)] + self._read_all("kv", pages)
+        cfg = self.cfg
+        kv = torch.empty(cfg.num_layers, 2, len(pages), self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype)
+        for r, part in enumerate(parts):
+            layers, heads = self.layout.with_rank(r).layers(cfg), self.layout.with_rank(r).kv_heads(cfg)
+            kv[layers.start:layers.stop, :, :, :, heads.start:heads.stop] = part
+        return kv
+
+    def read_draft_pages(self, pages: list[int]) -> torch.Tensor:
+        """These pages of the draft KV held by the last stage (pipeline-parallel DFlash)."""
+        return next(part for part in self._read_all("draft_kv", pages) if part is not None)
+
+    def _read_all(self, name: str, pages: list[int]) -> list[torch.Tensor | None]:
+        job = next(self._jobs)
+        return [f.result(STARTUP_TIMEOUT_S) for f in self._call_all(lambda r: ("pages", job, r), ReadPages(name, pages, job))]
+
+    # ---- transfers -----------------------------------------------------------------------------
+    def start_transfer(self, config: MooncakeConfig) -> list[RankEndpoint]:
+        """Each worker starts its own Mooncake engine and registers its buffers; their endpoints
+        in rank order (rank 0's is the service's own)."""
+        return [f.result(STARTUP_TIMEOUT_S) for f in self._call_all(lambda r: ("endpoint", r), StartTransfer(config))]
+
+    def write(self, rank: int, writes: Writes) -> Future:
+        """Worker `rank` writes these entries from its KV into decode sessions; resolves to bytes."""
+        job = next(self._jobs)
+        fut = self._expect(("write", job, rank))
+        with self._lock:  # after every command sent so far, e.g. the draft KV of this room
+            self._writes[rank - 1].put(WriteJob(job, writes, self._sent))
+        return fut
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def close(self) -> None:
+        self._closing = True
+        self._broadcast(Stop())
+        dist.destroy_process_group()
+        for p in self._procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    def _broadcast(self, cmd) -> None:
+        with self._lock:
+            for q in self._commands:
+                q.put(cmd)
+            self._sent += 1
+
+    def _call_all(self, key, cmd) -> list[Future]:
+        futures = [self._expect(key(r)) for r in range(1, self.layout.world)]
+        self._broadcast(cmd)
+        return futures
+
+    def _expect(self, key: tuple) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            self._pending[key] = fut
+        return fut
+
+    def _read_replies(self) -> None:
+        while True:
+            reply: Reply = self._replies.get()
+            with self._lock:
+                fut = self._pending.pop(reply.key, None)
+            if fut is None:
+                continue
+            if reply.error is not None:
+                fut.set_exception(WorkerError(reply.error))
+            else:
+                fut.set_result(reply.value)
+
+    def _watch_workers(self) -> None:
+        multiprocessing.connection.wait([p.sentinel for p in self._procs])
+        if self._closing:
+            return
+        self._stop_instance("a worker exited")
+
+    def _stop_instance(self, why: str, exc_info: bool = False) -> None:
+        """Exit non-zero (so `pdflash up` restarts the instance), naming a dead worker if any:
+        its death is the cause whatever failed on rank 0 because of it."""
+        dead = [p for p in self._procs if not p.is_alive()]
+        if dead:
+            why, exc_info = f"worker {dead[0].name} exited with code {dead[0].exitcode}; the model is incomplete", False
+        logger.critical("%s, stopping this instance", why, exc_info=exc_info)
+        for p in self._procs:
+            p.kill()
+        os._exit(1)
+
+
+def _rank_device(device: str, rank: int) -> str:
+    return f"cuda:{rank}" if device in ("cuda", "cuda:0") else device
+

@@ -1,0 +1,108 @@
+"""How a model is split over pipeline stages (layers) and tensor-parallel ranks (heads).
+
+Pure arithmetic shared by the runners (which weights and KV a process holds) and the transfer
+plan (which bytes a P rank sends to which D rank).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from common.model.config import ModelConfig
+
+
+class ParallelConfigError(ValueError):
+    """The model cannot be split this way; raised at start-up with the reason."""
+
+
+def layer_range(stage: int, pp: int, num_layers: int) -> range:
+    """Contiguous layers of pipeline stage `stage`; the first num_layers % pp stages get one more."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} outside [0, {pp})")
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+def kv_head_range(rank: int, tp: int, num_kv_heads: int) -> range:
+    """KV heads held by TP rank `rank`. With more ranks than KV heads each head is replicated on
+    tp // num_kv_heads consecutive ranks (rank r holds head r // (tp // num_kv_heads))."""
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} outside [0, {tp})")
+    if tp <= num_kv_heads:
+        per = num_kv_heads // tp
+        return range(rank * per, (rank + 1) * per)
+    head = rank // (tp // num_kv_heads)
+    return range(head, head + 1)
+
+
+def q_head_range(rank: int, tp: int, num_heads: int) -> range:
+    per = num_heads // tp
+    return range(rank * per, (rank + 1) * per)
+
+
+def check_parallel(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> None:
+    """Refuse splits that do not divide the model evenly, with the numbers that don't fit."""
+    problems = []
+    if tp < 1 or pp < 1:
+        problems.append(f"tp and pp must be >= 1 (got tp {tp}, pp {pp})")
+    else:
+        if cfg.num_heads % tp:
+            problems.append(f"{cfg.num_heads} attention heads do not split over TP {tp}")
+        if tp <= cfg.num_kv_heads and cfg.num_kv_heads % tp:
+            problems.append(f"{cfg.num_kv_heads} KV heads do not split over TP {tp}")
+        if tp > cfg.num_kv_heads and tp % cfg.num_kv_heads:
+            problems.append(f"TP {tp} is not a multiple of the {cfg.num_kv_heads} KV heads (needed to replicate them)")
+        if cfg.intermediate_size % tp:
+            problems.append(f"MLP width {cfg.intermediate_size} does not split over TP {tp}")
+        if pp > cfg.num_layers:
+            problems.append(f"PP {pp} exceeds the {cfg.num_layers} layers")
+    if problems:
+        raise ParallelConfigError(f"cannot run {cfg.name} with TP {tp} x PP {pp}: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where one process sits: TP rank `rank % tp` of pipeline stage `rank // tp`. Rank 0 is the
+    driver (the service process); stage s's TP rank t sends its activations to stage s+1's
+    TP rank t."""
+
+    tp: int = 1
+    pp: int = 1
+    rank: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pp - 1
+
+    def with_rank(self, rank: int) -> "RankLayout":
+        return replace(self, rank=rank)
+
+    def layers(self, cfg: ModelConfig) -> range:
+        return layer_range(self.stage, self.pp, cfg.num_layers)
+
+    def kv_heads(self, cfg: ModelConfig) -> range:
+        return kv_head_range(self.tp_rank, self.tp, cfg.num_kv_heads)
+
+    def q_heads(self, cfg: ModelConfig) -> range:
+        return q_head_range(self.tp_rank, self.tp, cfg.num_heads)
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The model this rank computes: its layers, its heads, its share of the MLP width."""
+        return replace(cfg, num_layers=len(self.layers(cfg)), num_heads=len(self.q_heads(cfg)),
+                       num_kv_heads=len(self.kv_heads(cfg)), intermediate_size=cfg.intermediate_size // self.tp)

@@ -1,0 +1,175 @@
+"""ModelRunner: owns the model weights and the paged KV cache, and runs one forward at a time.
+
+This is the interface the services drive (an SGLang-backed runner can implement the same):
+  extend()           prefill a chunk, decode one token, or verify a block, for a batch of requests
+  reserve()/release() grow or free a request's pages;  truncate() cut its cache back to a length
+  describe_buffers() where the KV lives and how it is laid out (for transfers)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.kv.buffers import PagedKVBuffer
+from common.kv.page_pool import PagePool
+from common.kv.seq_cache import SeqCache
+from common.model.attention import AttnMeta, build_attn_meta
+from common.model.config import ModelConfig
+from common.model.transformer import Reduce, Transformer, no_reduce
+from common.runner.decode_graphs import DecodeGraphs
+from common.runner.layout import RankLayout
+from common.runner.shard import shard_tensors
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One forward pass's batch as every rank needs it (pickled to the other ranks): request i
+    has starts[i] cached tokens and adds counts[i] new ones; token_ids are all new tokens."""
+
+    starts: list[int]
+    counts: list[int]
+    page_tables: list[list[int]]
+    token_ids: list[int]
+    logit_rows: list[int] | None  # rows whose final hidden state is wanted (None = all, [] = none)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_tokens if self.logit_rows is None else len(self.logit_rows)
+
+
+@dataclass
+class ExtendOutput:
+    logits: torch.Tensor  # [rows, vocab] fp32, rows as asked (last token or all new tokens)
+    captured: dict[int, torch.Tensor]  # layer -> [T, hidden] residual stream of every new token
+
+
+class ModelRunner:
+    """`cfg` is the whole model; with tensor/pipeline parallelism (`layout`) this process holds
+    only its layers and heads of the weights and of the KV cache, and `reduce` all-reduces
+    within its TP group (common.parallel.driver drives the ranks)."""
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, dtype: str = "fp32",
+                 device: str = "cpu", num_pages: int = 512, page_size: int = 64,
+                 enforce_eager: bool = False,
+                 layout: RankLayout = RankLayout(), reduce: Reduce = no_reduce):
+        self.cfg = cfg
+        self.layout = layout
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        local = layout.local_config(cfg)
+        with torch.device("meta"):
+            model = Transformer(local, reduce, first_layer=layout.layers(cfg).start)
+        model = model.to_empty(device=self.device)
+        model.load_hf_weights(shard_tensors(tensors, cfg, layout))
+        self.model = model.to(self.dtype).eval()
+        self.model.init_rope(self.device)  # fp32 tables whatever the weights' dtype
+        self.pool = PagePool(num_pages, page_size)
+        # One tensor for the whole cache ([layer, k/v, page, token, head, dim]) so that it is a
+        # single region to register with the transfer engine. The extra last page is scratch:
+        # padded attention reads land there and no request owns it.
+        self.kv = torch.zeros(local.num_layers, 2, num_pages + 1, page_size, local.num_kv_heads,
+                              cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.scratch_slot = num_pages * page_size
+        # CUDA: decode steps replay CUDA graphs (captured at the first decode, so a prefill-only
+        # instance never pays for them). CPU, and ranks of a parallel model: extend().
+        graphs = self.device.type == "cuda" and not enforce_eager and layout.world == 1
+        self.decode_graphs = DecodeGraphs(self) if graphs else None
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    # ---- page management -------------------------------------------------------------------
+    def reserve(self, seq: SeqCache, num_tokens: int) -> None:
+        """Make sure seq has pages for `num_tokens` tokens (raises OutOfPages, allocating nothing)."""
+        need = self.pool.pages_for(num_tokens) - len(seq.pages)
+        if need > 0:
+            seq.pages.extend(self.pool.alloc(need))
+
+    def release(self, seq: SeqCache) -> None:
+        self.pool.free(seq.pages)
+        seq.pages = []
+        seq.length = 0
+
+    def truncate(self, seq: SeqCache, length: int) -> None:
+        """Forget tokens at positions >= length (their K/V is overwritten later). Pages are
+        kept: the caller reserved them for the request's whole budget."""
+        if length > seq.length:
+            raise ValueError(f"cannot truncate a cache of {seq.length} tokens to {length}")
+        seq.length = length
+
+    # ---- forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def extend(self, seqs: list[SeqCache], tokens: list[list[int]], *, all_logits: bool = False,
+               capture_layers: tuple[int, ...] = (), logits_of: list[int] | None = None) -> ExtendOutput:
+        """Append tokens[i] to seqs[i] (pages must be reserved) and run the model over them.
+        Returns logits of each request's last new token (only requests `logits_of`, if given),
+        or of every new token if all_logits."""
+        counts = [len(t) for t in tokens]
+        self._check_room(seqs, counts)
+        ends = torch.tensor(counts).cumsum(0) - 1
+        rows = None if all_logits else ends.tolist() if logits_of is None else ends[logits_of].tolist()
+        batch = StepBatch([s.length for s in seqs], counts, [list(s.pages) for s in seqs],
+                          [t for ts in tokens for t in ts], rows)
+        hidden, captured = self.forward(batch, capture_layers)
+        for s, n in zip(seqs, counts):
+            s.length += n
+        return ExtendOutput(self.model.logits(hidden), captured)
+
+    def forward(self, batch: StepBatch, capture_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Final-normed hidden states of the batch's logit rows, and the captured layers."""
+        return self.model(self.token_tensor(batch), self.kv, self.attn_meta(batch), capture_layers)
+
+    def attn_meta(self, batch: StepBatch) -> AttnMeta:
+        return build_attn_meta(batch.starts, batch.counts, batch.page_tables, self.page_size,
+                               self.scratch_slot, self.device, batch.logit_rows)
+
+    def token_tensor(self, batch: StepBatch) -> torch.Tensor:
+        return torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[SeqCache], tokens: list[int]) -> torch.Tensor:
+        """Append tokens[i] to seqs[i] and return the logits [n, vocab] fp32 of those tokens.
+        Through the decode graphs when there are some and the batch fits, else extend()."""
+        graphs = self.decode_graphs
+        if graphs is None or not graphs.fits(len(seqs)):
+            return self.extend(seqs, [[t] for t in tokens]).logits
+        self._check_room(seqs, [1] * len(seqs))
+        logits = graphs.run(seqs, tokens)
+        for s in seqs:
+            s.length += 1
+        return logits
+
+    def _check_room(self, seqs: list[SeqCache], counts: list[int]) -> None:
+        for s, n in zip(seqs, counts):
+            if s.length + n > len(s.pages) * self.page_size:
+                raise RuntimeError(f"request needs {s.length + n} tokens of cache, has pages for "
+                                   f"{len(s.pages) * self.page_size}")
+            if s.length + n > self.cfg.max_position:
+                raise ValueError(f"sequence of {s.length + n} tokens exceeds the model context "
+                                 f"({self.cfg.max_position})")
+
+    def close(self) -> None:
+        """Nothing to stop in one process (ParallelRunner stops its worker ranks)."""
+
+    # ---- transfer description --------------------------------------------------------------
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """A copy of these pages of the KV, [layer, k/v, page, token, head, dim] (CPU)."""
+        return self.kv[:, :, pages].cpu()
+
+    def describe_buffers(self) -> list[PagedKVBuffer]:
+        """This process's KV: its layers and KV heads of the model's."""
+        cfg, layers, heads = self.cfg, self.layout.layers(self.cfg), self.layout.kv_heads(self.cfg)
+        return [PagedKVBuffer(
+            name="kv", base_addr=self.kv.data_ptr(), num_layers=len(layers),
+            num_pages=self.kv.shape[2], page_size=self.page_size, num_heads=len(heads),
+            head_start=heads.start, total_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."), layer_start=layers.start,
+            total_layers=cfg.num_layers)]

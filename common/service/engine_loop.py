@@ -1,0 +1,120 @@
+"""Runs an Engine on its own thread and lets asyncio services talk to it.
+
+The engine (and its page pool) is touched only by the engine thread. Services hand it work
+with `call(fn)` (fn(engine) runs between two steps; its result comes back as an awaitable)
+and read each request's outputs from the asyncio queue `open(rid)` returned.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+from common.engine.engine import Engine, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineFailure(RuntimeError):
+    """The forward pass of a step raised; the requests in that step are failed."""
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self._loop = loop
+        self._calls: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future]] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._calls.put((lambda e: None, self._loop.create_future()))  # wake the thread
+        self._thread.join(timeout=10)
+
+    def open(self, rid: str) -> asyncio.Queue:
+        """Queue of StepOutput (or an exception) for request rid; close() it when done."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = q
+        return q
+
+    def close(self, rid: str) -> None:
+        self._streams.pop(rid, None)
+
+    async def abort(self, rid: str) -> bool:
+        """Abort rid wherever it is in the engine (its pages return) and end its stream."""
+
+        def abort(engine: Engine) -> bool:
+            req = engine.abort(rid)
+            q = self._streams.get(rid)
+            if req is not None and q is not None:
+                self._loop.call_soon_threadsafe(q.put_nowait, StepOutput(req, [], "", True))
+            return req is not None
+
+        return await self.call(abort)
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        fut = self._loop.create_future()
+        self._calls.put((fn, fut))
+        return await fut
+
+    # ---- engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            block = not self.engine.has_work
+            try:
+                fn, fut = self._calls.get(timeout=0.5) if block else self._calls.get_nowait()
+                self._apply(fn, fut)
+                while True:  # drain whatever else is queued before the next step
+                    self._apply(*self._calls.get_nowait())
+            except queue.Empty:
+                pass
+            if self.engine.has_work:
+                self._step()
+
+    def _apply(self, fn: Callable[[Engine], Any], fut: asyncio.Future) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except Exception as e:  # returned to the caller, who decides what it means
+            result, error = None, e
+        self._loop.call_soon_threadsafe(_settle, fut, result, error)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; failing its requests")
+            failed = self._fail_all(EngineFailure(f"engine step failed: {e}"))
+            outputs = []
+            logger.error("failed %d requests", failed)
+        for out in outputs:
+            q = self._streams.get(out.req.rid)
+            if q is not None:
+                self._loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _fail_all(self, error: Exception) -> int:
+        reqs = [*self.engine.prefilling, *self.engine.running]
+        for req in reqs:
+            self.engine.abort(req.rid)
+            q = self._streams.get(req.rid)
+            if q is not None:
+                self._loop.call_soon_threadsafe(q.put_nowait, error)
+        return len(reqs)
+
+
+def _settle(fut: asyncio.Future, result: Any, error: Exception | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+__all__ = ["EngineLoop", "EngineFailure", "StepOutput"]

@@ -1,0 +1,63 @@
+"""What every pdflash service process shares: logging, uvloop, a gRPC server with the
+standard health service, and the options of channels between our own services."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from common.runner.layout import ParallelConfigError
+
+# Channels between our own services (router -> P/D, D -> P, P -> D). gRPC's default reconnect
+# backoff grows to 120 s, so a peer restarted by `pdflash up` would be refused for tens of seconds
+# after it is back; between our processes, retrying every second at most is cheap.
+PEER_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+def setup_logging(role: str) -> logging.Logger:
+    level = os.environ.get("PDFLASH_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    return logging.getLogger(role)
+
+
+async def serve_grpc(host: str, port: int, add_servicers) -> grpc.aio.Server:
+    """Start a grpc.aio server with our servicers and the standard health service (SERVING)."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20),
+                                      ("grpc.max_send_message_length", 256 << 20)])
+    add_servicers(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server
+
+
+def run_service(main_coro) -> None:
+    """Run a service's async main on uvloop until SIGINT/SIGTERM, then stop it cleanly."""
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+
+    async def runner():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main_coro(stop)
+
+    try:
+        asyncio.run(runner())
+    except ParallelConfigError as e:  # --tp/--pp that the model cannot take: one line, no traceback
+        print(f"python -m {sys.modules['__main__'].__spec__.parent}: error: {e}", file=sys.stderr)
+        sys.exit(2)

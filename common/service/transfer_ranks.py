@@ -1,0 +1,73 @@
+"""An instance's KV transfer endpoints, one per rank: each rank registers its own buffers with
+its own Mooncake engine (a pipeline stage its layers, a TP rank its heads), and P writes a
+room's KV from every rank at once."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from common.engine.engine import Engine
+from common.kv.buffers import RankEndpoint
+from common.parallel.driver import ParallelRunner
+from common.runner.layout import ParallelConfigError
+from common.runner.model_runner import ModelRunner
+from common.transfer.mooncake import P2P_HANDSHAKE, MooncakeConfig, MooncakeEngine, TransferError
+from common.transfer.plan import Writes
+
+
+def add_mooncake_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mooncake-host", default="127.0.0.1", help="address peers reach this host's transfer engine on")
+    p.add_argument("--mooncake-metadata", default="P2PHANDSHAKE", help="P2PHANDSHAKE or an http/etcd metadata URL")
+    p.add_argument("--mooncake-protocol", default="tcp", choices=["tcp", "rdma"])
+    p.add_argument("--mooncake-devices", default="", help="RDMA devices, e.g. mlx5_0,mlx5_1")
+
+
+def start_mooncake(args: argparse.Namespace) -> MooncakeEngine:
+    eng = MooncakeEngine(MooncakeConfig(args.mooncake_host, args.mooncake_metadata,
+                                        args.mooncake_protocol, args.mooncake_devices))
+    eng.start()
+    return eng
+
+
+@dataclass
+class TransferRanks:
+    mooncake: MooncakeEngine  # this process's: rank 0's
+    endpoints: list[RankEndpoint]  # every rank's, in rank order, rank 0 first
+    tp: int
+    runner: ModelRunner  # rank 0's; a ParallelRunner reaches the other ranks
+
+    @classmethod
+    def start(cls, args: argparse.Namespace, engine: Engine) -> "TransferRanks":
+        mooncake = start_mooncake(args)
+        buffers = engine.describe_buffers()
+        mooncake.register_buffers(buffers)
+        endpoints = [RankEndpoint(0, mooncake.session_id, buffers)]
+        runner = engine.runner
+        if isinstance(runner, ParallelRunner):
+            if mooncake.config.metadata_server != P2P_HANDSHAKE:
+                # With a metadata server a Mooncake segment is named by its host alone, so the
+                # ranks of one host would all register under one name and receive each other's writes.
+                raise ParallelConfigError("TP/PP instances need Mooncake's P2P handshake for now "
+                                          "(drop --mooncake-metadata): with a metadata server every rank "
+                                          "of a host would share one segment name")
+            endpoints += runner.start_transfer(mooncake.config)
+        return cls(mooncake, endpoints, runner.layout.tp, runner)
+
+    def write(self, jobs: list[Writes]) -> int:
+        """jobs[r]: what rank r writes. All ranks write at once; returns the bytes moved once
+        every rank has finished (so none still writes when the caller acks or frees pages),
+        or raises TransferError naming each rank that failed."""
+        remote = [self.runner.write(r, w) for r, w in enumerate(jobs) if r and w]
+        moved, errors = 0, []
+        try:
+            moved += sum(self.mooncake.write(session, entries) for session, entries in jobs[0])
+        except Exception as e:  # whatever it was, the other ranks' writes are waited for below
+            errors.append(f"rank 0: {e}")
+        for fut in remote:
+            try:
+                moved += fut.result()
+            except Exception as e:
+                errors.append(str(e))
+        if errors:
+            raise TransferError("; ".join(errors))
+        return moved

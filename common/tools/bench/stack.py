@@ -1,0 +1,89 @@
+"""`pdflash up ARGS` as a child process for the length of a `with` block (for `bench ab`)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from common.parallel.ports import free_port_pair
+from common.tools.bench.report import REPO_ROOT
+
+UP_TIMEOUT_S = 900.0  # every process loads the model; a busy machine is slow
+STOP_TIMEOUT_S = 60.0
+
+
+class Stack:
+    """`pdflash up ARGS` as a child process (--port added if not given): `start()` (or `with`)
+    waits for its "is up" line, `stop()` sends SIGTERM (its own process group is killed if it
+    does not stop). Its output is kept in `lines` and, given `log_path`, also written there."""
+
+    def __init__(self, up_args: str | Sequence[str], log_path: str | None = None, timeout: float = UP_TIMEOUT_S):
+        self.args = shlex.split(up_args) if isinstance(up_args, str) else list(up_args)
+        if "--port" not in self.args:
+            self.args += ["--port", str(free_port_pair())]
+        self.port = int(self.args[self.args.index("--port") + 1])
+        host = self.args[self.args.index("--host") + 1] if "--host" in self.args else "127.0.0.1"
+        self.url = f"http://{host}:{self.port}"
+        self.log_path = log_path
+        self.timeout = timeout
+        self.proc: subprocess.Popen | None = None
+        self.lines: list[str] = []
+        self.startup_s: float | None = None
+
+    def start(self) -> "Stack":
+        where = f"  (log: {self.log_path})" if self.log_path else ""
+        print(f"starting: pdflash up {shlex.join(self.args)}{where}", flush=True)
+        start = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "common.tools.cli", "up", *self.args], cwd=REPO_ROOT,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        up = threading.Event()
+        if self.log_path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+        log = open(self.log_path, "w") if self.log_path else contextlib.nullcontext()
+
+        def pump() -> None:
+            assert self.proc is not None and self.proc.stdout is not None
+            with log:
+                for line in self.proc.stdout:
+                    self.lines.append(line)
+                    if self.log_path:
+                        log.write(line)
+                        log.flush()
+                    if "pdflash is up" in line:
+                        up.set()
+            up.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not up.wait(self.timeout) or self.proc.poll() is not None:
+            self.stop()
+            see = f"; see {self.log_path}" if self.log_path else ""
+            raise RuntimeError(f"pdflash up {shlex.join(self.args)} did not come up{see}:\n" + self.tail())
+        self.startup_s = time.monotonic() - start
+        print(f"up in {self.startup_s:.0f} s: {self.url}", flush=True)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only its children
+            self.proc.wait()
+
+    def tail(self, n: int = 60) -> str:
+        return "".join(self.lines[-n:])
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,203 @@
+"""The DFlash training objective for one batch of sequences, all anchors at once.
+
+For every sequence s and anchor a (a random position in the response):
+  block    = [token at a, MASK x (B-1)] at positions a .. a+B-1
+  context  = fused target features of positions < a   (strictly before the anchor)
+  attention: each block sees its context and itself (bidirectionally), never another block
+  labels   : block position k (1..B-1) predicts the token at a+k; weight exp(-(k-1)/gamma);
+             positions past the end of the sequence are ignored.
+
+Shapes: S sequences padded to L tokens, A anchors per sequence, B block size, N = S*A*B.
+The target is frozen: its captured hidden states, embedding and LM head are constants here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from common.dflash.drafter import Drafter
+from common.kv.page_pool import OutOfPages
+from common.kv.seq_cache import SeqCache
+from common.runner.model_runner import ModelRunner
+
+IGNORE = -100
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [S, L] long, zero-padded (on the training device)
+    lengths: torch.Tensor  # [S] long
+    prompt_lens: torch.Tensor  # [S] long
+    sampled: torch.Tensor  # [S] bool: a sampled answer (labelled with the target's argmax)
+    tokens: list[list[int]]  # unpadded ids, as the runner takes them
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+
+def make_batch(seqs, device: torch.device | str = "cpu") -> Batch:
+    """seqs: objects with .ids (int array), .prompt_len and .k (0 = greedy answer)."""
+    lengths = [len(s.ids) for s in seqs]
+    ids = np.zeros((len(seqs), max(lengths)), dtype=np.int64)
+    for row, s in enumerate(seqs):
+        ids[row, : len(s.ids)] = s.ids
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
+    return Batch(torch.from_numpy(ids).to(device), as_long(lengths), as_long([s.prompt_len for s in seqs]),
+                 torch.tensor([s.k > 0 for s in seqs], device=device), [[int(t) for t in s.ids] for s in seqs])
+
+
+def sample_anchors(batch: Batch, num_anchors: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to num_anchors distinct anchors per sequence in [prompt_len, length-2] (an anchor
+    needs at least one token after it). Returns anchors [S, A] and ok [S, A] (False = unused
+    slot of a short response; its labels are all ignored)."""
+    S, L = batch.ids.shape
+    lengths, plens = batch.lengths.cpu(), batch.prompt_lens.cpu()
+    t = torch.arange(L)[None, :]
+    valid = (t >= plens[:, None]) & (t <= lengths[:, None] - 2)
+    scores = torch.rand(S, L, generator=generator).masked_fill(~valid, -1.0)
+    anchors = scores.topk(min(num_anchors, L), dim=1).indices.sort(dim=1).values
+    ok = torch.gather(valid, 1, anchors)
+    anchors = anchors.masked_fill(~ok, 0)
+    dev = batch.ids.device
+    return anchors.to(dev), ok.to(dev)
+
+
+def block_attention_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
+                         window: int | None = None) -> torch.Tensor:
+    """Boolean mask [S, 1, A*B, ctx_len + A*B] (True = may attend) for queries = all blocks
+    flattened, keys = [context positions 0..ctx_len-1, all blocks flattened]."""
+    S, A = anchors.shape
+    B = block_size
+    a_q = anchors.repeat_interleave(B, dim=1)[:, :, None]  # [S, A*B, 1] anchor of each query
+    t = torch.arange(ctx_len, device=anchors.device)[None, None, :]
+    ctx = t < a_q
+    if window is not None:
+        ctx = ctx & (t >= a_q - window)
+    blk_of = torch.arange(A * B, device=anchors.device) // B
+    own = (blk_of[:, None] == blk_of[None, :]).expand(S, A * B, A * B)
+    return torch.cat([ctx, own], dim=-1).unsqueeze(1)
+
+
+@torch.no_grad()
+def capture(runner: ModelRunner, batch: Batch, layers: tuple[int, ...],
+            argmax: bool = False) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+    """Run the frozen target over every sequence once. Returns the residual stream after each
+    capture layer, padded to [S, L, H] (ordinary tensors, usable under autograd), and if asked
+    the target's greedy next token at every position [S, L]."""
+    S, L = batch.ids.shape
+    feats = {layer: torch.zeros(S, L, runner.cfg.hidden_size, dtype=runner.dtype, device=runner.device)
+             for layer in layers}
+    nxt = torch.zeros(S, L, dtype=torch.long, device=runner.device) if argmax else None
+    for rows in _groups_that_fit(runner, batch.tokens):
+        caches = [SeqCache() for _ in rows]
+        try:
+            for c, r in zip(caches, rows):
+                runner.reserve(c, len(batch.tokens[r]))
+            out = runner.extend(caches, [batch.tokens[r] for r in rows], all_logits=argmax, capture_layers=layers)
+        finally:
+            for c in caches:
+                runner.release(c)
+        lens = torch.tensor([len(batch.tokens[r]) for r in rows], device=runner.device)
+        row_of = torch.repeat_interleave(torch.tensor(rows, device=runner.device), lens)
+        pos = torch.arange(len(row_of), device=runner.device) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+        for layer in layers:
+            # A copy into ordinary tensors: inference-mode tensors cannot enter autograd.
+            feats[layer][row_of, pos] = out.captured[layer]
+        if argmax:
+            nxt[row_of, pos] = out.logits.argmax(-1)
+    return feats, nxt
+
+
+def _groups_that_fit(runner: ModelRunner, tokens: list[list[int]]) -> list[list[int]]:
+    """Split the batch so that each group's KV fits in the runner's free pages."""
+    free = runner.pool.num_free
+    groups, cur, used = [], [], 0
+    for r, t in enumerate(tokens):
+        need = runner.pool.pages_for(len(t))
+        if need > free:
+            raise OutOfPages(f"a sequence of {len(t)} tokens needs {need} KV pages; {free} are free")
+        if used + need > free:
+            groups.append(cur)
+            cur, used = [], 0
+        cur.append(r)
+        used += need
+    return groups + [cur] if cur else groups
+
+
+def block_labels(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, block_size: int,
+                 target_next: torch.Tensor | None = None) -> torch.Tensor:
+    """labels [S, A, B]: position k of the block of anchor a predicts the token at a+k (k >= 1);
+    IGNORE at k = 0, past the sequence end and for unused anchors. Sampled answers are
+    labelled with the target's own greedy choice at a+k given the sequence before it (what a
+    T=0 verify would accept) instead of the sampled token."""
+    S, L = batch.ids.shape
+    src = batch.ids
+    if target_next is not None and bool(batch.sampled.any()):
+        # target_next[s, t] predicts position t+1; shift it so that src[s, t] labels position t.
+        shifted = torch.cat([batch.ids[:, :1], target_next[:, :-1]], dim=1)
+        src = torch.where(batch.sampled[:, None], shifted, batch.ids)
+    pos = anchors[:, :, None] + torch.arange(block_size, device=anchors.device)  # [S, A, B]
+    labels = torch.gather(src, 1, pos.clamp(max=L - 1).flatten(1)).view_as(pos)
+    keep = (pos < batch.lengths[:, None, None]) & ok[:, :, None]
+    keep[:, :, 0] = False
+    return labels.masked_fill(~keep, IGNORE)
+
+
+def draft_hidden(drafter: Drafter, embed: torch.Tensor, feats: dict[int, torch.Tensor], batch: Batch,
+                 anchors: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Final-normed drafter hidden states of every block position, [S, A, B, H]."""
+    cfg = drafter.cfg
+    S, L = batch.ids.shape
+    A, B = anchors.shape[1], cfg.block_size
+    cos, sin = rope
+    ctx = drafter.fuse(feats).reshape(S * L, -1)
+    ctx_kv = drafter.context_kv(ctx, cos[:L].repeat(S, 1), sin[:L].repeat(S, 1))
+    first = torch.gather(batch.ids, 1, anchors)  # [S, A] the anchor tokens
+    block_ids = torch.full((S, A, B), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
+    block_ids[:, :, 0] = first
+    pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).clamp(max=cos.shape[0] - 1).flatten()
+    mask = block_attention_mask(anchors, L, B, cfg.sliding_window)
+    rep = cfg.num_heads // cfg.num_kv_heads
+
+    def attend(i, q, k, v):
+        ck, cv = ctx_kv[i]
+        # GQA by repeating K/V heads (SDPA's memory-efficient kernel takes a mask, not enable_gqa).
+        keys = torch.cat([ck.view(S, L, *ck.shape[1:]), k.view(S, A * B, *k.shape[1:])], 1)
+        vals = torch.cat([cv.view(S, L, *cv.shape[1:]), v.view(S, A * B, *v.shape[1:])], 1)
+        keys = keys.repeat_interleave(rep, dim=2).transpose(1, 2)
+        vals = vals.repeat_interleave(rep, dim=2).transpose(1, 2)
+        qs = q.view(S, A * B, *q.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask)
+        return out.transpose(1, 2).reshape(S * A * B, *q.shape[1:])
+
+    x = F.embedding(block_ids.flatten(), embed)
+    return drafter.blocks(x, cos[pos], sin[pos], attend).view(S, A, B, -1)
+
+
+def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor,
+               gamma: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weighted cross-entropy over labelled block positions, through the target's LM head.
+    Metrics (detached): acc1 = accuracy of the first draft position; accepted = mean length of
+    the correct draft prefix per block (what a greedy verify would accept)."""
+    S, A, B, H = hidden.shape
+    lab = labels[:, :, 1:]
+    valid = lab != IGNORE
+    k = torch.arange(1, B, device=hidden.device, dtype=torch.float32)
+    weight = torch.exp(-(k - 1) / gamma).expand(S, A, B - 1)[valid]
+    logits = F.linear(hidden[:, :, 1:][valid], lm_head)
+    ce = F.cross_entropy(logits.float(), lab[valid], reduction="none")
+    loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        correct = torch.zeros_like(valid)
+        correct[valid] = logits.argmax(-1) == lab[valid]
+        used = valid[:, :, 0]
+        accepted = correct.long().cumprod(-1).sum(-1)[used].float()
+        metrics = {"loss": loss.detach(),
+                   "acc1": correct[:, :, 0][used].float().mean() if used.any() else loss.new_zeros(()),
+                   "accepted": accepted.mean() if used.any() else loss.new_zeros(()),
+                   "blocks": used.sum().float()}
+    return loss, metrics

@@ -1,0 +1,298 @@
+"""`pdflash dflash train`: train a DFlash drafter for a target model by self-distillation.
+
+  1. data      the target answers the prompts (greedy, plus optional sampled answers) through
+               the Engine; token ids go to OUT/data.jsonl (resumable, see common.tools.drafter.data)
+  2. training  the frozen target runs once over each sequence and its capture layers feed the
+               drafter; random anchors in the response, all blocks of a batch in one forward
+               (see common.tools.drafter.objective); AdamW, warmup + cosine, bf16 autocast on CUDA
+  3. output    OUT/drafter/ (config.json + model.safetensors, what Drafter.load reads),
+               OUT/checkpoint.pt (resume with --resume), OUT/train_log.jsonl, OUT/train_info.json
+               (args, data stats, final metrics, times, the command that reproduces the run)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+from common.dflash.drafter import Drafter, DrafterConfig
+from common.runner.model_runner import ModelRunner
+from common.service.loader import ModelOptions, add_model_args, load_model
+from common.tools.drafter.data import GenSettings, data_stats, file_sha256, generate, load_sequences, read_prompts
+from common.tools.drafter.objective import Batch, make_batch
+from common.tools.drafter.trainer import EpochOrder, Trainer, load_checkpoint, rounded, save_checkpoint, save_drafter
+
+# Flags that steer one invocation but not what it produces: left out of the reproduce command.
+RUN_CONTROL = {"resume", "stop_at", "time_limit", "no_progress", "log_every", "save_every"}
+PATHS = {"prompts", "data", "out", "model"}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("data (self-distillation)")
+    d.add_argument("--prompts", required=True, help="JSONL file of prompts, e.g. the GSM8K training split")
+    d.add_argument("--prompt-field", default="question", help="JSON field that holds the prompt")
+    d.add_argument("--no-chat-template", action="store_true", help="feed prompts raw, not as a chat user turn")
+    d.add_argument("--max-seqs", type=int, default=None, help="use only the first N prompts (each gives 1 + K sequences)")
+    d.add_argument("--gen-max-new-tokens", type=int, default=256)
+    d.add_argument("--gen-max-running", type=int, default=None, help="engine batch (default 256 on CUDA, 32 on CPU)")
+    d.add_argument("--samples-per-prompt", type=int, default=0, help="K sampled answers per prompt besides the greedy one")
+    d.add_argument("--sample-temperature", type=float, default=0.8)
+    d.add_argument("--sample-top-p", type=float, default=0.95)
+    d.add_argument("--data", default=None, help="data file (default OUT/data.jsonl); reused and extended if it exists")
+    d.add_argument("--eval-prompts", type=int, default=0, help="hold out the last N prompts; report their loss/acc")
+    m = p.add_argument_group("drafter")
+    m.add_argument("--layers", type=int, default=2, help="draft layers")
+    m.add_argument("--block-size", type=int, default=16)
+    m.add_argument("--mask-token-id", type=int, default=16, help="MASK token (16 = <empty_output> in SmolLM2, unused in chat)")
+    m.add_argument("--capture-layers", default=None, help="comma-separated target layers (default: the DFlash rule, 5 layers)")
+    m.add_argument("--sliding-window", type=int, default=None, help="draft context window in tokens (default: all)")
+    t = p.add_argument_group("training")
+    t.add_argument("--out", default=os.path.join("results", "dflash-train"), help="output folder")
+    t.add_argument("--epochs", type=float, default=5.0)
+    t.add_argument("--steps", type=int, default=None, help="total optimizer steps (overrides --epochs)")
+    t.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    t.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
+    t.add_argument("--gamma", type=float, default=7.0, help="loss weight exp(-(k-1)/gamma) of block position k")
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine decays to lr * this")
+    t.add_argument("--warmup", type=float, default=0.04, help="warmup: a fraction of the steps (< 1) or a step count")
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--grad-clip", type=float, default=1.0)
+    t.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto", help="bf16 autocast (auto: on CUDA only)")
+    t.add_argument("--save-dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="drafter file dtype (auto: fp32 if it fits in 40 MB, else bf16)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--log-every", type=int, default=10)
+    t.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    t.add_argument("--stop-at", type=int, default=None, help="stop (checkpointed) at this step; --resume continues")
+    t.add_argument("--time-limit", type=float, default=None, help="stop (checkpointed) after this many seconds")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_model_args(p, kv_pages=0)  # --kv-pages 0 = sized for the generation batch
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    read_prompts(args.prompts, args.prompt_field, 1)  # fail on a bad prompt file before loading the model
+    ctx_tokens = 512 + args.gen_max_new_tokens  # room for prompts up to 512 tokens at full batch
+    pages = args.kv_pages or max(_max_running(args), args.batch_size) * -(-ctx_tokens // args.page_size) + 1
+    runner, tok = load_model(ModelOptions(args.model, args.dtype, args.device, args.page_size, pages))
+    return train(args, runner, tok)
+
+
+def _max_running(args) -> int:
+    return args.gen_max_running or (256 if torch.device(args.device).type == "cuda" else 32)
+
+
+def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
+    """The whole command on an already loaded target (tests pass theirs)."""
+    t_start = time.perf_counter()
+    _check_args(args)
+    os.makedirs(args.out, exist_ok=True)
+    data_path = args.data or os.path.join(args.out, "data.jsonl")
+    device = runner.device
+    print(f"reproduce: {reproduce_command(args)}", flush=True)
+
+    # ---- 1. data ------------------------------------------------------------------------
+    prompts = read_prompts(args.prompts, args.prompt_field, args.max_seqs)
+    settings = GenSettings(model=runner.cfg.name, prompts=os.path.basename(args.prompts),
+                           prompts_sha256=file_sha256(args.prompts), prompt_field=args.prompt_field,
+                           chat_template=not args.no_chat_template, gen_max_new_tokens=args.gen_max_new_tokens,
+                           sample_temperature=args.sample_temperature, sample_top_p=args.sample_top_p, seed=args.seed)
+    gen = generate(runner, tok, prompts, data_path, settings, samples_per_prompt=args.samples_per_prompt,
+                   max_running=_max_running(args), progress=not args.no_progress)
+    _, seqs = load_sequences(data_path)
+    seqs = sorted((s for s in seqs if s.i < len(prompts) and s.k <= args.samples_per_prompt), key=lambda s: (s.i, s.k))
+    seqs = [s for s in seqs if s.response_len >= 2]  # an anchor needs a token after it
+    held_out = set(range(len(prompts) - args.eval_prompts, len(prompts))) if args.eval_prompts else set()
+    train_seqs = [s for s in seqs if s.i not in held_out]
+    eval_seqs = [s for s in seqs if s.i in held_out and s.k == 0]
+    if not train_seqs:
+        raise ValueError("no training sequences (every answer is shorter than 2 tokens?)")
+    stats = data_stats(train_seqs)
+    print(f"data: {data_path}: {stats['sequences']} training sequences from {stats['prompts']} prompts, "
+          f"{stats['response_tokens']:,} response tokens (generated {gen['generated']}, reused {gen['reused']}"
+          f"{', ' + str(gen['gen_tokens']) + ' tokens in ' + str(gen['gen_seconds']) + ' s' if gen['generated'] else ''})",
+          flush=True)
+
+    # ---- 2. training --------------------------------------------------------------------
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # after generation: the data stays fp32 greedy
+    cfg = drafter_config(args, runner)
+    order = EpochOrder(train_seqs, args.batch_size, args.seed)
+    total = args.steps or max(1, round(args.epochs * order.steps_per_epoch))
+    torch.manual_seed(args.seed)
+    drafter = Drafter(cfg).to(device)
+    amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
+    trainer = Trainer(runner, drafter, lr=args.lr, total_steps=total, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
+                      weight_decay=args.weight_decay, gamma=args.gamma, anchors=args.anchors,
+                      grad_clip=args.grad_clip, amp=amp, seed=args.seed)
+    ckpt_path = os.path.join(args.out, "checkpoint.pt")
+    start, prev_seconds = 0, 0.0
+    if args.resume and os.path.isfile(ckpt_path):
+        start, prev_seconds = load_checkpoint(ckpt_path, trainer, cfg, total)
+        print(f"resumed from {ckpt_path} at step {start}/{total}", flush=True)
+    elif os.path.isfile(ckpt_path):
+        print(f"note: {ckpt_path} exists; starting over (pass --resume to continue it)", flush=True)
+    eval_batches = [make_batch(eval_seqs[i:i + args.batch_size], device)
+                    for i in range(0, len(eval_seqs), args.batch_size)]
+    n_params = sum(p.numel() for p in drafter.parameters())
+    print(f"drafter: {cfg.num_layers} layers, {n_params / 1e6:.2f}M parameters, capture {list(cfg.capture_layers)}, "
+          f"block {cfg.block_size}, mask id {cfg.mask_token_id}; {total} steps of {args.batch_size} sequences x "
+          f"{args.anchors} anchors ({order.steps_per_epoch} steps/epoch), amp={'bf16' if amp else 'off'}", flush=True)
+
+    final, evals, stop_reason = loop(args, trainer, order, eval_batches, start, total, ckpt_path, prev_seconds, t_start)
+    train_seconds = prev_seconds + (time.perf_counter() - t_start)
+
+    # ---- 3. output ----------------------------------------------------------------------
+    drafter_dir = os.path.join(args.out, "drafter")
+    save_dtype = save_drafter(drafter, drafter_dir, args.save_dtype)
+    info = {
+        "command": reproduce_command(args),
+        "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+        "data": stats | {"file": os.path.abspath(data_path), "eval_sequences": len(eval_seqs)},
+        "generation": gen,
+        "drafter": asdict(cfg) | {"parameters": n_params, "saved_dtype": str(save_dtype).removeprefix("torch."),
+                                  "bytes": os.path.getsize(os.path.join(drafter_dir, "model.safetensors"))},
+        "steps": {"done": final.get("step", start), "total": total, "stopped": stop_reason},
+        "final": final,
+        "eval": evals,
+        "time": {"generation_s_this_run": gen["gen_seconds"], "this_run_s": round(time.perf_counter() - t_start, 1),
+                 "all_runs_s": round(train_seconds, 1)},  # all_runs_s adds the runs this one resumed
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+    for path in (os.path.join(args.out, "train_info.json"), os.path.join(drafter_dir, "train_info.json")):
+        with open(path, "w") as f:
+            json.dump(info, f, indent=2, default=str)
+    print(f"drafter saved to {drafter_dir} ({info['drafter']['bytes'] / 2**20:.1f} MiB, {info['drafter']['saved_dtype']}); "
+          f"final {_fmt(final) or '(no steps run)'}{'; eval ' + _fmt(evals[-1]) if evals else ''}", flush=True)
+    if stop_reason != "done":
+        print(f"stopped at step {info['steps']['done']}/{total} ({stop_reason}); add --resume to continue", flush=True)
+    print(f"reproduce: {reproduce_command(args)}", flush=True)
+    return 0
+
+
+def loop(args, trainer: Trainer, order: EpochOrder, eval_batches: list[Batch], start: int, total: int,
+         ckpt_path: str, prev_seconds: float, t_start: float) -> tuple[dict, list[dict], str]:
+    from tqdm import tqdm
+
+    device = trainer.device
+    log_path = os.path.join(args.out, "train_log.jsonl")
+    window: list[dict[str, torch.Tensor]] = []
+    final: dict = {}
+    evals: list[dict] = []
+    stop_reason, step = "done", start
+    t_log, seqs_since = time.perf_counter(), 0
+    bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=args.no_progress)
+    with open(log_path, "a") as log:
+        while step < total:
+            if args.stop_at is not None and step >= args.stop_at:
+                stop_reason = "--stop-at"
+                break
+            if args.time_limit is not None and time.perf_counter() - t_start > args.time_limit:
+                stop_reason = "--time-limit"
+                break
+            seqs = order.batch(step)
+            window.append(trainer.step(make_batch(seqs, device), step))
+            seqs_since += len(seqs)
+            step += 1
+            bar.update(1)
+            if step % args.log_every == 0 or step == total:
+                final = {"step": step, "lr": trainer.lr_at(step - 1),
+                         **{k: float(torch.stack([m[k] for m in window]).float().mean()) for k in window[0]}}
+                final["seq_per_s"] = seqs_since / (time.perf_counter() - t_log)
+                final = rounded(final)
+                window, t_log, seqs_since = [], time.perf_counter(), 0
+                bar.set_postfix_str(_fmt(final), refresh=False)
+                log.write(json.dumps(final) + "\n")
+                log.flush()
+            if step % args.save_every == 0 and step < total:
+                save_checkpoint(ckpt_path, trainer, step, prev_seconds + time.perf_counter() - t_start)
+                if eval_batches:
+                    evals.append({"step": step, **trainer.evaluate(eval_batches)})
+                    log.write(json.dumps({"eval": evals[-1]}) + "\n")
+                    bar.write(f"eval @ {step}: {_fmt(evals[-1])}")
+    bar.close()
+    if window:  # steps after the last log line
+        final = rounded({"step": step, "lr": trainer.lr_at(step - 1),
+                          **{k: float(torch.stack([m[k] for m in window]).float().mean()) for k in window[0]}})
+    if step > start or not os.path.isfile(ckpt_path):
+        save_checkpoint(ckpt_path, trainer, step, prev_seconds + time.perf_counter() - t_start)
+    if eval_batches:
+        evals.append({"step": step, **trainer.evaluate(eval_batches)})
+    final.setdefault("step", step)
+    if device.type == "cuda":
+        final["max_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    return final, evals, stop_reason
+
+
+# ---- drafter, checkpoint, command --------------------------------------------------------
+
+def drafter_config(args, runner: ModelRunner) -> DrafterConfig:
+    target = runner.cfg
+    if not 0 <= args.mask_token_id < target.vocab_size:
+        raise ValueError(f"--mask-token-id {args.mask_token_id} is outside the vocabulary (0..{target.vocab_size - 1})")
+    extra = {}
+    if args.capture_layers:
+        layers = tuple(int(x) for x in args.capture_layers.split(","))
+        if any(not 0 <= x < target.num_layers for x in layers):
+            raise ValueError(f"--capture-layers {layers}: the target has layers 0..{target.num_layers - 1}")
+        extra["capture_layers"] = layers
+    return DrafterConfig.for_target(target, num_layers=args.layers, block_size=args.block_size,
+                                    mask_token_id=args.mask_token_id, sliding_window=args.sliding_window, **extra)
+
+
+def reproduce_command(args: argparse.Namespace) -> str:
+    """`pdflash dflash train` with every option that shapes the result spelled out."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_args(parser)
+    words = ["pdflash", "dflash", "train"]
+    for action in parser._actions:
+        if action.dest in RUN_CONTROL or not action.option_strings:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if isinstance(action, argparse._StoreTrueAction):
+            if value:
+                words.append(action.option_strings[0])
+        elif value is not None:
+            if action.dest in PATHS and os.path.isabs(str(value)):
+                # The command is run from a checkout, wherever that is: paths near it relative.
+                rel = os.path.relpath(value)
+                value = value if rel.startswith(os.path.join(os.pardir, os.pardir)) else rel
+            words += [action.option_strings[0], str(value)]
+    return shlex.join(words)
+
+
+def _check_args(args) -> None:
+    for name in ("batch_size", "anchors", "block_size", "layers", "gen_max_new_tokens", "log_every", "save_every"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if args.block_size < 2:
+        raise ValueError("--block-size must be at least 2")
+    if args.steps is not None and args.steps <= 0:
+        raise ValueError("--steps must be positive")
+    if args.samples_per_prompt < 0 or args.eval_prompts < 0:
+        raise ValueError("--samples-per-prompt and --eval-prompts must be >= 0")
+
+
+def _fmt(m: dict) -> str:
+    keys = [("loss", "loss {:.3f}"), ("acc1", "acc1 {:.3f}"), ("accept_len", "accept_len {:.2f}"),
+            ("lr", "lr {:.2e}"), ("seq_per_s", "{:.1f} seq/s")]
+    return " ".join(f.format(m[k]) for k, f in keys if k in m)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdflash dflash train", description=__doc__.splitlines()[0])
+    add_args(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The drafter's optimizer loop pieces: one training step (Trainer), which sequences make each
+step's batch (EpochOrder), checkpoints and the saved drafter. All deterministic in (seed, step),
+so that a resumed run continues exactly where an uninterrupted one would be."""
+from __future__ import annotations
+
+import copy
+import math
+import os
+from dataclasses import asdict
+
+import torch
+
+from common.dflash.drafter import Drafter, DrafterConfig
+from common.model.transformer import rope_cos_sin
+from common.runner.model_runner import ModelRunner
+from common.tools.drafter.data import Sequence
+from common.tools.drafter.objective import Batch, block_labels, block_loss, capture, draft_hidden, sample_anchors
+
+MAX_DRAFTER_BYTES = 40_000_000  # the issue's limit, in decimal MB
+
+
+class Trainer:
+    """The drafter, its optimizer and one training step. The target stays frozen."""
+
+    def __init__(self, runner: ModelRunner, drafter: Drafter, *, lr: float, total_steps: int, warmup: float = 0.04,
+                 min_lr_ratio: float = 0.0, weight_decay: float = 0.01, gamma: float = 7.0, anchors: int = 32,
+                 grad_clip: float = 1.0, amp: bool = False, seed: int = 0):
+        self.runner, self.drafter = runner, drafter
+        self.device = runner.device
+        self.amp = amp
+        wdtype = runner.dtype if amp else torch.float32  # without autocast, match the fp32 drafter
+        self.embed = runner.model.embed_tokens.weight.detach().to(wdtype)
+        self.lm_head = runner.model.lm_head_weight.detach().to(wdtype)
+        self.rope = rope_cos_sin(drafter.cfg.as_model_config, self.device)
+        self.lr, self.total_steps, self.min_lr_ratio = lr, total_steps, min_lr_ratio
+        self.warmup_steps = int(warmup if warmup >= 1 else round(warmup * total_steps))
+        self.gamma, self.anchors, self.grad_clip, self.seed = gamma, anchors, grad_clip, seed
+        self.opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
+                                     fused=self.device.type == "cuda")
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.total_steps - self.warmup_steps)
+        cos = 0.5 * (1 + math.cos(math.pi * min(1.0, (step - self.warmup_steps) / span)))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cos)
+
+    def forward(self, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.loss(batch, *self.capture(batch), generator)
+
+    def capture(self, batch: Batch) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """Target features (and greedy next tokens, needed for sampled answers) of a batch."""
+        return capture(self.runner, batch, self.drafter.cfg.capture_layers, argmax=bool(batch.sampled.any()))
+
+    def loss(self, batch: Batch, feats: dict[int, torch.Tensor], target_next: torch.Tensor | None,
+             generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg = self.drafter.cfg
+        anchors, ok = sample_anchors(batch, self.anchors, generator)
+        labels = block_labels(batch, anchors, ok, cfg.block_size, target_next)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            hidden = draft_hidden(self.drafter, self.embed, feats, batch, anchors, self.rope)
+            return block_loss(hidden, labels, self.lm_head, self.gamma)
+
+    def step(self, batch: Batch, step: int) -> dict[str, torch.Tensor]:
+        """One optimizer step; anchors depend only on (seed, step), so a resumed run repeats them."""
+        self.drafter.train()
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr_at(step)
+        loss, metrics = self.forward(batch, torch.Generator().manual_seed(self.seed * 1_000_003 + step))
+        loss.backward()
+        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[Batch]) -> dict[str, float]:
+        self.drafter.eval()
+        sums = {"loss": 0.0, "acc1": 0.0, "accepted": 0.0, "blocks": 0.0}
+        for n, batch in enumerate(batches):
+            _, m = self.forward(batch, torch.Generator().manual_seed(n))  # fixed anchors
+            w = float(m["blocks"])
+            for key in ("loss", "acc1", "accepted"):
+                sums[key] += float(m[key]) * w
+            sums["blocks"] += w
+        total = max(sums.pop("blocks"), 1.0)
+        return rounded({k: v / total for k, v in sums.items()})
+
+
+class EpochOrder:
+    """Which sequences make step `step`'s batch: a seeded shuffle per epoch, then sorted by
+    length within windows of 64 batches (less padding), the batches themselves shuffled.
+    A pure function of (seed, step), so a resumed run sees the same batches."""
+
+    def __init__(self, seqs: list[Sequence], batch_size: int, seed: int):
+        self.seqs, self.batch_size, self.seed = seqs, batch_size, seed
+        self.steps_per_epoch = math.ceil(len(seqs) / batch_size)
+        self._epoch, self._batches = -1, []
+
+    def batch(self, step: int) -> list[Sequence]:
+        epoch, idx = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            perm = torch.randperm(len(self.seqs), generator=g).tolist()
+            window = self.batch_size * 64
+            batches = []
+            for w in range(0, len(perm), window):
+                chunk = sorted(perm[w:w + window], key=lambda i: len(self.seqs[i].ids))
+                batches += [chunk[b:b + self.batch_size] for b in range(0, len(chunk), self.batch_size)]
+            order = torch.randperm(len(batches), generator=g).tolist()
+            self._epoch, self._batches = epoch, [batches[i] for i in order]
+        return [self.seqs[i] for i in self._batches[idx]]
+
+
+def save_checkpoint(path: str, trainer: Trainer, step: int, seconds: float) -> None:
+    state = {"step": step, "seconds": seconds, "total_steps": trainer.total_steps,
+             "drafter_config": asdict(trainer.drafter.cfg), "model": trainer.drafter.state_dict(),
+             "optim": trainer.opt.state_dict()}
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a kill mid-write leaves the previous checkpoint intact
+
+
+def load_checkpoint(path: str, trainer: Trainer, cfg: DrafterConfig, total: int) -> tuple[int, float]:
+    state = torch.load(path, map_location=trainer.device, weights_only=True)
+    saved = state["drafter_config"]
+    if saved != asdict(cfg):
+        diff = {k: (saved.get(k), v) for k, v in asdict(cfg).items() if saved.get(k) != v}
+        raise ValueError(f"{path} holds a drafter with another config (checkpoint vs now: {diff})")
+    if state["total_steps"] != total:
+        print(f"note: the checkpoint planned {state['total_steps']} steps, now {total}: the lr schedule changes",
+              flush=True)
+    trainer.drafter.load_state_dict(state["model"])
+    trainer.opt.load_state_dict(state["optim"])
+    return int(state["step"]), float(state["seconds"])
+
+
+def save_drafter(drafter: Drafter, folder: str, dtype: str) -> torch.dtype:
+    """Drafter.save in fp32, or in bf16 when asked or when fp32 would exceed 40 MB."""
+    fp32_bytes = sum(p.numel() for p in drafter.state_dict().values()) * 4
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
+    if want is None:
+        want = torch.float32 if fp32_bytes <= MAX_DRAFTER_BYTES else torch.bfloat16
+    copy.deepcopy(drafter).to(device="cpu", dtype=want).save(folder)
+    size = os.path.getsize(os.path.join(folder, "model.safetensors"))
+    if size > MAX_DRAFTER_BYTES:
+        print(f"warning: the drafter file is {size / 2**20:.1f} MiB, over the 40 MB limit", flush=True)
+    return want
+
+
+def rounded(d: dict) -> dict:
+    if "accepted" in d:  # the weighted accept length a greedy verify would see on these blocks
+        d = d | {"accept_len": 1 + d["accepted"]}
+    return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in d.items()}

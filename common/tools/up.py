@@ -1,0 +1,214 @@
+"""`pdflash up`: the whole stack on one machine.
+
+Starts prefill instances, then decode instances (or colocated replicas), then the router,
+each group only once the previous one answers its health check; prints the URL; on Ctrl-C or
+SIGTERM stops every child (router first, so no new work arrives) and waits for them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.parallel.ports import free_port
+from common.service.loader import add_spec_args, spec_flags
+
+STARTUP_TIMEOUT_S = 300.0
+
+
+MAX_RESTARTS = 5
+
+
+@dataclass
+class Child:
+    name: str
+    addr: str
+    module: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+    def start(self) -> "Child":
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.argv], env=child_env())
+        return self
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", default="pd", choices=["pd", "colocated"])
+    p.add_argument("--prefill", type=int, default=1, help="prefill instances (pd)")
+    p.add_argument("--decode", type=int, default=1, help="decode instances (pd)")
+    p.add_argument("--replicas", type=int, default=1, help="colocated replicas (colocated)")
+    p.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel processes per prefill instance")
+    p.add_argument("--prefill-pp", type=int, default=1, help="pipeline stages (processes) per prefill instance")
+    p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel processes per decode instance (or replica)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="router HTTP port (gRPC on port+1)")
+    p.add_argument("--model", default=None, help="Hugging Face folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--kv-pages", type=int, default=512)
+    p.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: decode eagerly, without CUDA graphs")
+    p.add_argument("--chunk-size", type=int, default=8192)
+    p.add_argument("--deadline", type=float, default=60.0, help="seconds for a room's bootstrap + KV transfer")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="router: seconds per request")
+    p.add_argument("--verify-transfer", action="store_true", help="checksum every KV page P sends and D receives")
+    add_spec_args(p)
+
+
+def model_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--dtype", args.dtype, "--page-size", str(args.page_size), "--kv-pages", str(args.kv_pages)]
+    if args.model:
+        flags += ["--model", args.model]
+    if args.device:
+        flags += ["--device", args.device]
+    if args.no_cuda_graphs:
+        flags.append("--no-cuda-graphs")
+    return flags
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("GLOG_minloglevel", "1")  # Mooncake's per-connection INFO lines drown the rest
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def wait_grpc_healthy(children: list[Child], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for c in children:
+        with grpc.insecure_channel(c.addr) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while True:
+                if c.proc.poll() is not None:
+                    raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} during start-up")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{c.name} not healthy after {timeout:.0f} s")
+                time.sleep(0.5)
+
+
+def wait_http_healthy(child: Child, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if child.proc.poll() is not None:
+            raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} during start-up")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{child.name} not healthy after {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def stop_all(children: list[Child], timeout: float = 15.0) -> None:
+    for c in reversed(children):  # router first: no new work reaches the workers
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for c in reversed(children):
+        try:
+            c.proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    if min(args.prefill, args.decode, args.replicas) < 1:
+        raise ValueError("--prefill, --decode and --replicas must be at least 1")
+    if args.mode == "colocated" and (args.prefill_tp, args.prefill_pp) != (1, 1):
+        raise ValueError("--prefill-tp/--prefill-pp apply to --mode pd; a colocated replica is split with --decode-tp")
+    children: list[Child] = []
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        workers = start_workers(args, children)
+        router_args = ["--host", args.host, "--port", str(args.port), "--request-timeout", str(args.request_timeout),
+                       "--transfer-deadline", str(args.deadline)]
+        if args.model:
+            router_args += ["--model", args.model]
+        if args.mode == "pd":
+            prefills = ",".join(c.addr for c in workers if c.name.startswith("prefill"))
+            decodes = ",".join(c.addr for c in workers if c.name.startswith("decode"))
+            router_args += ["--policy", "pd", "--prefill", prefills, "--decode", decodes]
+        else:
+            router_args += ["--policy", "round_robin", "--replicas", ",".join(c.addr for c in workers)]
+        router = Child("router", f"{args.host}:{args.port}", "router_svc", router_args).start()
+        children.append(router)
+        url = f"http://{args.host}:{args.port}"
+        wait_http_healthy(router, url + "/health", STARTUP_TIMEOUT_S)
+        print(f"\npdflash is up ({args.mode}): {url}  (OpenAI API at {url}/v1, gRPC router at "
+              f"{args.host}:{args.port + 1})\n  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              "-d '{\"model\": \"default\", \"messages\": [{\"role\": \"user\", \"content\": \"What is 2+3?\"}]}'\n"
+              "Ctrl-C stops everything.", flush=True)
+        supervise(children, router)
+    except KeyboardInterrupt:
+        print("\nstopping pdflash ...", file=sys.stderr, flush=True)
+        return 0
+    except RuntimeError as e:
+        print(f"pdflash up: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stop_all(children)
+
+
+def supervise(children: list[Child], router: Child) -> None:
+    """Restart a prefill/decode process that dies (same port: the router reconnects by itself);
+    requests it held fail with a clear error meanwhile. The router dying ends the stack."""
+    while True:
+        for c in children:
+            if c.proc.poll() is None:
+                continue
+            if c is router or c.restarts >= MAX_RESTARTS:
+                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}")
+            c.restarts += 1
+            print(f"pdflash up: {c.name} exited with code {c.proc.returncode}; restarting it "
+                  f"({c.restarts}/{MAX_RESTARTS})", file=sys.stderr, flush=True)
+            c.start()
+        time.sleep(1.0)
+
+
+def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child]:
+    common = model_flags(args) + spec_flags(args) + ["--host", args.host, "--chunk-size", str(args.chunk_size),
+                                  "--deadline", str(args.deadline)]
+    prefill_par = ["--tp", str(args.prefill_tp), "--pp", str(args.prefill_pp)]
+    decode_par = ["--tp", str(args.decode_tp)]
+    if args.mode == "pd":
+        verify = ["--verify-transfer"] if args.verify_transfer else []
+        groups = [("prefill", "prefill_svc", args.prefill, verify + prefill_par),
+                  ("decode", "decode_svc", args.decode, ["--role", "decode", *decode_par])]
+    else:
+        groups = [("replica", "decode_svc", args.replicas, ["--role", "colocated", *decode_par])]
+    workers: list[Child] = []
+    for kind, module, count, extra in groups:  # P before D: P owns the bootstrap
+        group = []
+        for i in range(count):
+            port = free_port(args.host)
+            c = Child(f"{kind}{i}", f"{args.host}:{port}", module, ["--port", str(port), *common, *extra]).start()
+            children.append(c)
+            group.append(c)
+        wait_grpc_healthy(group, STARTUP_TIMEOUT_S)
+        workers += group
+    return workers
