@@ -15,9 +15,10 @@ from common.service.loader import (
     add_spec_args,
     load_model,
     load_proposer,
+    spec_config,
 )
 from common.service.transfer_ranks import TransferRanks, add_mooncake_args
-from decode_svc.kv_receiver import KVReceiver
+from decode_svc.kv_receiver import PEER_ABORT_TIMEOUT_S, KVReceiver
 from decode_svc.service import DecodeServicer
 from protos import pdflash_pb2_grpc as pb_grpc
 
@@ -30,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=8192, help="prefill chunk (colocated)")
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--deadline", type=float, default=60.0, help="seconds for bootstrap + KV transfer")
+    p.add_argument("--peer-abort-timeout", type=float, default=PEER_ABORT_TIMEOUT_S,
+                   help="seconds per attempt at prefill's Abort of a room given up on (its pages stay parked until it answers)")
     add_model_args(p)
     add_parallel_args(p, pipeline=False)
     add_spec_args(p)
@@ -42,12 +45,13 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
     runner, tokenizer = load_model(ModelOptions.from_args(args))
     try:
         engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, max_running=args.max_running,
-                        proposer=load_proposer(args, runner))
+                        proposer=load_proposer(args, runner), spec=spec_config(args))
         loop = EngineLoop(engine, asyncio.get_running_loop())
         receiver = None
         if args.role == "decode":
             ranks = TransferRanks.start(args, engine)  # P writes each of our ranks' heads to that rank
-            receiver = KVReceiver(loop, ranks.mooncake.session_id, f"{args.host}:{args.port}", ranks.endpoints, args.tp)
+            receiver = KVReceiver(loop, ranks.mooncake.session_id, f"{args.host}:{args.port}", ranks.endpoints, args.tp,
+                                  args.peer_abort_timeout)
         servicer = DecodeServicer(loop, tokenizer, receiver, args.role, runner.cfg.name, args.deadline)
         loop.start()
         server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_DecodeServiceServicer_to_server(servicer, s))

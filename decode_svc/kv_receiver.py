@@ -31,7 +31,7 @@ from protos import pdflash_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("decode")
 
-PEER_ABORT_TIMEOUT_S = 10.0  # per attempt; P answers Abort once no write of the room is in flight
+PEER_ABORT_TIMEOUT_S = 10.0  # default per attempt; P answers Abort once no write of the room is in flight
 
 
 class HandoffError(Exception):
@@ -49,6 +49,7 @@ class KVReceiver:
     self_addr: str  # our gRPC address, for P's TransferDone
     ranks: list[RankEndpoint] = field(default_factory=list)  # every TP rank's buffers (rank 0 first)
     tp: int = 1
+    peer_abort_timeout_s: float = PEER_ABORT_TIMEOUT_S  # one attempt at P's Abort of a room we gave up on
 
     def __post_init__(self) -> None:
         self._acks: dict[str, asyncio.Future] = {}
@@ -148,7 +149,7 @@ class KVReceiver:
         await self._peer_abort_confirmed(parked.rid, prefill_addr)
         await self.loop.call(lambda e: e.release(parked))
         held = time.monotonic() - since
-        if held > PEER_ABORT_TIMEOUT_S:
+        if held > self.peer_abort_timeout_s:
             logger.info("room %s: its pages are back in the pool after %.0f s parked", parked.rid, held)
 
     async def _peer_abort_confirmed(self, room: str, prefill_addr: str) -> None:
@@ -161,7 +162,7 @@ class KVReceiver:
         abort = pb.AbortRequest(room=room, reason="decode gave up on the room")
         for attempt in itertools.count():
             try:
-                await stub.Abort(abort, timeout=PEER_ABORT_TIMEOUT_S)
+                await stub.Abort(abort, timeout=self.peer_abort_timeout_s)
                 return
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
@@ -170,10 +171,10 @@ class KVReceiver:
                     logger.warning("room %s: prefill %s failed the abort (%s: %s); freeing its pages",
                                    room, prefill_addr, e.code().name, e.details())
                     return
-                if attempt % 6 == 0:  # once a minute
+                if attempt % max(1, round(60 / self.peer_abort_timeout_s)) == 0:  # once a minute
                     logger.warning("room %s: prefill %s has not confirmed the abort for %.0f s; its pages stay "
                                    "out of the pool until it does", room, prefill_addr,
-                                   (attempt + 1) * PEER_ABORT_TIMEOUT_S)
+                                   (attempt + 1) * self.peer_abort_timeout_s)
 
     def _channel(self, addr: str) -> grpc.aio.Channel:
         if addr not in self._channels:

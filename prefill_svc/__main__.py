@@ -14,6 +14,7 @@ from common.service.loader import (
     add_spec_args,
     load_model,
     load_proposer,
+    spec_config,
 )
 from common.service.transfer_ranks import TransferRanks, add_mooncake_args
 from prefill_svc.kv_sender import KVSender
@@ -40,7 +41,7 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
     runner, tokenizer = load_model(ModelOptions.from_args(args))
     try:
         engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, prefill_only=True,
-                        proposer=load_proposer(args, runner))
+                        proposer=load_proposer(args, runner), spec=spec_config(args))
         loop = EngineLoop(engine, asyncio.get_running_loop())
         ranks = TransferRanks.start(args, engine)  # every rank sends its own layers' and heads' KV
         servicer = PrefillServicer(loop, KVSender(ranks, engine, args.deadline, args.verify_transfer),

@@ -173,7 +173,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, room: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_addr: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class MetaInfo(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "e2e_latency", "matched_stop", "spec_verify_ct", "spec_accept_histogram", "spec_accepted_drafts", "spec_proposed_drafts", "verified_pages", "transfer_bytes")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "e2e_latency", "matched_stop", "spec_verify_ct", "spec_accept_histogram", "spec_accepted_drafts", "spec_proposed_drafts", "verified_pages", "transfer_bytes", "spec_block_histogram", "spec_plain_steps")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,8 @@ class MetaInfo(_message.Message):
     SPEC_PROPOSED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_PAGES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_BLOCK_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    SPEC_PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -198,7 +200,9 @@ class MetaInfo(_message.Message):
     spec_proposed_drafts: int
     verified_pages: int
     transfer_bytes: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., e2e_latency: _Optional[float] = ..., matched_stop: _Optional[str] = ..., spec_verify_ct: _Optional[int] = ..., spec_accept_histogram: _Optional[_Iterable[int]] = ..., spec_accepted_drafts: _Optional[int] = ..., spec_proposed_drafts: _Optional[int] = ..., verified_pages: _Optional[int] = ..., transfer_bytes: _Optional[int] = ...) -> None: ...
+    spec_block_histogram: _containers.RepeatedScalarFieldContainer[int]
+    spec_plain_steps: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., e2e_latency: _Optional[float] = ..., matched_stop: _Optional[str] = ..., spec_verify_ct: _Optional[int] = ..., spec_accept_histogram: _Optional[_Iterable[int]] = ..., spec_accepted_drafts: _Optional[int] = ..., spec_proposed_drafts: _Optional[int] = ..., verified_pages: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., spec_block_histogram: _Optional[_Iterable[int]] = ..., spec_plain_steps: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("room", "token_ids", "text", "finished", "meta")

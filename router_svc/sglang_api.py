@@ -56,16 +56,19 @@ def meta_info(gen: Generation) -> dict:
     m = gen.meta
     if m is not None:
         info.update(transfer_bytes=m.transfer_bytes, verified_pages=m.verified_pages)
-    if m is not None and m.spec_verify_ct:
+    if m is not None and (m.spec_verify_ct or m.spec_plain_steps):
+        verify = m.spec_verify_ct
         info.update(
-            spec_verify_ct=m.spec_verify_ct,
+            spec_verify_ct=verify,
             spec_accepted_drafts=m.spec_accepted_drafts,
             spec_proposed_drafts=m.spec_proposed_drafts,
             spec_accept_histogram=list(m.spec_accept_histogram),
+            spec_block_histogram=list(m.spec_block_histogram),
+            spec_plain_steps=m.spec_plain_steps,
             # Two definitions (docs/BENCHMARKS.md): the usual interface value, biased by the
             # first token and a truncated last step, and the weighted one from the histogram.
-            spec_accept_length=gen.completion_tokens / m.spec_verify_ct,
-            spec_accept_length_weighted=1 + m.spec_accepted_drafts / m.spec_verify_ct,
+            spec_accept_length=gen.completion_tokens / verify if verify else 0.0,
+            spec_accept_length_weighted=1 + m.spec_accepted_drafts / verify if verify else 0.0,
         )
     return info
 

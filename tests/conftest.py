@@ -53,3 +53,31 @@ def hf_embedded_model(embedded_source):
     model = LlamaForCausalLM.from_pretrained(embedded_source.folder, gguf_file=embedded_source.gguf_file,
                                              dtype=torch.float32)
     return model.eval()
+
+
+# ---- stacks shared by the tests that only read from them ---------------------------------------
+# Starting `pdflash up` costs a model load per process; the tests that send requests and read
+# what comes back (equivalence, the router's APIs, the benchmarks) share one stack of each mode
+# for the whole session. Tests that kill, freeze or reconfigure services start their own.
+SHARED_STACK_ARGS = ("--page-size", "16", "--kv-pages", "512", "--deadline", "240", "--request-timeout", "600")
+
+
+@pytest.fixture(scope="session")
+def pd_stack():
+    """`pdflash up --mode pd --spec dflash --spec-block 4 --verify-transfer`: PD with speculation
+    at every step (the per-step choice is tested in-process: on a busy CI machine the costs it
+    would measure, and so what it would choose, vary from run to run), every KV page (target and
+    draft) checksummed on arrival."""
+    from pd_stack import running
+
+    with running("--mode", "pd", "--spec", "dflash", "--spec-block", "4", "--verify-transfer", *SHARED_STACK_ARGS) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def colocated_stack():
+    """`pdflash up --mode colocated --replicas 2`: two replicas that prefill and decode."""
+    from pd_stack import running
+
+    with running("--mode", "colocated", "--replicas", "2", *SHARED_STACK_ARGS) as s:
+        yield s

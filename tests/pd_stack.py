@@ -3,8 +3,10 @@ free port, find its workers (router `GET /server_info`) and their process ids, a
 page pools through each service's own gRPC `Health`."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -108,3 +110,14 @@ class Stack(UpStack):
             "input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, **params}})
         assert resp.status_code == 200, resp.text
         return resp.json()
+
+
+@contextlib.contextmanager
+def running(*args: str) -> Iterator[Stack]:
+    """`pdflash up ARGS` for the block; at its end no service may have logged a traceback."""
+    s = Stack(*args)
+    try:
+        yield s
+    finally:
+        s.stop()
+    s.assert_clean_log()

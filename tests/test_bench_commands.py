@@ -24,10 +24,9 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 
 @pytest.fixture(scope="module")
-def stack():
-    s = Stack("--mode", "pd", "--spec", "dflash")
-    yield s
-    s.stop()
+def stack(pd_stack):
+    """The session's pd stack with --spec dflash (conftest.py)."""
+    return pd_stack
 
 
 def _bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -56,7 +55,7 @@ def _assert_warmed_every_backend(warmup: dict, stack: Stack) -> None:
 def test_gsm8k(stack, tmp_path):
     out = tmp_path / "gsm8k"
     r = _bench("gsm8k", "--url", stack.url, "--num", "4", "--shots", "1", "--shots-from", "test",
-               "--max-new-tokens", "32", "--concurrency", "1,2", "--dataset", os.path.join(FIXTURES, "gsm8k_test.jsonl"),
+               "--max-new-tokens", "16", "--concurrency", "1,2", "--dataset", os.path.join(FIXTURES, "gsm8k_test.jsonl"),
                "--out", str(out))
     s = _load(str(out / "summary.json"))
     assert [run["concurrency"] for run in s["runs"]] == [1, 2]
@@ -126,13 +125,13 @@ def test_router_figures_match_the_client(stack, tmp_path):
 
 def test_ab(stack, tmp_path):
     """pd + DFlash (the running stack, by URL) against a colocated stack that ab starts, on a
-    JSONL prompt file."""
+    JSONL prompt file, rounds alternating between them (--interleave)."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
                                ("The capital of France is", "List three colours:", "Count from one to five:")))
     out = tmp_path / "ab"
-    r = _bench("ab", "--stack", f"pd+dflash={stack.url}", "--stack", "colocated=--mode colocated",
-               "serving", "--dataset", str(prompts), "--output-len", "8", "--num", "3", "--concurrency", "3",
+    r = _bench("ab", "--interleave", "--stack", f"pd+dflash={stack.url}", "--stack", "colocated=--mode colocated",
+               "serving", "--dataset", str(prompts), "--output-len", "8", "--num", "3", "--concurrency", "2",
                "--out", str(out))
     result = _load(str(out / "ab.json"))
     assert [a["label"] for a in result["arms"]] == ["pd+dflash", "colocated"]
@@ -150,3 +149,31 @@ def test_ab(stack, tmp_path):
     assert ttft["change"][1] == pytest.approx((ttft["values"][1] - ttft["values"][0]) / ttft["values"][0])
     assert "| TTFT mean (s) |" in r.stdout and "vs pd+dflash" in r.stdout
     assert (out / "ab.md").read_text().startswith("## A/B: pdflash bench serving")
+    # Interleaved: each arm's 3 requests went out in rounds of --concurrency 2, arms alternating.
+    assert result["interleaved"] and [a["rounds"] for a in result["arms"]] == [2, 2]
+
+
+def test_transfer_bench_exits_zero(tmp_path):
+    """A successful `pdflash bench transfer` (real Mooncake, two processes) exits 0 and saves its JSON."""
+    out = tmp_path / "transfer.json"
+    r = _bench("transfer", "--tokens", "256", "--repeats", "2", "--warmup", "1", "--out", str(out))
+    result = _load(str(out))
+    assert result["verified"] == {"mooncake_tcp": True, "plain_tcp": True}, r.stdout
+    assert "mooncake / plain" in r.stdout
+
+
+def test_dflash_bench_small_grid(tmp_path):
+    """`pdflash bench dflash` in-process on the embedded model: a 2 x 2 grid, the block pinned
+    (no cost measurement), outputs identical to plain decoding (fp32), the JSON and the PNG."""
+    out = tmp_path / "dflash"
+    r = _bench("dflash", "--device", "cpu", "--concurrency", "2", "--lengths", "gsm8k,300", "--num", "2",
+               "--max-new-tokens", "8", "--spec-block", "4", "--out", str(out))
+    result = _load(str(out / "dflash.json"))
+    assert [(run["prompt"], run["concurrency"]) for run in result["runs"]] == [("gsm8k", 2), ("300", 2)]
+    for run in result["runs"]:
+        assert run["identical_outputs"] == run["requests"] == 2 and run["invariant_violations"] == []
+        assert run["blocks"] == {"4": run["verify_steps"]} and run["speculated_share"] == 1.0
+        assert run["plain_tok_s"] > 0 and run["dflash_tok_s"] > 0
+    assert 250 < result["runs"][1]["prompt_tokens_mean"] <= 300
+    _assert_png(str(out / "speedup.png"))
+    assert "| speedup |" in r.stdout or "speedup" in r.stdout

@@ -7,8 +7,9 @@ import os
 import subprocess
 import sys
 
-from common import bench_engine, cli
 from common.model.shapes import SHAPES
+from common.tools import cli
+from common.tools.bench import engine as bench_engine
 
 PDFLASH = os.path.join(os.path.dirname(sys.executable), "pdflash")
 SMALL = ["--device", "cpu", "--batches", "1,3", "--new-tokens", "3", "--repeats", "1", "--warmup", "0",

@@ -77,7 +77,7 @@ def test_no_spec_fields_means_no_spec_summary(recorded):
 @pytest.mark.parametrize("change, message", [
     (lambda m: m["spec_accept_histogram"].__setitem__(0, m["spec_accept_histogram"][0] + 1), "sum(histogram)"),
     (lambda m: m.update(spec_accepted_drafts=m["spec_accepted_drafts"] + 1), "sum(k * hist[k])"),
-    (lambda m: m.update(spec_proposed_drafts=m["spec_proposed_drafts"] - 15), "(B - 1) * verify_ct"),
+    (lambda m: m.update(spec_proposed_drafts=m["spec_proposed_drafts"] - 15), "(B - 1) * steps with block B"),
     (lambda m: m.update(completion_tokens=m["completion_tokens"] + 1), "completion_tokens"),
     (lambda m: m.update(spec_accept_length=m["spec_accept_length"] + 0.5), "spec_accept_length ="),
     (lambda m: m.update(spec_accept_length_weighted=2.0), "spec_accept_length_weighted"),
@@ -91,6 +91,20 @@ def test_each_invariant_is_checked(recorded, change, message):
     s = stats.spec_summary(metas)
     assert s["invariants"]["ok"] == 2 and s["invariants"]["violations"][0]["index"] == 0
     assert "VIOLATED in 1 of 3" in stats.invariants_line(s)
+
+
+def test_invariants_of_a_response_with_several_blocks_and_plain_steps():
+    """An engine that chooses the block per step: proposed drafts follow the block histogram,
+    and plain steps may add one token each."""
+    meta = {"spec_verify_ct": 3, "spec_accept_histogram": [1, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0],
+            "spec_accepted_drafts": 10, "spec_proposed_drafts": 3 + 7 + 15,
+            "spec_block_histogram": [0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1], "spec_plain_steps": 4,
+            "completion_tokens": 1 + 3 + 10 + 4}
+    assert stats.check_invariants(meta) == []
+    for change, message in [({"spec_proposed_drafts": 45}, "(B - 1) * steps with block B"),
+                            ({"spec_block_histogram": [0] * 16 + [2]}, "sum(block histogram)"),
+                            ({"completion_tokens": 19}, "plain_steps")]:
+        assert any(message in p for p in stats.check_invariants(meta | change)), change
 
 
 # ---- serving summary ----------------------------------------------------------------------------

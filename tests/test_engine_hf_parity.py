@@ -10,7 +10,7 @@ from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.kv.seq_cache import SeqCache
 
-NEW_TOKENS = 64
+NEW_TOKENS = 40
 _LONG_TEXT = (
     "In the beginning of the twentieth century, the small town of Millbrook was known for two things: "
     "its annual apple festival and the old stone bridge that crossed the river at the center of town. "

@@ -30,15 +30,15 @@ import requests
 from test_router_process import RouterProcess
 
 from common.parallel.ports import free_port
-from decode_svc.kv_receiver import PEER_ABORT_TIMEOUT_S
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 
-from pd_stack import ROOT, Stack
+from pd_stack import ROOT, Stack, running
 
 pytestmark = pytest.mark.slow
 
 DEADLINE_S = 120.0  # the stack's transfer deadline
+PEER_ABORT_TIMEOUT_S = 2.0  # D's attempts at P's Abort (10 s by default): short, so the test waits less
 SHORT_DEADLINE_S = 5.0  # the second router's
 LONG = [random.Random(1).randrange(100, 49000) for _ in range(3000)]  # prefill takes seconds
 SHORT = [504, 3458, 314, 4649, 314, 13, 198]  # "The capital of France is ..."-like ids
@@ -47,13 +47,9 @@ pool = concurrent.futures.ThreadPoolExecutor(8)
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    s = Stack("--mode", "pd", "--page-size", "16", "--kv-pages", "512", "--deadline", str(DEADLINE_S),
-              "--request-timeout", "300")
-    try:
+    with running("--mode", "pd", "--page-size", "16", "--kv-pages", "512", "--deadline", str(DEADLINE_S),
+                 "--request-timeout", "300", "--peer-abort-timeout", str(PEER_ABORT_TIMEOUT_S)) as s:
         yield s
-    finally:
-        s.stop()
-    s.assert_clean_log()
 
 
 @pytest.fixture(scope="module")
@@ -362,20 +358,24 @@ def _wait_serving(stack: Stack, worker) -> None:
     assert lag < 5
 
 
+B_TOKENS = 160
+
+
 def test_late_write_of_an_aborted_room_lands_in_no_other_room(stack: Stack, reference: list[int]) -> None:
     """D gives up on room A (Abort) while P is still computing A's long prompt; room B gets the
     pages A had on D and decodes. P's write of A's KV, when it comes, must not land in B's pages.
-    B is prefilled by a second P instance so that it is decoding when P1 writes A's KV."""
+    B is prefilled by a second P instance so that it is decoding when P1 writes A's KV: B decodes
+    B_TOKENS tokens, longer than P1 takes to finish A's prompt (a few seconds)."""
     d = stack.worker("decode")
     b_ids = SHORT
-    want = stack.generate(b_ids, max_new_tokens=600, ignore_eos=True)["output_ids"]
+    want = stack.generate(b_ids, max_new_tokens=B_TOKENS, ignore_eos=True)["output_ids"]
     port = free_port()
     p2 = subprocess.Popen([sys.executable, "-m", "prefill_svc", "--port", str(port), "--page-size", "16",
                            "--kv-pages", "512"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         p2_worker = type(d)("prefill", f"127.0.0.1:{port}")
         wait_until("a second P", lambda: _serving(p2_worker), 420, stack, every=0.5)
-        a_ids = [random.Random(2).randrange(100, 49000) for _ in range(6000)]
+        a_ids = LONG
         room, prefill, generate = direct_room(stack, a_ids)
         wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
         with grpc.insecure_channel(d.addr) as ch:
@@ -385,8 +385,8 @@ def test_late_write_of_an_aborted_room_lands_in_no_other_room(stack: Stack, refe
         # A's pages are back in D's pool (once P has confirmed the abort); the pool hands out the
         # pages freed last first, so B gets A's.
         wait_until("A's pages back on D", lambda: all_free(health(stack, "decode")), 30, stack)
-        b_room, b_prefill, b_generate = direct_room(stack, b_ids, max_new_tokens=600, prefill_addr=p2_worker.addr,
-                                                    ignore_eos=True)
+        b_room, b_prefill, b_generate = direct_room(stack, b_ids, max_new_tokens=B_TOKENS,
+                                                    prefill_addr=p2_worker.addr, ignore_eos=True)
         chunks = b_generate.result(timeout=300)
         assert b_prefill.result(timeout=30).ok
         assert prefill.result(timeout=DEADLINE_S).ok is False

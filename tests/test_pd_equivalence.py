@@ -1,14 +1,14 @@
 """Greedy output through the real stack (`pdflash up`, real gRPC and Mooncake) equals the
 in-process runner (`common.engine.engine.Engine` over the same weights) token for token: one request at a
-time and 16 at once; pd (`--verify-transfer`: every page D received is checksummed against what P
-sent) and colocated with two replicas. Page size 16, so prompts of 15/16/17, 31/32/33, 63/64/65
+time and 16 at once; pd (with --spec dflash, which is lossless, and `--verify-transfer`: every
+page D received is checksummed against what P sent) and colocated with two replicas (the
+session's shared stacks, conftest.py). Page size 16, so prompts of 15/16/17, 31/32/33, 63/64/65
 tokens start, fill and overflow pages, and decoding crosses page boundaries."""
 from __future__ import annotations
 
 import concurrent.futures
 import random
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import openai
@@ -21,8 +21,8 @@ pytestmark = pytest.mark.slow
 
 PAGE = 16
 LAYERS = 30  # the embedded SmolLM2-135M
-MAX_NEW = 24
-STACK_ARGS = ["--page-size", str(PAGE), "--kv-pages", "512", "--deadline", "240", "--request-timeout", "600"]
+DRAFT_LAYERS = 4  # its shipped drafter
+MAX_NEW = 16
 
 
 @dataclass(frozen=True)
@@ -88,15 +88,9 @@ def expected(embedded_weights, embedded_tokenizer) -> dict[Case, Expected]:
     return out
 
 
-@pytest.fixture(scope="module", params=[["--mode", "pd", "--verify-transfer"], ["--mode", "colocated", "--replicas", "2"]],
-                ids=["pd", "colocated"])
-def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
-    s = Stack(*request.param, *STACK_ARGS)
-    try:
-        yield s
-    finally:
-        s.stop()
-    s.assert_clean_log()
+@pytest.fixture(scope="module", params=["pd", "colocated"])
+def stack(request: pytest.FixtureRequest) -> Stack:
+    return request.getfixturevalue(f"{request.param}_stack")
 
 
 def run_case(stack: Stack, case: Case) -> dict:
@@ -124,11 +118,12 @@ def check(stack: Stack, case: Case, got: dict, want: Expected) -> None:
         assert got["output_ids"] == want.output_ids, case.name
     assert got["text"] == want.text, case.name
     if stack.policy == "pd" and got["meta"] is not None:
-        # --verify-transfer: D checksummed every (layer, k/v, page) of the prompt that P wrote.
+        # --verify-transfer: D checksummed every (layer, k/v, page) of the prompt that P wrote,
+        # the target's layers and the drafter's.
         pages = -(-len(want.prompt_ids) // PAGE)
-        assert got["meta"]["verified_pages"] == LAYERS * 2 * pages, case.name
-        page_bytes = PAGE * 3 * 64 * 4  # tokens x kv heads x head dim x fp32
-        assert got["meta"]["transfer_bytes"] == LAYERS * 2 * pages * page_bytes, case.name
+        assert got["meta"]["verified_pages"] == (LAYERS + DRAFT_LAYERS) * 2 * pages, case.name
+        page_bytes = PAGE * 3 * 64 * 4  # tokens x kv heads x head dim x fp32 (drafter: the same)
+        assert got["meta"]["transfer_bytes"] == (LAYERS + DRAFT_LAYERS) * 2 * pages * page_bytes, case.name
 
 
 def test_one_at_a_time_equals_in_process(stack: Stack, expected: dict[Case, Expected]) -> None:

@@ -7,7 +7,6 @@ import concurrent.futures
 import importlib.util
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -18,45 +17,35 @@ import requests
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 
-from pd_stack import Stack as PDStack
+from pd_stack import Stack
 
 pytestmark = pytest.mark.slow
 if not all(importlib.util.find_spec(f"{svc}.__main__") for svc in ("prefill_svc", "decode_svc")):
     pytest.skip("prefill_svc / decode_svc have no __main__ yet", allow_module_level=True)
 
-UP_TIMEOUT_S = 300
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):", "Water boils at",
            "Once upon a time", "The largest planet is", "Roses are red,", "import numpy as"]
 
 
-class Stack(PDStack):
-    """`pdflash up` on free ports, seen through the router: what it reports of its backends."""
-
-    def __init__(self, *args: str):
-        super().__init__(*args, timeout=UP_TIMEOUT_S)
-
-    def backends(self) -> list[dict]:
-        return requests.get(self.url + "/server_info", timeout=30).json()["backends"]
-
-    def wait_all_pages_free(self, timeout: float = 10) -> None:
-        """As the router reports it (its /server_info), which is part of what this file tests."""
-        deadline = time.monotonic() + timeout
-        while True:
-            healths = [b["health"] for b in self.backends()]
-            if all(h["freePages"] == h["totalPages"] and not h.get("running") for h in healths):
-                return
-            assert time.monotonic() < deadline, f"pages not freed: {healths}"
-            time.sleep(0.2)
+def backends(stack: Stack) -> list[dict]:
+    return requests.get(stack.url + "/server_info", timeout=30).json()["backends"]
 
 
-@pytest.fixture(scope="module", params=[["--mode", "pd"], ["--mode", "colocated", "--replicas", "2"]],
-                ids=["pd", "colocated"])
-def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
-    s = Stack(*request.param, "--request-timeout", "120")
-    try:
-        yield s
-    finally:
-        s.stop()
+def wait_all_pages_free(stack: Stack, timeout: float = 10) -> None:
+    """As the router reports it (its /server_info), which is part of what this file tests."""
+    deadline = time.monotonic() + timeout
+    while True:
+        healths = [b["health"] for b in backends(stack)]
+        if all(h["freePages"] == h["totalPages"] and not h.get("running") for h in healths):
+            return
+        assert time.monotonic() < deadline, f"pages not freed: {healths}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module", params=["pd", "colocated"])
+def stack(request: pytest.FixtureRequest) -> Stack:
+    """The session's shared stacks (conftest.py): pd (with --spec dflash) and two colocated replicas."""
+    return request.getfixturevalue(f"{request.param}_stack")
 
 
 def generate(stack: Stack, text: str, max_new_tokens: int = 16) -> dict:
@@ -102,7 +91,7 @@ def test_concurrent_requests_keep_their_own_rooms(stack: Stack) -> None:
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         together = list(pool.map(lambda p: generate(stack, p)["output_ids"], PROMPTS * 2))
     assert together == [alone[p] for p in PROMPTS * 2]
-    stack.wait_all_pages_free()
+    wait_all_pages_free(stack)
 
 
 def test_client_leaving_mid_stream_frees_the_room(stack: Stack) -> None:
@@ -111,7 +100,7 @@ def test_client_leaving_mid_stream_frees_the_room(stack: Stack) -> None:
     with requests.post(stack.url + "/generate", json=body, stream=True, timeout=120) as resp:
         lines = resp.iter_lines()
         next(lines)  # generation is under way
-    stack.wait_all_pages_free()
+    wait_all_pages_free(stack)
     assert generate(stack, PROMPTS[0])["output_ids"]  # and the stack serves the next request
     metrics = requests.get(stack.url + "/metrics", timeout=30).text
     assert 'status="cancelled"' in metrics and "pdflash_time_to_first_token_seconds_count" in metrics

@@ -1,22 +1,27 @@
-"""DFlashProposer: the drafter, its paged draft KV cache, and the two things decode needs:
+"""DFlashProposer: the drafter, its paged draft KV cache, and what prefill and decode need:
 
-  append_context(): committed tokens' captured target states -> fused context -> draft KV
-  propose():        one draft block per request -> B-1 draft tokens each
+  append_context()  prefill: a chunk's captured target states -> fused context -> draft KV
+  draft()           decode: one block [last token, MASK x (B-1)] per row -> B-1 draft tokens
+  append_static()   decode: the captured states of a step's tokens -> their draft KV
 
-The draft KV has its own page pool and page tables (its head count and layer count are the
-drafter's), laid out like the target's: [layer, k/v, page, token, head, dim].
+draft() and append_static() take static tensors (fixed shapes, no host reads), so they run
+inside the CUDA graph of a decode or speculative step. The draft KV has its own page pool and
+page tables (its head and layer counts are the drafter's), laid out like the target's:
+[layer, k/v, page, token, head, dim].
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from common.dflash.drafter import Drafter, DrafterConfig
 from common.kv.buffers import PagedKVBuffer
 from common.kv.page_pool import PagePool
 from common.kv.seq_cache import SeqCache
-from common.model.attention import build_attn_meta, cache_slot, paged_attention
+from common.model.attention import AttnMeta, cache_slot, paged_attention, table_slots
 from common.model.config import ModelConfig
-from common.model.transformer import rope_cos_sin
+from common.model.static_attention import StaticAttn
+from common.model.transformer import apply_rope, rope_cos_sin
 from common.runner.model_runner import ModelRunner
 
 
@@ -24,9 +29,8 @@ class DraftPages:
     """The draft KV's page pool and what the engine asks of a proposer about pages; the tensor
     itself lives with DFlashProposer (or, under pipeline parallelism, on the last stage)."""
 
-    def __init__(self, drafter_cfg: DrafterConfig, target_cfg: ModelConfig, num_pages: int, page_size: int,
-                 block_size: int | None = None):
-        self.block_size = block_size or drafter_cfg.block_size
+    def __init__(self, drafter_cfg: DrafterConfig, target_cfg: ModelConfig, num_pages: int, page_size: int):
+        self.block_size = drafter_cfg.block_size
         if self.block_size < 2:
             raise ValueError(f"a DFlash block needs at least 2 tokens, got {self.block_size}")
         self.capture_layers = tuple(drafter_cfg.capture_layers)
@@ -36,13 +40,10 @@ class DraftPages:
         self.pool = PagePool(num_pages, page_size)
 
     def reserve(self, seq: SeqCache, num_tokens: int) -> None:
-        need = self.pool.pages_for(num_tokens) - len(seq.pages)
-        if need > 0:
-            seq.pages.extend(self.pool.alloc(need))
+        self.pool.reserve(seq, num_tokens)
 
     def release(self, seq: SeqCache) -> None:
-        self.pool.free(seq.pages)
-        seq.pages, seq.length = [], 0
+        self.pool.release(seq)
 
     def claim_slots(self, seqs: list[SeqCache], counts: list[int]) -> tuple[list[int], list[int]]:
         """Positions and cache slots of counts[i] tokens appended to seqs[i] (lengths advance)."""
@@ -57,8 +58,8 @@ class DraftPages:
 
 
 class DFlashProposer(DraftPages):
-    def __init__(self, drafter: Drafter, target: ModelRunner, num_pages: int, block_size: int | None = None):
-        super().__init__(drafter.cfg, target.cfg, num_pages, target.page_size, block_size)
+    def __init__(self, drafter: Drafter, target: ModelRunner, num_pages: int):
+        super().__init__(drafter.cfg, target.cfg, num_pages, target.page_size)
         self.drafter = drafter
         self.target = target
         cfg = drafter.cfg
@@ -67,6 +68,12 @@ class DFlashProposer(DraftPages):
                               dtype=target.dtype, device=target.device)
         self.scratch_slot = num_pages * page_size
         self.rope_cos, self.rope_sin = rope_cos_sin(cfg.as_model_config, target.device)
+        self.name = f"dflash {cfg}"
+        # The context K/V of every draft layer in one matrix product (weights stacked once: the
+        # drafter does not change while it serves); see write_context.
+        attn = [layer.self_attn for layer in drafter.layers]
+        self._context_kv_weight = torch.cat([a.kv_proj.weight for a in attn])  # [layers * 2 * kv, H]
+        self._context_k_norm = torch.stack([a.k_norm.weight for a in attn])[None, :, None, :]  # [1, layers, 1, d]
 
     def describe_buffers(self) -> list[PagedKVBuffer]:
         cfg = self.drafter.cfg
@@ -89,31 +96,49 @@ class DFlashProposer(DraftPages):
         ctx = self.drafter.fuse({layer: captured[layer][index] for layer in self.capture_layers})
         self.write_context(ctx, *self.claim_slots(seqs, [len(r) for r in rows]))
 
-    def write_context(self, ctx: torch.Tensor, positions: list[int], slots: list[int]) -> None:
-        """Draft K/V of fused context rows ctx [T, H] at these positions, into these slots."""
-        pos_t = torch.tensor(positions, device=self.target.device)
-        slot_t = torch.tensor(slots, device=self.target.device)
-        cos, sin = self.rope_cos[pos_t].to(ctx.dtype), self.rope_sin[pos_t].to(ctx.dtype)
-        for layer, (k, v) in enumerate(self.drafter.context_kv(ctx, cos, sin)):
-            self.kv[layer, 0].view(-1, *k.shape[1:]).index_copy_(0, slot_t, k)
-            self.kv[layer, 1].view(-1, *v.shape[1:]).index_copy_(0, slot_t, v)
-
-    # ---- drafting --------------------------------------------------------------------------
-    @torch.inference_mode()
-    def propose(self, seqs: list[SeqCache], last_tokens: list[int]) -> list[list[int]]:
-        """For each request: block [last token, MASK x (B-1)] at the positions right after its
-        context; returns the B-1 draft tokens (greedy). The block's own K/V is written just past
-        the context, where the next append_context overwrites it: pages for length + B must be
-        reserved."""
-        B = self.block_size
+    def write_context(self, ctx: torch.Tensor, positions: list[int] | torch.Tensor,
+                      slots: list[int] | torch.Tensor) -> None:
+        """Draft K/V of fused context rows ctx [T, H] at these positions, into these slots: what
+        Drafter.context_kv computes layer by layer, for all layers at once (a decode step pays
+        for it on every token, speculating or not, so it is kept to a handful of kernels)."""
         cfg = self.drafter.cfg
-        meta = build_attn_meta([s.length for s in seqs], [B] * len(seqs), [s.pages for s in seqs],
-                               self.pool.page_size, self.scratch_slot, self.target.device, None,
-                               causal=False, window=cfg.sliding_window)
-        ids = torch.full((len(seqs), B), cfg.mask_token_id, dtype=torch.long, device=self.target.device)
-        ids[:, 0] = torch.tensor(last_tokens, device=self.target.device)
+        L, heads, d, T = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx.shape[0]
+        device = self.target.device
+        cos, sin = self._rope(torch.as_tensor(positions, device=device), ctx.dtype)
+        kv = F.linear(ctx, self._context_kv_weight).view(T, L, 2, heads, d)
+        k = self._context_k_norm * F.rms_norm(kv[:, :, 0].float(), (d,), eps=cfg.rms_eps).to(ctx.dtype)
+        k = apply_rope(k.reshape(T, L * heads, d), cos, sin).view(T, L, heads, d)
+        new = torch.stack([k, kv[:, :, 1]]).permute(2, 0, 1, 3, 4)  # [layer, k/v, T, head, dim]
+        self.kv.view(L, 2, -1, heads, d).index_copy_(2, torch.as_tensor(slots, device=device), new)
+
+    # ---- static steps (decode) ------------------------------------------------------------
+    def draft(self, last: torch.Tensor, length: torch.Tensor, pages: torch.Tensor, B: int) -> torch.Tensor:
+        """Greedy drafts [rows, B-1] after each row's last committed token. Row i's block sits at
+        positions length[i] .. length[i]+B-1 (its K/V written there, past the context, where the
+        step's append_static overwrites it); pages [rows, W] is its draft page table."""
+        cfg = self.drafter.cfg
+        rows = last.shape[0]
+        positions = length[:, None] + torch.arange(B, device=last.device)[None, :]
+        ids = torch.full((rows, B), cfg.mask_token_id, dtype=torch.long, device=last.device)
+        ids[:, 0] = last
+        kv_start = None if cfg.sliding_window is None else (length - cfg.sliding_window).clamp(min=0)
+        attn = StaticAttn(pages, length + B, B, causal=False, kv_start=kv_start, backend=self.target.static_backend)
+        meta = AttnMeta(positions=positions.flatten(), write_slots=table_slots(pages, positions, self.pool.page_size).flatten(),
+                        logit_rows=None, static=attn)
         x = self.target.model.embed_tokens(ids.flatten())
-        cos, sin = self.rope_cos[meta.positions].to(x.dtype), self.rope_sin[meta.positions].to(x.dtype)
+        cos, sin = self._rope(positions.flatten(), x.dtype)
         hidden = self.drafter.blocks(x, cos, sin, lambda i, q, k, v: paged_attention(q, k, v, self.kv[i], meta))
-        logits = self.target.model.logits(hidden.view(len(seqs), B, -1)[:, 1:])
-        return logits.argmax(-1).tolist()
+        return self.target.model.logits(hidden.view(rows, B, -1)[:, 1:]).argmax(-1)
+
+    def append_static(self, captured: dict[int, torch.Tensor], positions: torch.Tensor, pages: torch.Tensor) -> None:
+        """Draft KV of a step's tokens at positions [rows, T] (captured rows in the same order),
+        into each row's draft pages [rows, W]. Tokens that the step does not commit are written
+        too, past the committed length: the next step's block overwrites them before any query
+        can see them."""
+        ctx = self.drafter.fuse({layer: captured[layer] for layer in self.capture_layers})
+        self.write_context(ctx, positions.flatten(), table_slots(pages, positions, self.pool.page_size).flatten())
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # Positions past the table belong to tokens past a request's budget, never committed.
+        positions = positions.clamp(max=self.rope_cos.shape[0] - 1)
+        return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)

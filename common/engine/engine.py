@@ -1,25 +1,28 @@
 """Continuous batching over a ModelRunner: admit, prefill in chunks, decode, finish.
 
 One step is either a prefill step (chunks of waiting prompts, up to `chunk_size` tokens) or a
-decode step (one token for every running request). Requests join and leave between steps,
-each at its own length. Pages for a request's whole budget (prompt + max_new_tokens) are
+decode step (one token for every running request, or with a proposer a speculative step of
+several: common.engine.decoder). Requests join and leave between steps, each at its own length. Pages for a request's whole budget (prompt + max_new_tokens) are
 reserved at admission, so running requests never stall or get retracted.
 
 Not thread-safe: one thread calls add/abort/step (see common.service.engine_loop for services).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from common.engine.proposer import Proposer
+from common.engine.decoder import Decoder
+from common.engine.proposer import ContextProposer, Proposer
 from common.engine.request import Request
 from common.engine.sampling import InvalidRequest, sample
+from common.engine.spec_policy import SpecConfig, SpecPolicy
 from common.engine.spec_stats import SpecStats
-from common.engine.speculative import speculative_step
+from common.engine.step_costs import step_costs
 from common.kv.checksum import room_checksums
 from common.kv.page_pool import OutOfPages
 from common.runner.model_runner import ModelRunner
@@ -37,7 +40,7 @@ class StepOutput:
 class Engine:
     def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], *,
                  chunk_size: int = 8192, max_running: int = 256, prefill_only: bool = False,
-                 proposer: Proposer | None = None):
+                 proposer: ContextProposer | Proposer | None = None, spec: SpecConfig = SpecConfig()):
         self.runner = runner
         # With a proposer, prefill also builds the prompt's draft KV and decode is speculative.
         self.proposer = proposer
@@ -50,6 +53,21 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
+        self.step_seconds = {"prefill": 0.0, "decode": 0.0}  # wall time spent in each kind of step
+        self.policy: SpecPolicy | None = None
+        self.decoder: Decoder | None = None
+        if not prefill_only:
+            self._start_decoder(spec)
+
+    def _start_decoder(self, spec: SpecConfig) -> None:
+        proposer = self.proposer
+        if proposer is not None:
+            self.max_block = max(proposer.block_size, spec.block or 0)
+            self.policy = SpecPolicy(self.max_block, spec)
+        self.decoder = Decoder(self.runner, self.eos_token_ids, proposer, self.policy)
+        if self.policy is not None and spec.block is None:
+            # Costs of plain and speculative steps on this device: what the policy weighs.
+            self.policy.costs = step_costs(self.decoder, spec, self.policy.blocks)
 
     # ---- requests in and out ---------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -61,8 +79,8 @@ class Engine:
 
     def add_prefilled(self, req: Request, first_token: int) -> StepOutput:
         """Join the decode batch with a prompt whose KV is already in req.cache (sent by P)."""
-        if self.proposer is not None and req.spec is None:
-            req.spec = SpecStats(self.proposer.block_size)
+        if self.policy is not None and req.spec is None:
+            req.spec = SpecStats(self.max_block)
         req.append_token(first_token, self.eos_token_ids)
         out = StepOutput(req, [first_token], req.take_text(), req.finished)
         if req.finished:
@@ -142,11 +160,13 @@ class Engine:
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         self._admit()
-        if self.prefilling:
-            return self._prefill_step()
-        if self.running:
-            return self._decode_step()
-        return []
+        kind = "prefill" if self.prefilling else "decode" if self.running else None
+        if kind is None:
+            return []
+        start = time.perf_counter()
+        outputs = self._prefill_step() if kind == "prefill" else self._decode_step()
+        self.step_seconds[kind] += time.perf_counter() - start  # each step ends reading the device
+        return outputs
 
     def _admit(self) -> None:
         while self.waiting and len(self.prefilling) + len(self.running) < self.max_running:
@@ -160,8 +180,8 @@ class Engine:
     def _budget(self, req: Request) -> int:
         if self.prefill_only:
             return req.prompt_len
-        # A verify step writes a whole block past the committed length before truncating.
-        return req.budget + (self.proposer.block_size if self.proposer else 0)
+        # A verify step writes a whole block past the committed length.
+        return req.budget + (self.max_block if self.policy is not None else 0)
 
     def _prefill_step(self) -> list[StepOutput]:
         batch, chunks, budget = [], [], self.chunk_size
@@ -184,7 +204,7 @@ class Engine:
             self.proposer.append_context([r.draft_cache for r in batch], out.captured, rows)
         if not done:
             return []
-        tokens = sample(out.logits, [batch[i].params for i in done], [0] * len(done))
+        tokens = sample(out.logits, [batch[i].params for i in done], [0] * len(done), [batch[i].seed for i in done])
         outputs = []
         for i, tok in zip(done, tokens):
             req = batch[i]
@@ -198,15 +218,7 @@ class Engine:
 
     def _decode_step(self) -> list[StepOutput]:
         batch = self.running
-        if self.proposer is not None:
-            committed = speculative_step(self.runner, self.proposer, batch, self.eos_token_ids)
-        else:
-            logits = self.runner.decode([r.cache for r in batch], [r.output_ids[-1] for r in batch])
-            tokens = sample(logits, [r.params for r in batch], [len(r.output_ids) for r in batch])
-            committed = []
-            for req, tok in zip(batch, tokens):
-                req.append_token(tok, self.eos_token_ids)
-                committed.append([tok])
+        committed = self.decoder.step(batch)
         outputs = [StepOutput(req, new, req.take_text(), req.finished) for req, new in zip(batch, committed)]
         for out in outputs:
             if out.finished:

@@ -1,7 +1,9 @@
 """What the engine asks of a speculative proposer (DFlash: common.dflash.proposer).
 
-The engine and the speculative step know a proposer only through this protocol, so the engine
-layer does not depend on any drafter, and a new drafting method plugs in without touching them.
+The engine and the decoder know a proposer only through these protocols, so the engine layer
+does not depend on any drafter, and another drafting method plugs in without touching them.
+A prefill instance needs only the draft context (ContextProposer: under pipeline parallelism
+the draft KV lives on the last stage); a decoding engine needs the whole Proposer.
 """
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ from typing import Protocol
 import torch
 
 from common.kv.buffers import PagedKVBuffer
+from common.kv.page_pool import PagePool
 from common.kv.seq_cache import SeqCache
 
 
-class Proposer(Protocol):
-    block_size: int  # tokens per verify block: the last committed token and block_size - 1 drafts
+class ContextProposer(Protocol):
+    block_size: int  # the largest verify block: the last committed token and block_size - 1 drafts
     capture_layers: tuple[int, ...]  # target layers whose hidden states the drafter reads
+    pool: PagePool  # the draft KV's pages
 
     def reserve(self, seq: SeqCache, num_tokens: int) -> None:
         """Draft pages for num_tokens tokens (raises OutOfPages, allocating nothing)."""
@@ -27,11 +31,21 @@ class Proposer(Protocol):
         """Extend each seq's draft context with the captured target states of its committed
         tokens (rows[i]: which rows of `captured` are seqs[i]'s, in order)."""
 
-    def propose(self, seqs: list[SeqCache], last_tokens: list[int]) -> list[list[int]]:
-        """block_size - 1 draft tokens per request, after its last committed token."""
-
     def describe_buffers(self) -> list[PagedKVBuffer]:
         """The draft KV buffers a peer may write for a room (PD transfer)."""
 
     def read_pages(self, pages: list[int]) -> torch.Tensor:
         """A CPU copy of these draft pages (transfer checksums)."""
+
+
+class Proposer(ContextProposer, Protocol):
+    name: str  # what its step costs depend on (the drafter's shape), for the costs kept on disk
+    scratch_slot: int  # a draft KV slot no request owns (padding rows of static steps use its page)
+
+    def draft(self, last: torch.Tensor, length: torch.Tensor, pages: torch.Tensor, B: int) -> torch.Tensor:
+        """Static: drafts [rows, B-1] after each row's last token last[i], its draft context of
+        length[i] tokens in the pages of row i of the table pages [rows, W]."""
+
+    def append_static(self, captured: dict[int, torch.Tensor], positions: torch.Tensor, pages: torch.Tensor) -> None:
+        """Static: the draft context of the tokens at positions [rows, T], from the captured
+        target states of a step (rows in the same order)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from common.engine.sampling import SamplingParams
+from common.engine.sampling import SamplingParams, new_seed
 from common.engine.spec_stats import SpecStats
 from common.kv.seq_cache import SeqCache
 from common.model.tokenizer import IncrementalDecoder
@@ -26,6 +26,10 @@ class Request:
     transfer_bytes: int = 0  # KV bytes received from P (PD)
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    seed: int = -1  # sampling seed: params.seed, or a fresh one (set at creation)
+
+    def __post_init__(self) -> None:
+        self.seed = self.params.seed if self.params.seed is not None else new_seed()
 
     @property
     def prompt_len(self) -> int:
@@ -55,6 +59,16 @@ class Request:
             self.finish_reason, self.matched_stop = "stop", token
         elif len(self.output_ids) >= p.max_new_tokens:
             self.finish_reason = "length"
+
+    def append_tokens(self, tokens: list[int], eos_ids: tuple[int, ...]) -> None:
+        """Commit several tokens of which only the last may end the request (a decode step has
+        checked the others on the device)."""
+        self.output_ids.extend(tokens[:-1])
+        self.append_token(tokens[-1], eos_ids)
+
+    def stop_ids(self, eos_ids: tuple[int, ...]) -> list[int]:
+        """The token ids that end this request."""
+        return [*(() if self.params.ignore_eos else eos_ids), *self.params.stop_token_ids]
 
     def take_text(self) -> str:
         """New output text since the last call; a stop string ends the request here."""

@@ -8,23 +8,28 @@ policy compares, for the batch about to run,
 
 and picks the best. Costs were measured on this device at start-up (step_costs.py): per batch
 size and block, at two context lengths, so that long contexts (where attention dominates, and
-a CPU pays for every query) are priced as well as short ones. E[tokens | B] = 1 + sum of
-P(at least i drafts accepted) for i < B, from each request's running estimate, which starts
-from the estimate over all requests (SpecStats.reach). A batch that has run plain for
-EXPLORE_EVERY steps speculates once with the smallest block, so that the estimates follow a
-drafter that starts hitting. `--spec-block N` pins every step to N.
+a CPU pays for every query) are priced as well as short ones. E[tokens | B] = 1 + the sum over
+i < B of P(at least i drafts accepted), estimated per request from its own verify steps, with
+the estimate over all requests as its prior, which in turn has PRIOR_REACH ** i as its prior
+(acceptance.py). The evidence fades with every decode step (the requests' faster than the
+global), so that when the drafts were poor and the batch decodes plainly, speculation is tried
+again once that evidence has faded, and dropped again within a few steps if the drafts still
+miss: a drafter that never hits costs about one speculative step in a hundred.
+`--spec-block N` pins every step to N.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.engine.acceptance import Acceptance
 from common.engine.request import Request
-from common.engine.spec_stats import SpecStats
 
 BLOCKS = (4, 8, 16)
-EXPLORE_EVERY = 32
-GLOBAL_ALPHA = 0.05  # weight of one verify step in the estimate over all requests
-PRIOR_REACH = 0.7  # before any verify step: P(at least i accepted) = PRIOR_REACH ** i
+PRIOR_REACH = 0.5  # before any evidence: P(at least i accepted) = PRIOR_REACH ** i
+GLOBAL_STRENGTH = 8.0  # the prior counts as this many verify steps in the estimate over all requests
+REQUEST_STRENGTH = 4.0  # the estimate over all requests counts as this many of a request's own steps
+GLOBAL_KEEP = 0.998  # evidence over all requests kept per decode step (half-life ~350 steps)
+REQUEST_KEEP = 0.98  # a request's own evidence kept per decode step (half-life ~35 steps)
 
 
 @dataclass(frozen=True)
@@ -67,39 +72,32 @@ class SpecPolicy:
         self.pinned = config.block
         self.blocks = [b for b in config.blocks if b <= max_block] or [max_block]
         self.costs = costs  # None: only a pinned block (or the largest) is ever used
-        self.reach = [PRIOR_REACH ** i for i in range(max_block)]  # over all requests
-        self._plain_streak = 0
-
-    def start(self, spec: SpecStats) -> None:
-        """A new request's estimate starts from the one over all requests."""
-        spec.reach = list(self.reach)
+        self.prior = [PRIOR_REACH ** i for i in range(max_block)]
+        self.acceptance = Acceptance()  # over all requests
 
     def choose(self, reqs: list[Request]) -> int:
         """The block for the next step of these requests; 0 = a plain step."""
+        self.acceptance.fade(GLOBAL_KEEP)
+        for r in reqs:
+            r.spec.acceptance.fade(REQUEST_KEEP)
         if self.pinned is not None:
             return self.pinned
         if self.costs is None:
             return self.blocks[-1]
         rows = len(reqs)
         context = sum(r.cache.length for r in reqs) / rows
+        shared = self.acceptance.estimate(self.prior, GLOBAL_STRENGTH)
+        reach = [r.spec.acceptance.estimate(shared, REQUEST_STRENGTH) for r in reqs]
         left = [r.params.max_new_tokens - len(r.output_ids) for r in reqs]
         best, best_rate = 0, rows / self.costs.cost(rows, 0, context)
         for block in self.blocks:
-            tokens = sum(min(n, r.spec.expected_tokens(block)) for r, n in zip(reqs, left))
+            tokens = sum(min(n, 1.0 + sum(p[1:block])) for p, n in zip(reach, left))
             rate = tokens / self.costs.cost(rows, block, context)
             if rate > best_rate:
                 best, best_rate = block, rate
-        if best:
-            self._plain_streak = 0
-            return best
-        self._plain_streak += 1
-        if self._plain_streak >= EXPLORE_EVERY:
-            self._plain_streak = 0
-            return self.blocks[0]
-        return 0
+        return best
 
     def observe(self, drafted: int, block: int) -> None:
         """A verify step whose drafts were right for `drafted` positions (the request's own
-        estimate is updated by SpecStats.record)."""
-        for i in range(1, block):
-            self.reach[i] += GLOBAL_ALPHA * (float(drafted >= i) - self.reach[i])
+        evidence is recorded by SpecStats.record)."""
+        self.acceptance.observe(drafted, block)

@@ -31,9 +31,9 @@ from common.kv.seq_cache import SeqCache
 
 logger = logging.getLogger(__name__)
 
-SHORT, LONG = 128, 1024
+SHORT, LONG = 128, 4096
 CPU_ROWS = (1, 4)
-SLOPE_ROWS = {"cuda": 8, "cpu": 1}
+SLOPE_ROWS = {"cuda": 4, "cpu": 1}
 
 
 def step_costs(decoder: Decoder, config: SpecConfig, blocks: list[int]) -> StepCosts:
@@ -61,7 +61,7 @@ def measure(decoder: Decoder, blocks: list[int]) -> StepCosts:
     graphs = decoder.graphs.enabled
     rows_list = [r for r in (decoder.sizes if graphs else CPU_ROWS) if r <= decoder.max_rows]
     short = min(SHORT, runner.cfg.max_position // 4)
-    long = min(LONG, runner.cfg.max_position // 2)
+    long = min(LONG, runner.cfg.max_position // 2, runner.pool.num_pages * runner.page_size // 2)
     repeats = 7 if graphs else 2
     base, slope = {}, {}
     for block in [0, *blocks]:
@@ -70,6 +70,9 @@ def measure(decoder: Decoder, blocks: list[int]) -> StepCosts:
         rows = min(SLOPE_ROWS.get(runner.device.type, 1), rows_list[-1])
         slope[block] = max(0.0, (_time(decoder, rows, block, long, repeats) - base[(rows, block)])
                            / (rows * (long - short)))
+        # A speculative step reads all the context a plain one reads (and the draft's): whatever
+        # the timing noise says, a longer context never makes it relatively cheaper.
+        slope[block] = max(slope[block], slope[0])
     return StepCosts(short, base, slope)
 
 
@@ -124,7 +127,7 @@ def _signature(decoder: Decoder, blocks: list[int]) -> str:
         f"{platform.machine()} {platform.processor()} x{os.cpu_count()}"
     facts = {"model": asdict(runner.cfg), "proposer": proposer.name if proposer is not None else None,
              "dtype": str(runner.dtype), "device": device, "torch": torch.__version__, "graphs": decoder.graphs.enabled,
-             "sizes": decoder.sizes, "page_size": runner.page_size, "blocks": blocks,
+             "sizes": decoder.sizes, "page_size": runner.page_size, "blocks": blocks, "layout": asdict(runner.layout),
              "short": SHORT, "long": LONG}
     text = json.dumps(facts, sort_keys=True, default=lambda o: asdict(o) if is_dataclass(o) else str(o))
     return f"{runner.cfg.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"

@@ -5,6 +5,8 @@ table (a list of page indices in token order); the pool only tracks which pages 
 """
 from __future__ import annotations
 
+from common.kv.seq_cache import SeqCache
+
 
 class OutOfPages(RuntimeError):
     """Raised when an allocation asks for more pages than are free; nothing is allocated."""
@@ -45,6 +47,17 @@ class PagePool:
                 raise RuntimeError(f"page {p} freed twice or never allocated")
             self._used.remove(p)
         self._free.extend(reversed(pages))
+
+    def reserve(self, seq: SeqCache, num_tokens: int) -> None:
+        """Make sure seq has pages for `num_tokens` tokens (raises OutOfPages, allocating nothing)."""
+        need = self.pages_for(num_tokens) - len(seq.pages)
+        if need > 0:
+            seq.pages.extend(self.alloc(need))
+
+    def release(self, seq: SeqCache) -> None:
+        """Return seq's pages; it holds nothing after."""
+        self.free(seq.pages)
+        seq.pages, seq.length = [], 0
 
     def check_integrity(self) -> None:
         if len(self._free) + len(self._used) != self.num_pages or set(self._free) & self._used:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.model.static_attention import StaticDecode
+from common.model.static_attention import StaticAttn
 
 
 @dataclass
@@ -33,13 +33,22 @@ class AttnMeta:
     out_rows: torch.Tensor | None = None  # [T] index into the flattened [B*maxQ] output; None: all
     # One request whose tokens all start at position 0: attend to the new K/V directly.
     fresh_causal: bool = False
-    # Decode with static shapes (common.runner.decode_graphs): only positions, write_slots and this.
-    static_decode: StaticDecode | None = None
+    # Static shapes (decode, verify and draft steps that CUDA graphs replay): only positions,
+    # write_slots and this are used.
+    static: StaticAttn | None = None
 
 
 def cache_slot(pages: list[int], pos: int, page_size: int) -> int:
     """The slot of the token at `pos` of a request whose pages are `pages` (in token order)."""
     return pages[pos // page_size] * page_size + pos % page_size
+
+
+def table_slots(page_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Cache slots [rows, T] of the tokens at positions [rows, T] of each row of a static page
+    table [rows, W]. A position past the table lands in its last column, which static tables
+    keep for the scratch page: tokens past a request's budget are computed but never stored."""
+    column = (positions // page_size).clamp(max=page_table.shape[1] - 1)
+    return page_table.gather(1, column) * page_size + positions % page_size
 
 
 def build_attn_meta(starts: list[int], counts: list[int], page_tables: list[list[int]],
@@ -110,8 +119,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_cache = kv_layer[1].view(-1, *v.shape[1:])
     k_cache.index_copy_(0, meta.write_slots, k)
     v_cache.index_copy_(0, meta.write_slots, v)
-    if meta.static_decode is not None:
-        return meta.static_decode.attend(q, kv_layer)
+    if meta.static is not None:
+        return meta.static.attend(q, kv_layer)
     gqa = q.shape[1] != k.shape[1]
     if meta.fresh_causal:
         # 4-D inputs: with 3-D ones PyTorch's CPU SDPA falls back to its (much slower) math path.

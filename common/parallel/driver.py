@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from common.dflash.drafter import Drafter
 from common.kv.buffers import RankEndpoint
 from common.model.config import ModelConfig
+from common.model.static_attention import StaticAttn
 from common.parallel.ports import free_port
 from common.parallel.stage import init_ranks, recv, stage_forward
 from common.parallel.worker import (
@@ -119,6 +120,18 @@ class ParallelRunner(ModelRunner):
         # The captured states stay on their stages; their share of the draft context went down
         # the pipeline and waits on the last stage for PipelineProposer.append_context.
         return hidden, {}
+
+    def forward_static(self, token_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+                       attn: StaticAttn, capture_layers: tuple[int, ...] = ()
+                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The workers run StepBatches, not static buffers: the same causal step as one (rows
+        unpadded: a parallel runner replays no graphs), through forward()."""
+        T, page = attn.tokens_per_row, self.page_size
+        kv_len = attn.kv_len.tolist()
+        tables = attn.page_table.tolist()
+        batch = StepBatch([n - T for n in kv_len], [T] * len(kv_len),
+                          [table[:-(-n // page)] for table, n in zip(tables, kv_len)], token_ids.tolist(), None)
+        return self.forward(batch, capture_layers)
 
     # ---- DFlash under pipeline parallelism ------------------------------------------------------
     def load_pipeline_drafter(self, path: str, drafter: Drafter, num_pages: int) -> None:

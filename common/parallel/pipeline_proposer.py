@@ -16,9 +16,8 @@ from common.parallel.driver import ParallelRunner
 
 
 class PipelineProposer(DraftPages):
-    def __init__(self, path: str, drafter: Drafter, runner: ParallelRunner, num_pages: int,
-                 block_size: int | None = None):
-        super().__init__(drafter.cfg, runner.cfg, num_pages, runner.page_size, block_size)
+    def __init__(self, path: str, drafter: Drafter, runner: ParallelRunner, num_pages: int):
+        super().__init__(drafter.cfg, runner.cfg, num_pages, runner.page_size)
         self.runner = runner
         runner.load_pipeline_drafter(path, drafter, num_pages)
 

@@ -1,7 +1,9 @@
 """ModelRunner: owns the model weights and the paged KV cache, and runs one forward at a time.
 
 This is the interface the services drive (an SGLang-backed runner can implement the same):
-  extend()           prefill a chunk, decode one token, or verify a block, for a batch of requests
+  extend()           prefill a chunk (or any tokens) for a batch of requests, shapes as they come
+  forward_static()   T new tokens for each of a batch's rows through fixed shapes: decode (T = 1)
+                     and speculative verify (T = B) steps, which CUDA graphs capture and replay
   reserve()/release() grow or free a request's pages;  truncate() cut its cache back to a length
   describe_buffers() where the KV lives and how it is laid out (for transfers)
 """
@@ -16,8 +18,8 @@ from common.kv.page_pool import PagePool
 from common.kv.seq_cache import SeqCache
 from common.model.attention import AttnMeta, build_attn_meta
 from common.model.config import ModelConfig
+from common.model.static_attention import StaticAttn, default_backend
 from common.model.transformer import Reduce, Transformer, no_reduce
-from common.runner.decode_graphs import DecodeGraphs
 from common.runner.layout import RankLayout
 from common.runner.shard import shard_tensors
 
@@ -77,10 +79,12 @@ class ModelRunner:
         self.kv = torch.zeros(local.num_layers, 2, num_pages + 1, page_size, local.num_kv_heads,
                               cfg.head_dim, dtype=self.dtype, device=self.device)
         self.scratch_slot = num_pages * page_size
-        # CUDA: decode steps replay CUDA graphs (captured at the first decode, so a prefill-only
-        # instance never pays for them). CPU, and ranks of a parallel model: extend().
-        graphs = self.device.type == "cuda" and not enforce_eager and layout.world == 1
-        self.decode_graphs = DecodeGraphs(self) if graphs else None
+        # Static steps (decode, verify) replay CUDA graphs on a GPU unless told otherwise; a rank of
+        # a parallel model cannot (its collectives and the other ranks' commands are not captured).
+        self.use_graphs = self.device.type == "cuda" and not enforce_eager and layout.world == 1
+        self.static_backend = default_backend(self.device)
+        # Page tables of static steps: enough pages for the longest context the pool or model allows.
+        self.max_pages = -(-min(cfg.max_position, num_pages * page_size) // page_size)
 
     @property
     def page_size(self) -> int:
@@ -89,14 +93,10 @@ class ModelRunner:
     # ---- page management -------------------------------------------------------------------
     def reserve(self, seq: SeqCache, num_tokens: int) -> None:
         """Make sure seq has pages for `num_tokens` tokens (raises OutOfPages, allocating nothing)."""
-        need = self.pool.pages_for(num_tokens) - len(seq.pages)
-        if need > 0:
-            seq.pages.extend(self.pool.alloc(need))
+        self.pool.reserve(seq, num_tokens)
 
     def release(self, seq: SeqCache) -> None:
-        self.pool.free(seq.pages)
-        seq.pages = []
-        seq.length = 0
+        self.pool.release(seq)
 
     def truncate(self, seq: SeqCache, length: int) -> None:
         """Forget tokens at positions >= length (their K/V is overwritten later). Pages are
@@ -134,18 +134,18 @@ class ModelRunner:
     def token_tensor(self, batch: StepBatch) -> torch.Tensor:
         return torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
 
-    @torch.inference_mode()
-    def decode(self, seqs: list[SeqCache], tokens: list[int]) -> torch.Tensor:
-        """Append tokens[i] to seqs[i] and return the logits [n, vocab] fp32 of those tokens.
-        Through the decode graphs when there are some and the batch fits, else extend()."""
-        graphs = self.decode_graphs
-        if graphs is None or not graphs.fits(len(seqs)):
-            return self.extend(seqs, [[t] for t in tokens]).logits
-        self._check_room(seqs, [1] * len(seqs))
-        logits = graphs.run(seqs, tokens)
-        for s in seqs:
-            s.length += 1
-        return logits
+    def forward_static(self, token_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+                       attn: StaticAttn, capture_layers: tuple[int, ...] = ()
+                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """attn.tokens_per_row new tokens of each row (flattened, row by row), their positions
+        (for RoPE) and cache slots: final-normed hidden states of every token, and the captured
+        layers. Nothing here reads the host: CUDA graphs capture it as it is."""
+        meta = AttnMeta(positions=positions, write_slots=write_slots, logit_rows=None, static=attn)
+        return self.model(token_ids, self.kv, meta, capture_layers)
+
+    @property
+    def scratch_page(self) -> int:
+        return self.scratch_slot // self.page_size
 
     def _check_room(self, seqs: list[SeqCache], counts: list[int]) -> None:
         for s, n in zip(seqs, counts):

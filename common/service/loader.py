@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 import torch
 
+from common.engine.spec_policy import SpecConfig
 from common.model.tokenizer import Tokenizer
 from common.model.weights import load_weights, resolve_model
 from common.runner.model_runner import ModelRunner
+
+# Measurements kept between runs (the step costs the speculation policy weighs).
+CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdflash")
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,9 @@ def add_parallel_args(p: argparse.ArgumentParser, pipeline: bool) -> None:
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default="none", choices=["none", "dflash"], help="speculative decoding")
     p.add_argument("--draft-model", default=None, help="DFlash drafter folder (default: the shipped drafter for the embedded model)")
-    p.add_argument("--spec-block", type=int, default=None, help="DFlash block size (default: the drafter's)")
+    p.add_argument("--spec-block", type=int, default=None,
+                   help="speculate at every step with this block (default: choose per step, off or a block up to "
+                        "the drafter's, from step costs measured on this device)")
 
 
 def spec_flags(args: argparse.Namespace) -> list[str]:
@@ -60,8 +67,15 @@ def spec_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def spec_config(args: argparse.Namespace) -> SpecConfig:
+    """How the engine speculates (--spec-block), and where it keeps the step costs it measures."""
+    if args.spec_block is not None and args.spec_block < 2:
+        raise ValueError(f"--spec-block must be at least 2 (the last token and a draft), got {args.spec_block}")
+    return SpecConfig(block=args.spec_block, cache_dir=CACHE_DIR)
+
+
 def load_proposer(args: argparse.Namespace, runner: ModelRunner):
-    """The DFlash proposer asked for by --spec/--draft-model/--spec-block, or None."""
+    """The DFlash proposer asked for by --spec/--draft-model, or None."""
     if args.spec == "none":
         return None
     from common.dflash.drafter import Drafter, shipped_drafter_path
@@ -72,11 +86,11 @@ def load_proposer(args: argparse.Namespace, runner: ModelRunner):
     if runner.layout.pp > 1:  # the draft KV is built on the last stage
         from common.parallel.pipeline_proposer import PipelineProposer
 
-        return PipelineProposer(path, drafter, runner, runner.pool.num_pages, block_size=args.spec_block)
+        return PipelineProposer(path, drafter, runner, runner.pool.num_pages)
     # With TP only, the drafter runs whole on rank 0 (the driver): it is a few layers, and its
     # inputs (the captured hidden states) are whole on every TP rank after the all-reduce, so
     # splitting it would add all-reduces to a cheap step.
-    return DFlashProposer(drafter, runner, runner.pool.num_pages, block_size=args.spec_block)
+    return DFlashProposer(drafter, runner, runner.pool.num_pages)
 
 
 def load_model(opts: ModelOptions) -> tuple[ModelRunner, Tokenizer]:

@@ -31,5 +31,7 @@ def meta_to_proto(meta: dict) -> pb.MetaInfo:
         spec_accept_histogram=meta.get("spec_accept_histogram", []),
         spec_accepted_drafts=meta.get("spec_accepted_drafts", 0),
         spec_proposed_drafts=meta.get("spec_proposed_drafts", 0),
+        spec_block_histogram=meta.get("spec_block_histogram", []),
+        spec_plain_steps=meta.get("spec_plain_steps", 0),
         verified_pages=meta.get("verified_pages", 0),
         transfer_bytes=meta.get("transfer_bytes", 0))

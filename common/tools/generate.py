@@ -10,8 +10,9 @@ from common.engine.engine import Engine
 from common.engine.meta import meta_info
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
-from common.model.tokenizer import IncrementalDecoder
-from common.service.loader import ModelOptions, add_model_args, add_spec_args, load_model, load_proposer
+from common.model.tokenizer import IncrementalDecoder, Tokenizer
+from common.model.weights import resolve_model
+from common.service.loader import ModelOptions, add_model_args, add_spec_args, load_model, load_proposer, spec_config
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -36,11 +37,14 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     opts = ModelOptions.from_args(args)
-    # One request: size the pool for it alone unless told otherwise.
-    pages = args.kv_pages or -(-(len(args.prompt) * 2 + args.max_new_tokens + 64) // args.page_size) + 1
+    # One request: size the pool for it alone (a verify block past its end included) unless told
+    # otherwise, from the prompt's tokens, so that a prompt too long for the model is refused
+    # before any cache is allocated for it.
+    probe = Tokenizer(resolve_model(args.model))
+    ids = probe.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else probe.encode(args.prompt)
+    pages = args.kv_pages or -(-(len(ids) + args.max_new_tokens + 64) // args.page_size) + 1
     runner, tok = load_model(dataclasses.replace(opts, kv_pages=pages))
-    ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
-    engine = Engine(runner, tok.eos_token_ids, proposer=load_proposer(args, runner))
+    engine = Engine(runner, tok.eos_token_ids, proposer=load_proposer(args, runner), spec=spec_config(args))
     req = Request(uuid.uuid4().hex, ids, params, IncrementalDecoder(tok, params.stop))
     text = []
     for outputs in engine.run([req]):

@@ -59,6 +59,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: decode eagerly, without CUDA graphs")
     p.add_argument("--chunk-size", type=int, default=8192)
     p.add_argument("--deadline", type=float, default=60.0, help="seconds for a room's bootstrap + KV transfer")
+    p.add_argument("--peer-abort-timeout", type=float, default=10.0,
+                   help="decode: seconds per attempt at prefill's Abort of a room it gave up on")
     p.add_argument("--request-timeout", type=float, default=600.0, help="router: seconds per request")
     p.add_argument("--verify-transfer", action="store_true", help="checksum every KV page P sends and D receives")
     add_spec_args(p)
@@ -198,7 +200,8 @@ def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child
     if args.mode == "pd":
         verify = ["--verify-transfer"] if args.verify_transfer else []
         groups = [("prefill", "prefill_svc", args.prefill, verify + prefill_par),
-                  ("decode", "decode_svc", args.decode, ["--role", "decode", *decode_par])]
+                  ("decode", "decode_svc", args.decode, ["--role", "decode", *decode_par,
+                                                         "--peer-abort-timeout", str(args.peer_abort_timeout)])]
     else:
         groups = [("replica", "decode_svc", args.replicas, ["--role", "colocated", *decode_par])]
     workers: list[Child] = []

@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
             with _failure_recorded(arm), _stack_of(arm, args) as url:
                 arm["summary"] = mod.bench(url, args, arm["out"])
     table = compare(arms, args.ab_bench)
-    result = {"bench": "ab", "of": args.ab_bench, "baseline": arms[0]["label"], "arms": arms, "table": table,
+    result = {"bench": "ab", "of": args.ab_bench, "interleaved": args.interleave, "baseline": arms[0]["label"],
+              "arms": arms, "table": table,
               "provenance": report.provenance(args)}
     text = markdown(result)
     report.write_json(os.path.join(args.out, "ab.json"), result)
@@ -110,7 +111,7 @@ def run_interleaved(mod: Any, arms: list[dict[str, Any]], args: argparse.Namespa
                 if arms[i]["error"]:
                     del runs[i]
         for i, run in runs.items():
-            arms[i]["summary"] = run.finish()
+            arms[i]["summary"], arms[i]["rounds"] = run.finish(), run.rounds
 
 
 @contextlib.contextmanager

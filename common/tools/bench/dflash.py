@@ -1,119 +1,221 @@
-"""`pdflash bench dflash`: acceptance and speed of speculative decoding, in-process.
+"""`pdflash bench dflash`: speculative decoding against plain decoding, in-process, over a grid.
 
-Runs the same prompts (GSM8K test questions, chat template, greedy) through the engine with
-and without the drafter, at each concurrency: wall-clock output tok/s of both, the speedup,
-both accept lengths (see docs/BENCHMARKS.md), the histogram with its invariants checked, and
-whether the speculative outputs equal the plain ones (exact in fp32; in bf16 the first
-divergence position is reported, since a batched verify rounds differently from one-at-a-time
-decoding).
+For every prompt length (`gsm8k`: GSM8K test questions in the chat template; a number N: a long
+context of about N tokens, solved GSM8K problems, followed by a question) and every concurrency,
+the same prompts run through a plain engine and through a `--spec dflash` engine (both with CUDA
+graphs on a GPU), alternating which goes first from one grid point to the next. Reported per
+point: output tok/s over the whole run and over decode steps alone, the speedups, both accept
+lengths (docs/BENCHMARKS.md), the share of decode steps that speculated, the blocks used, the
+histogram invariants (checked for every request), and whether the outputs equal plain decoding
+(exactly in fp32; in bf16 the first divergence, since a batched verify rounds differently from
+one-token decoding). Writes the JSON and a PNG of speedup against concurrency per prompt length.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import os
 import time
 import uuid
+from typing import Any
 
 import torch
 
-from common.tools.bench import gsm8k_data
 from common.engine.engine import Engine
+from common.engine.meta import meta_info
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
-from common.service.loader import ModelOptions, add_model_args, add_spec_args, load_model, load_proposer
+from common.model.tokenizer import Tokenizer
+from common.service.loader import ModelOptions, add_model_args, add_spec_args, load_model, load_proposer, spec_config
+from common.tools.bench import gsm8k_data, plot, report, stats
 
+LONG_QUESTION_OFFSET = 500  # long prompts' context comes from test items after this one
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dataset", default=gsm8k_data.DEFAULT_TEST, help="JSONL with a 'question' field (default: the shipped GSM8K test questions)")
-    p.add_argument("--num", type=int, default=16, help="questions")
-    p.add_argument("--offset", type=int, default=0, help="skip this many questions first")
-    p.add_argument("--concurrency", default="1,8", help="comma-separated batch sizes")
+    p.add_argument("--dataset", default=gsm8k_data.DEFAULT_TEST,
+                   help="GSM8K-style JSONL (question, answer); default: the shipped GSM8K test questions")
+    p.add_argument("--num", type=int, default=32, help="requests per grid point (at least the concurrency is run)")
+    p.add_argument("--offset", type=int, default=0, help="first question")
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated requests in flight")
+    p.add_argument("--lengths", default="gsm8k,2048,8192",
+                   help="comma-separated prompt kinds: gsm8k (chat questions) or N (a context of about N tokens "
+                        "then a question; capped so that prompt + answer fit the model's context)")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--out", default=os.path.join("bench-out", "dflash.json"))
-    add_model_args(p, kv_pages=2048)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--out", default=os.path.join("bench-out", "dflash"), help="output folder (dflash.json, speedup.png)")
+    add_model_args(p, kv_pages=0)
     add_spec_args(p)
     p.set_defaults(spec="dflash")
 
 
-def load_questions(path: str, num: int, offset: int) -> list[str]:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset {path!r} not found (pass --dataset)")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r["question"] for r in rows[offset:offset + num]]
+def run(args: argparse.Namespace) -> int:
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    lengths = [x.strip() for x in args.lengths.split(",") if x.strip()]
+    if not levels or min(levels) < 1 or min(args.num, args.max_new_tokens) < 1:
+        raise ValueError("--concurrency values, --num and --max-new-tokens must be at least 1")
+    for kind in lengths:
+        if kind != "gsm8k" and not kind.isdigit():
+            raise ValueError(f"--lengths: {kind!r} is neither gsm8k nor a token count")
+    opts = ModelOptions.from_args(args)
+    if not opts.kv_pages:  # the largest grid point's requests at once, with room for the blocks
+        longest = max([600] + [int(k) for k in lengths if k != "gsm8k"])
+        need = max(levels) * (longest + args.max_new_tokens + 64)
+        opts = dataclasses.replace(opts, kv_pages=-(-need // opts.page_size) + 8)
+    runner, tok = load_model(opts)
+    proposer = load_proposer(args, runner)
+    if proposer is None:
+        raise ValueError("pdflash bench dflash needs --spec dflash")
+    items = gsm8k_data.load(args.dataset)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0)
+    plain = Engine(runner, tok.eos_token_ids, max_running=max(levels))
+    spec = Engine(runner, tok.eos_token_ids, max_running=max(levels), proposer=proposer, spec=spec_config(args))
+    for c in levels:  # untimed: captures every graph these batch sizes use
+        for engine in (plain, spec):
+            run_engine(engine, [tok.encode("Warm up the engine.")] * c, SamplingParams(max_new_tokens=24), c)
+    result: dict[str, Any] = {"bench": "dflash", "device": str(runner.device), "dtype": str(runner.dtype),
+                              "drafter_block": proposer.block_size, "pinned_block": args.spec_block,
+                              "provenance": report.provenance(args), "runs": []}
+    for i, kind in enumerate(lengths):
+        for j, c in enumerate(levels):
+            prompts = make_prompts(tok, items, kind, max(args.num, c), args, runner.cfg.max_position)
+            order = [("plain", plain), ("dflash", spec)]
+            if (i + j) % 2:
+                order.reverse()
+            runs = {name: run_engine(engine, prompts, params, c) for name, engine in order}
+            row = summarize(kind, c, prompts, runs["plain"], runs["dflash"], runner.dtype == torch.float32)
+            result["runs"].append(row)
+            print(line(row), flush=True)
+    bad = [r for r in result["runs"] if r["invariant_violations"]]
+    report.write_json(os.path.join(args.out, "dflash.json"), result)
+    report.write_text(os.path.join(args.out, "dflash.md"), markdown(result))
+    speedup_png(os.path.join(args.out, "speedup.png"), result)
+    print(markdown(result))
+    print(f"saved {args.out}/dflash.json, dflash.md and speedup.png")
+    return 1 if bad else 0
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int):
-    """Keep `concurrency` requests in flight until all prompts are done; returns (requests, seconds)."""
+def make_prompts(tok: Tokenizer, items: list[gsm8k_data.Item], kind: str, n: int, args: argparse.Namespace,
+                 max_position: int) -> list[list[int]]:
+    questions = [it.question for it in items[args.offset:args.offset + n]]
+    if len(questions) < n:
+        raise ValueError(f"{args.dataset} has {len(items)} questions; --offset {args.offset} + {n} needed")
+    if kind == "gsm8k":
+        return [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    # Room for the answer and a verify block past it.
+    target = min(int(kind), max_position - args.max_new_tokens - 64)
+    prompts = []
+    for k, q in enumerate(questions):
+        context, m = [], LONG_QUESTION_OFFSET + 37 * k
+        used = len(tok.encode(q)) + 40  # the question, the instructions and the chat template
+        while True:
+            item = items[m % len(items)]
+            piece = f"Problem: {item.question}\nSolution: {item.answer}\n\n"
+            cost = len(tok.encode(piece))
+            if used + cost > target:
+                break
+            context.append(piece)
+            used += cost
+            m += 1
+        text = "Here are some solved problems.\n\n" + "".join(context) + f"Now solve this one.\nProblem: {q}"
+        ids = tok.apply_chat_template([{"role": "user", "content": text}])
+        prompts.append(ids[-target:] if len(ids) > target else ids)
+    return prompts
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
+    """Keep `concurrency` requests in flight until all are done."""
     reqs = [Request(uuid.uuid4().hex, ids, params) for ids in prompts]
+    before = dict(engine.step_seconds)
     start = time.perf_counter()
     engine.run_all(reqs, concurrency)
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
-    return reqs, time.perf_counter() - start
+    return {"reqs": reqs, "seconds": time.perf_counter() - start,
+            "decode_seconds": engine.step_seconds["decode"] - before["decode"]}
 
 
-def check_invariants(req: Request, block: int) -> None:
-    s = req.spec
-    assert sum(s.histogram) == s.verify_ct, "sum(histogram) != verify_ct"
-    assert sum(k * n for k, n in enumerate(s.histogram)) == s.accepted_drafts, "sum(k*hist[k]) != accepted"
-    assert s.proposed_drafts == (block - 1) * s.verify_ct, "proposed != (B-1) * verify_ct"
+def summarize(kind: str, concurrency: int, prompts: list[list[int]], base: dict, fast: dict, fp32: bool) -> dict:
+    tokens_base = sum(len(r.output_ids) for r in base["reqs"])
+    tokens_fast = sum(len(r.output_ids) for r in fast["reqs"])
+    metas = [meta_info(r) for r in fast["reqs"]]
+    spec = stats.spec_summary(metas)
+    verify = sum(r.spec.verify_ct for r in fast["reqs"])
+    plain_steps = sum(r.spec.plain_steps for r in fast["reqs"])
+    blocks: dict[int, int] = {}
+    for r in fast["reqs"]:
+        for b, n in enumerate(r.spec.block_histogram):
+            if n:
+                blocks[b] = blocks.get(b, 0) + n
+    divergences = [_first_divergence(a.output_ids, b.output_ids) for a, b in zip(base["reqs"], fast["reqs"])]
+    # Decode tokens: all but the first of each request, which prefill samples.
+    decode_base = (tokens_base - len(prompts)) / base["decode_seconds"]
+    decode_fast = (tokens_fast - len(prompts)) / fast["decode_seconds"]
+    return {
+        "prompt": kind, "concurrency": concurrency, "requests": len(prompts),
+        "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
+        "plain_tok_s": tokens_base / base["seconds"], "dflash_tok_s": tokens_fast / fast["seconds"],
+        "speedup": (tokens_fast / fast["seconds"]) / (tokens_base / base["seconds"]),
+        "plain_decode_tok_s": decode_base, "dflash_decode_tok_s": decode_fast,
+        "decode_speedup": decode_fast / decode_base,
+        "accept_length_weighted": spec["accept_length_weighted"] if spec else None,
+        "accept_length_interface": spec["accept_length_interface"] if spec else None,
+        "speculated_share": verify / (verify + plain_steps) if verify + plain_steps else 0.0,
+        "verify_steps": verify, "plain_steps": plain_steps, "blocks": dict(sorted(blocks.items())),
+        "histogram": spec["histogram"] if spec else [],
+        "invariant_violations": spec["invariants"]["violations"] if spec else [],
+        "identical_outputs": sum(d is None for d in divergences),
+        "first_divergence": [d for d in divergences if d is not None],
+        "exact_expected": fp32,
+    }
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def run(args: argparse.Namespace) -> int:
-    runner, tok = load_model(ModelOptions.from_args(args))
-    proposer = load_proposer(args, runner)
-    if proposer is None:
-        raise ValueError("pdflash bench dflash needs --spec dflash")
-    questions = load_questions(args.dataset, args.num, args.offset)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    plain = Engine(runner, tok.eos_token_ids)
-    spec = Engine(runner, tok.eos_token_ids, proposer=proposer)
-    run_engine(plain, prompts[:2], SamplingParams(max_new_tokens=8), 2)  # warm-up
-    run_engine(spec, prompts[:2], SamplingParams(max_new_tokens=8), 2)
-    results = {"command": "pdflash bench dflash", "args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "device": str(runner.device),
-               "block_size": proposer.block_size, "runs": []}
-    for c in [int(x) for x in args.concurrency.split(",")]:
-        base, t_base = run_engine(plain, prompts, params, c)
-        fast, t_fast = run_engine(spec, prompts, params, c)
-        hist = [0] * proposer.block_size
-        for r in fast:
-            check_invariants(r, proposer.block_size)
-            hist = [a + b for a, b in zip(hist, r.spec.histogram)]
-        verify = sum(r.spec.verify_ct for r in fast)
-        accepted = sum(r.spec.accepted_drafts for r in fast)
-        tokens_base = sum(len(r.output_ids) for r in base)
-        tokens_fast = sum(len(r.output_ids) for r in fast)
-        divergences = [first_divergence(a.output_ids, b.output_ids) for a, b in zip(base, fast)]
-        row = {
-            "concurrency": c, "requests": len(fast),
-            "plain_tok_s": tokens_base / t_base, "spec_tok_s": tokens_fast / t_fast,
-            "speedup": (tokens_fast / t_fast) / (tokens_base / t_base),
-            "accept_length_weighted": 1 + accepted / verify,
-            "accept_length_interface": sum(len(r.output_ids) / r.spec.verify_ct for r in fast) / len(fast),
-            "draft_acceptance": accepted / ((proposer.block_size - 1) * verify),
-            "verify_steps": verify, "accepted_drafts": accepted, "histogram": hist,
-            "identical_outputs": sum(d is None for d in divergences),
-            "first_divergence": [d for d in divergences if d is not None],
-        }
-        results["runs"].append(row)
-        print(f"concurrency {c}: plain {row['plain_tok_s']:.1f} tok/s, dflash {row['spec_tok_s']:.1f} tok/s, "
-              f"speedup {row['speedup']:.2f}x | accept length weighted {row['accept_length_weighted']:.2f}, "
-              f"interface {row['accept_length_interface']:.2f} | identical {row['identical_outputs']}/{len(fast)}"
-              f" | histogram {hist}", flush=True)
-    print("histogram invariants hold for every request")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"saved {args.out}")
-    return 0
+def line(r: dict) -> str:
+    acc = r["accept_length_weighted"]
+    return (f"{r['prompt']:>5} c={r['concurrency']:<2}: plain {r['plain_tok_s']:8.1f} tok/s, dflash "
+            f"{r['dflash_tok_s']:8.1f} tok/s, speedup {r['speedup']:.2f}x (decode {r['decode_speedup']:.2f}x) | "
+            f"accept length {acc if acc is None else f'{acc:.2f}'} | speculated {100 * r['speculated_share']:.0f}% "
+            f"blocks {r['blocks']} | identical {r['identical_outputs']}/{r['requests']}")
+
+
+def markdown(result: dict) -> str:
+    f = report.fmt
+    rows = [[r["prompt"], str(r["concurrency"]), f(r["prompt_tokens_mean"], 0), f(r["plain_tok_s"], 1),
+             f(r["dflash_tok_s"], 1), f"{f(r['speedup'])}x", f"{f(r['decode_speedup'])}x",
+             f(r["accept_length_weighted"]), f(r["accept_length_interface"]), f"{100 * r['speculated_share']:.0f}%",
+             " ".join(f"{b}:{n}" for b, n in r["blocks"].items()) or "-",
+             f"{r['identical_outputs']}/{r['requests']}"] for r in result["runs"]]
+    head = (f"## DFlash vs plain decoding, {result['device']} {result['dtype']}, drafter block "
+            f"{result['drafter_block']}, block {'pinned to ' + str(result['pinned_block']) if result['pinned_block'] else 'chosen per step'}\n\n")
+    return head + report.md_table(
+        ["prompt", "concurrency", "prompt tokens", "plain tok/s", "dflash tok/s", "speedup", "decode speedup",
+         "accept length (weighted)", "accept length (interface)", "steps speculated", "blocks (B:steps)",
+         "identical"], rows)
+
+
+def speedup_png(path: str, result: dict) -> None:
+    plt = plot._pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for kind in dict.fromkeys(r["prompt"] for r in result["runs"]):
+        runs = [r for r in result["runs"] if r["prompt"] == kind]
+        ax.plot([r["concurrency"] for r in runs], [r["speedup"] for r in runs], marker="o",
+                label=f"{kind} ({runs[0]['prompt_tokens_mean']:.0f} prompt tokens)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(0.97, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("dflash / plain output tok/s")
+    ax.set_title(f"DFlash speedup, {result['device']} {result['dtype']}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -251,7 +251,7 @@ def _floor(args: argparse.Namespace, shape: str, batches: list[int], context: in
         kv_bytes = b * (context + new // 2) * _kv_bytes_per_token(cfg, runner.kv.element_size())
         rows.append(FloorRow(shape, dtype, b, context, new, 1e3 * min(times) / (new - 1),
                              1e3 * statistics.median(times) / (new - 1), 1e3 * weight_bytes / bandwidth,
-                             weight_bytes, kv_bytes, runner.decode_graphs is not None))
+                             weight_bytes, kv_bytes, runner.use_graphs))
         r = rows[-1]
         print(f"{shape} {dtype} batch {b:3}: step {r.step_ms:7.3f} ms   floor {r.floor_ms:7.3f} ms   "
               f"x{r.x_floor:.2f}   ({weight_bytes / 1e9:.2f} GB of weights, {kv_bytes / 1e9:.3f} GB KV)", flush=True)

@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from common.tools.bench import gsm8k_data as data
-from common.tools.bench import plot, report, stats, warmup
+from common.tools.bench import plot, report, rounds, stats, warmup
 from common.tools.bench.client import REQUEST_TIMEOUT_S, Response, get_json, random_ids, run_requests, server_facts
 
 
@@ -66,10 +66,7 @@ def concurrencies(text: str) -> list[int]:
 
 
 def bench(url: str, args: argparse.Namespace, out: str) -> dict[str, Any]:
-    run = Run(url, args, out)
-    for i in range(run.rounds):
-        run.round(i)
-    return run.finish()
+    return rounds.complete(Run(url, args, out))
 
 
 class Run:

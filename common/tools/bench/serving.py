@@ -16,7 +16,7 @@ import random
 import sys
 from typing import Any
 
-from common.tools.bench import plot, report, stats, warmup
+from common.tools.bench import plot, report, rounds, stats, warmup
 from common.tools.bench.client import REQUEST_TIMEOUT_S, Response, get_json, random_ids, run_requests, server_facts
 
 WARMUP_OUTPUT_LEN = 8
@@ -53,10 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
 def bench(url: str, args: argparse.Namespace, out: str) -> dict[str, Any]:
     """Run the benchmark against `url`, write the files to `out`, return the summary."""
-    run = Run(url, args, out)
-    for i in range(run.rounds):
-        run.round(i)
-    return run.finish()
+    return rounds.complete(Run(url, args, out))
 
 
 class Run:

@@ -42,27 +42,37 @@ def has_spec(meta: dict[str, Any] | None) -> bool:
 def check_invariants(meta: dict[str, Any]) -> list[str]:
     """What is wrong with one response's speculative counters ([] = all hold).
 
-    B (block size) = len(histogram): hist[k] counts verify steps that accepted k drafts, k < B.
+    hist[k] counts verify steps that accepted k drafts. Blocks: `spec_block_histogram[b]` counts
+    verify steps with a block of b (engines that choose the block per step); without it every
+    step used B = len(histogram).
     """
     verify = meta["spec_verify_ct"]
     hist = list(meta["spec_accept_histogram"])
     accepted, proposed = meta["spec_accepted_drafts"], meta["spec_proposed_drafts"]
     completion = meta["completion_tokens"]
-    block = len(hist)
+    blocks = meta.get("spec_block_histogram")
+    if not blocks:
+        blocks = [0] * len(hist) + [verify]  # every step used B = len(hist)
+    plain = meta.get("spec_plain_steps", 0)
     problems = []
     if sum(hist) != verify:
         problems.append(f"sum(histogram) = {sum(hist)} != verify_ct = {verify}")
     weighted_sum = sum(k * n for k, n in enumerate(hist))
     if weighted_sum != accepted:
         problems.append(f"sum(k * hist[k]) = {weighted_sum} != accepted_drafts = {accepted}")
-    if proposed != (block - 1) * verify:
-        problems.append(f"proposed_drafts = {proposed} != (B - 1) * verify_ct = {block - 1} * {verify}")
-    # Each verify step emits its accepted drafts plus one bonus token; the first token comes
-    # from prefill. More tokens than that means something decoded outside the verify loop.
-    if completion > 1 + verify + accepted:
-        problems.append(f"completion_tokens = {completion} > 1 + verify_ct + accepted_drafts = "
-                        f"{1 + verify + accepted}")
-    # The router's own accept lengths must agree with its counters.
+    if sum(blocks) != verify:
+        problems.append(f"sum(block histogram) = {sum(blocks)} != verify_ct = {verify}")
+    want = sum((b - 1) * n for b, n in enumerate(blocks) if n)
+    if proposed != want:
+        problems.append(f"proposed_drafts = {proposed} != sum((B - 1) * steps with block B) = {want}")
+    # Each verify step emits its accepted drafts plus one bonus token, a plain step one token;
+    # the first token comes from prefill. More tokens means something decoded outside the steps.
+    if completion > 1 + verify + accepted + plain:
+        problems.append(f"completion_tokens = {completion} > 1 + verify_ct + accepted_drafts + plain_steps = "
+                        f"{1 + verify + accepted + plain}")
+    # The router's own accept lengths must agree with its counters (0 when nothing was verified).
+    if not verify:
+        return problems
     if "spec_accept_length" in meta and not math.isclose(meta["spec_accept_length"], completion / verify,
                                                          rel_tol=1e-9):
         problems.append(f"spec_accept_length = {meta['spec_accept_length']} != completion / verify_ct "
@@ -123,7 +133,8 @@ def invariants_line(spec: dict[str, Any] | None) -> str:
     inv = spec["invariants"]
     if not inv["violations"]:
         return (f"histogram invariants hold for all {inv['checked']} requests: sum(hist) = verify_ct, "
-                "sum(k*hist[k]) = accepted, proposed = (B-1)*verify_ct, tokens <= 1 + verify + accepted")
+                "sum(k*hist[k]) = accepted, proposed = sum((B-1) * steps of block B), "
+                "tokens <= 1 + verify + accepted + plain steps")
     first = inv["violations"][0]
     return (f"INVARIANTS VIOLATED in {len(inv['violations'])} of {inv['checked']} requests; first: request "
             f"{first['index']}: {'; '.join(first['problems'])}")

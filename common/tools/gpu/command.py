@@ -3,23 +3,27 @@
     pdflash gpu-check OUT_DIR [--model PATH] [--skip-bench]
 
 Parts (each runs on its own: a failure prints its error and the next part goes on):
-  kernel     Triton paged decode vs the torch reference, fp32 and bf16, GQA 3/4, page sizes 4-64
-  static     static decode path (graphs captured, Triton and torch attention) vs extend(),
-             on a tiny random model: logits and greedy tokens over 32 steps
+  kernel     Triton static attention vs the torch reference, fp32 and bf16: decode rows (GQA
+             3/4, page sizes 4-64), causal verify blocks and draft blocks (with a window)
+  static     static path (forward_static, Triton and torch attention) vs extend() on a tiny
+             random model, decode (T = 1) and verify (T = 4): logits, tokens, K/V
   greedy     the model's greedy tokens for a few prompts, 32 each: CPU fp32 (reference) against
-             GPU fp32 + graphs, bf16 + graphs, bf16 eager; the first divergence of each
-  replay     decode step time of the embedded shape (random weights, bf16): graphs with each
-             attention backend, and eager, at batch 1, 8 and 32 (what the GPU does alone)
-  profile    kernels per decode step and their summed time, tables per kernel (profile_b*.txt)
+             GPU fp32 graphs, fp32 eager, bf16 graphs, bf16 eager; the first divergence of each
+  speculative  --spec dflash (block pinned to 16, CUDA graphs) against plain decoding (graphs)
+             on 32 GSM8K chat prompts, fp32: one at a time and 8 at once, greedy and seeded
+             sampling (T 0.8, top-p 0.95), and requests that stop inside a block; must be identical
+  replay     step times of the embedded shape (random weights) through the engine's decoder with
+             graphs, fp32 and bf16, at batch 1, 8 and 32: plain, and speculative with each block
+  profile    kernels per plain and speculative step and their summed time (profile_*.txt)
   bench      `pdflash bench engine --device cuda --dtype bf16`: ours vs transformers at batch
              1, 8, 32 (engine.json)
   floor      the same with `--shape llama3-8b`: the 8B-shaped step against its memory floor
              (floor.json)
 
-Prints each part's results as it ends, then a summary with the issue's targets; writes
-summary.json (rewritten after every part), engine.json, floor.json and profile_b*.txt to OUT_DIR.
-No network access is needed; without the model file (gguf) `greedy` fails and `bench` runs
-on random weights in the model's shape. About 1-2 minutes on one H200.
+Prints each part's results as it ends, then a summary with the targets; writes summary.json
+(rewritten after every part), engine.json, floor.json and profile_*.txt to OUT_DIR. No network
+access is needed; without the model file (gguf) `greedy` and `speculative` fail and `bench`
+runs on random weights in the model's shape. A few minutes on one H200.
 """
 from __future__ import annotations
 
@@ -29,12 +33,17 @@ import os
 import sys
 import time
 import traceback
+import uuid
 
 import torch
 
-from common.kv.seq_cache import SeqCache
-from common.model.shapes import SHAPES, random_token_ids, random_weights
-from common.runner.decode_graphs import DecodeGraphs
+from common.engine.decoder import Decoder
+from common.engine.engine import Engine
+from common.engine.request import Request
+from common.engine.sampling import SamplingParams
+from common.engine.spec_policy import SpecConfig
+from common.engine.step_costs import synthetic_requests, time_step
+from common.model.shapes import SHAPES, random_weights
 from common.runner.model_runner import ModelRunner
 from common.tools.gpu.checks import kernel_check, tiny_static_check
 
@@ -44,16 +53,17 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
            "Write a short poem about the sea.", "Question: what is 17 times 23? Answer:"]
 
 
-def _greedy(model: str | None) -> dict:
-    from common.engine.engine import Engine
-    from common.engine.request import Request
-    from common.engine.sampling import SamplingParams
+def _model(model: str | None):
     from common.model.tokenizer import Tokenizer
     from common.model.weights import load_weights, resolve_model
 
     src = resolve_model(model)
     cfg, tensors = load_weights(src)
-    tok = Tokenizer(src, cfg.eos_token_ids)
+    return cfg, tensors, Tokenizer(src, cfg.eos_token_ids)
+
+
+def _greedy(model: str | None) -> dict:
+    cfg, tensors, tok = _model(model)
     prompts = [tok.encode(p) for p in PROMPTS]
 
     def run(device: str, dtype: str, eager: bool) -> list[list[int]]:
@@ -66,8 +76,8 @@ def _greedy(model: str | None) -> dict:
 
     reference = run("cpu", "fp32", True)
     out = {"reference": "cpu fp32", "runs": {}}
-    for name, args in {"cuda fp32 graphs": ("fp32", False), "cuda bf16 graphs": ("bf16", False),
-                       "cuda bf16 eager": ("bf16", True)}.items():
+    for name, args in {"cuda fp32 graphs": ("fp32", False), "cuda fp32 eager": ("fp32", True),
+                       "cuda bf16 graphs": ("bf16", False), "cuda bf16 eager": ("bf16", True)}.items():
         got = run("cuda", *args)
         first = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), None) for r, g in zip(reference, got)]
         out["runs"][name] = {"first_divergence": first, "identical": sum(f is None for f in first)}
@@ -75,67 +85,94 @@ def _greedy(model: str | None) -> dict:
     return out
 
 
-def _replay(steps: int = 50, context: int = 256) -> list[dict]:
-    """Decode step time without the engine around it (sampling, bookkeeping), in ms."""
-    cfg = SHAPES["embedded"]
-    tensors = random_weights(cfg, torch.bfloat16, "cuda")
+def _speculative(model: str | None, num: int = 32) -> list[dict]:
+    """--spec dflash against plain decoding, both with CUDA graphs, fp32: identical outputs."""
+    from common.dflash.drafter import Drafter, shipped_drafter_path
+    from common.dflash.proposer import DFlashProposer
+    from common.tools.bench.gsm8k_data import DEFAULT_TEST, load
+
+    cfg, tensors, tok = _model(model)
+    questions = [it.question for it in load(DEFAULT_TEST)[200:200 + num]]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    runner = ModelRunner(cfg, tensors, dtype="fp32", device="cuda", num_pages=2048, page_size=64)
+    proposer = DFlashProposer(Drafter.load(shipped_drafter_path(model), device="cuda"), runner, runner.pool.num_pages)
+    plain = Engine(runner, tok.eos_token_ids)
+    spec = Engine(runner, tok.eos_token_ids, proposer=proposer, spec=SpecConfig(block=16))
+    period = tuple(tok.encode("."))
+    cases = {
+        "greedy": lambda i: SamplingParams(max_new_tokens=96),
+        "seeded T0.8 top-p 0.95": lambda i: SamplingParams(max_new_tokens=96, temperature=0.8, top_p=0.95, seed=i),
+        "stops inside blocks": lambda i: SamplingParams(max_new_tokens=7 + 3 * (i % 5), stop_token_ids=period),
+    }
     rows = []
-    for mode in ("triton", "torch", "eager"):
-        runner = ModelRunner(cfg, tensors, dtype="bf16", device="cuda", num_pages=32 * 6 + 8, page_size=64,
-                             enforce_eager=True)
-        if mode != "eager":
-            runner.decode_graphs = DecodeGraphs(runner, (1, 8, 32), backend=mode)
+    for name, params in cases.items():
+        for concurrency in (1, 8):
+            outs = []
+            for engine in (plain, spec):
+                reqs = [Request(uuid.uuid4().hex, p, params(i)) for i, p in enumerate(prompts)]
+                engine.run_all(reqs, concurrency)
+                outs.append(reqs)
+            same = sum(a.output_ids == b.output_ids and a.finish_reason == b.finish_reason for a, b in zip(*outs))
+            verify = sum(r.spec.verify_ct for r in outs[1])
+            accepted = sum(r.spec.accepted_drafts for r in outs[1])
+            rows.append({"case": name, "concurrency": concurrency, "identical": same, "requests": len(prompts),
+                         "accept_length_weighted": 1 + accepted / max(verify, 1)})
+    assert runner.pool.num_free == runner.pool.num_pages and proposer.pool.num_free == proposer.pool.num_pages
+    return rows
+
+
+def _decoder(dtype: str, graphs: bool) -> Decoder:
+    """The engine's decoder over the embedded shape with random weights and the shipped drafter's
+    shape (random weights too: only the time matters)."""
+    from common.dflash.drafter import SHIPPED, Drafter
+    from common.dflash.proposer import DFlashProposer
+
+    cfg = SHAPES["embedded"]
+    runner = ModelRunner(cfg, random_weights(cfg, torch.float32, "cuda"), dtype=dtype, device="cuda",
+                         num_pages=32 * 8 + 8, page_size=64, enforce_eager=not graphs)
+    drafter = Drafter.load(SHIPPED, device="cuda", dtype=runner.dtype)
+    return Decoder(runner, cfg.eos_token_ids, DFlashProposer(drafter, runner, runner.pool.num_pages))
+
+
+def _replay(context: int = 256) -> list[dict]:
+    """Step time through the decoder (inputs, graph replay, the one host synchronisation), in ms."""
+    rows = []
+    for dtype in ("fp32", "bf16"):
+        decoder = _decoder(dtype, graphs=True)
         for bs in (1, 8, 32):
-            seqs = [SeqCache() for _ in range(bs)]
-            for s in seqs:
-                runner.reserve(s, context + steps + 8)
-                s.length = context  # the cache holds garbage: only the time matters
-            tokens = random_token_ids(cfg, bs)
-            for _ in range(3):
-                runner.decode(seqs, tokens)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                runner.decode(seqs, tokens)
-            torch.cuda.synchronize()
-            rows.append({"mode": mode, "batch": bs, "context": context,
-                         "step_ms": 1e3 * (time.perf_counter() - t0) / steps})
-            for s in seqs:
-                runner.release(s)
-        del runner
+            for block in (0, 4, 8, 16):
+                with synthetic_requests(decoder, bs, block, context) as reqs:
+                    ms = 1e3 * time_step(decoder, reqs, block, repeats=30)
+                rows.append({"dtype": dtype, "batch": bs, "block": block, "context": context, "step_ms": ms})
+        del decoder
     return rows
 
 
 def _profile(out_dir: str, steps: int = 5) -> list[dict]:
-    """What one decode step launches (the static path run eagerly: the kernels a graph
-    replays), embedded shape, bf16, Triton attention; the per-kernel tables go to OUT_DIR."""
+    """What one plain or speculative step launches (run eagerly: the kernels a graph replays),
+    embedded shape, fp32 and bf16, Triton attention; the per-kernel tables go to OUT_DIR."""
     from torch.profiler import ProfilerActivity, profile
 
-    cfg = SHAPES["embedded"]
-    pages_each = -(-(128 + 2 * steps) // 64)
-    runner = ModelRunner(cfg, random_weights(cfg, torch.bfloat16, "cuda"), dtype="bf16", device="cuda",
-                         num_pages=32 * pages_each, page_size=64, enforce_eager=True)
-    runner.decode_graphs = DecodeGraphs(runner, (1, 32), capture=False)
     rows = []
-    for bs in (1, 32):
-        seqs = [SeqCache() for _ in range(bs)]
-        for s in seqs:
-            runner.reserve(s, 128 + 2 * steps)
-            s.length = 128
-        tokens = random_token_ids(cfg, bs)
-        runner.decode(seqs, tokens)  # compile
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                runner.decode(seqs, tokens)
-            torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        with open(os.path.join(out_dir, f"profile_b{bs}.txt"), "w") as f:
-            f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
-        rows.append({"batch": bs, "kernels_per_step": sum(e.count for e in events) / steps,
-                     "kernel_ms_per_step": sum(e.self_device_time_total for e in events) / steps / 1e3})
-        for s in seqs:
-            runner.release(s)
+    for dtype in ("fp32", "bf16"):
+        decoder = _decoder(dtype, graphs=False)
+        for bs, block in ((1, 0), (1, 16), (32, 0), (32, 16)):
+            with synthetic_requests(decoder, bs, block, 128) as reqs, torch.inference_mode():
+                decoder.run(reqs, block)  # compile
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(steps):
+                        decoder.run(reqs, block)
+                    torch.cuda.synchronize()
+            events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+            name = f"profile_{dtype}_b{bs}_{'plain' if block == 0 else f'spec{block}'}.txt"
+            with open(os.path.join(out_dir, name), "w") as f:
+                f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30))
+            rows.append({"dtype": dtype, "batch": bs, "block": block,
+                         "kernels_per_step": sum(e.count for e in events) / steps,
+                         "kernel_ms_per_step": sum(e.self_device_time_total for e in events) / steps / 1e3,
+                         "table": name})
+        del decoder
     return rows
 
 
@@ -180,19 +217,24 @@ def _summary(results: dict) -> list[str]:
             errs = [r["max_abs_err"] for r in k if r["dtype"] == dtype]
             lines.append(f"kernel   {dtype}: max |triton - torch| {max(errs):.2e} over {len(errs)} cases")
     for r in _rows(results, "static"):
-        lines.append(f"static   {r['dtype']} {r['backend']:6} graphs={r['cuda_graphs']}: max logit diff "
+        lines.append(f"static   {r['dtype']} {r['backend']:6} T={r['T']:2}: max logit diff "
                      f"{r['max_abs_logit_diff']:.2e}, same tokens {r['same_tokens']}, kv diff {r['max_abs_kv_diff']:.1e}")
     g = results.get("greedy")
     if isinstance(g, dict):
         for name, r in g["runs"].items():
             lines.append(f"greedy   {name} vs cpu fp32: {r['identical']}/{g['prompts']} identical over 32 tokens, "
                          f"first divergence {r['first_divergence']}")
+    for r in _rows(results, "speculative"):
+        lines.append(f"spec     {r['case']}, concurrency {r['concurrency']}: {r['identical']}/{r['requests']} identical "
+                     f"to plain decoding (accept length {r['accept_length_weighted']:.2f})")
     for r in _rows(results, "replay"):
-        lines.append(f"replay   {r['mode']:6} batch {r['batch']:2}: {r['step_ms']:.3f} ms/step "
-                     f"({r['batch'] * 1e3 / r['step_ms']:.0f} tok/s)")
+        what = "plain" if r["block"] == 0 else f"spec B={r['block']:2}"
+        lines.append(f"replay   {r['dtype']} {what:10} batch {r['batch']:2}: {r['step_ms']:.3f} ms/step"
+                     + (f" ({r['batch'] * 1e3 / r['step_ms']:.0f} tok/s)" if r["block"] == 0 else ""))
     for r in _rows(results, "profile"):
-        lines.append(f"profile  batch {r['batch']:2}: {r['kernels_per_step']:.0f} kernels, "
-                     f"{r['kernel_ms_per_step']:.3f} ms of kernel time per step (profile_b{r['batch']}.txt)")
+        what = "plain" if r["block"] == 0 else f"spec B={r['block']}"
+        lines.append(f"profile  {r['dtype']} {what} batch {r['batch']:2}: {r['kernels_per_step']:.0f} kernels, "
+                     f"{r['kernel_ms_per_step']:.3f} ms of kernel time per step ({r['table']})")
     for b in (results.get("bench"), results.get("floor")):
         if not isinstance(b, dict):
             continue
@@ -222,6 +264,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir")
     p.add_argument("--model", default=None, help="model for greedy/bench (default: the embedded one)")
     p.add_argument("--skip-bench", action="store_true", help="only the correctness parts and replay timings")
+    p.add_argument("--parts", default=None, help="comma-separated parts to run (default: all)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -234,15 +277,22 @@ def run(args: argparse.Namespace) -> int:
     results: dict = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "triton": HAS_TRITON}}
     parts = {
         "kernel": lambda: kernel_check("cuda", [torch.float32, torch.bfloat16]),
-        "static": lambda: [tiny_static_check("cuda", dtype, backend, capture) for dtype in ("fp32", "bf16")
-                           for backend, capture in (("triton", True), ("torch", True), ("triton", False))],
+        "static": lambda: [tiny_static_check("cuda", dtype, backend, T) for dtype in ("fp32", "bf16")
+                           for backend in ("triton", "torch") for T in (1, 4)],
         "greedy": lambda: _greedy(args.model),
+        "speculative": lambda: _speculative(args.model),
         "replay": _replay,
         "profile": lambda: _profile(args.out_dir),
     }
     if not args.skip_bench:
         parts["bench"] = lambda: _bench(args.out_dir, args.model, floor=False)
         parts["floor"] = lambda: _bench(args.out_dir, args.model, floor=True)
+    if args.parts:
+        wanted = args.parts.split(",")
+        unknown = set(wanted) - set(parts)
+        if unknown:
+            raise ValueError(f"--parts: unknown {sorted(unknown)}; parts are {list(parts)}")
+        parts = {name: fn for name, fn in parts.items() if name in wanted}
     t_start = time.perf_counter()
     for name, fn in parts.items():
         t0 = time.perf_counter()

@@ -1,0 +1,91 @@
+"""The speculation policy's decisions (pure Python, no model): with step costs where a block of
+4 costs 1.5 plain steps, it speculates nearly always with a drafter that pays, nearly never with
+one that does not, and follows a drafter whose acceptance changes; and a pinned block is kept."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from common.engine.sampling import SamplingParams
+from common.engine.spec_policy import SpecConfig, SpecPolicy, StepCosts
+from common.engine.spec_stats import SpecStats
+
+COSTS = StepCosts(128, {(1, 0): 1.0, (1, 4): 1.5, (1, 8): 1.9, (1, 16): 2.6})
+
+
+def request() -> SimpleNamespace:
+    return SimpleNamespace(spec=SpecStats(16), cache=SimpleNamespace(length=100), output_ids=[1],
+                           params=SamplingParams(max_new_tokens=1 << 20))
+
+
+def run(policy: SpecPolicy, req, steps: int, hit: float, rng: random.Random) -> int:
+    """`steps` decode steps whose drafts are right at each position with probability `hit`;
+    returns how many speculated."""
+    speculated = 0
+    for _ in range(steps):
+        block = policy.choose([req])
+        if block:
+            drafted = 0
+            while drafted < block - 1 and rng.random() < hit:
+                drafted += 1
+            req.spec.record(drafted, block, drafted)
+            policy.observe(drafted, block)
+            speculated += 1
+    return speculated
+
+
+@pytest.mark.parametrize("hit, low, high", [(0.0, 0.0, 0.02), (0.25, 0.0, 0.05), (0.7, 0.95, 1.0)])
+def test_speculates_when_it_pays(hit, low, high):
+    """E[tokens | 4] = 1 + h + h^2 + h^3 against a cost of 1.5: 1.0 and 1.33 lose, 2.53 wins."""
+    policy = SpecPolicy(16, SpecConfig(), COSTS)
+    share = run(policy, request(), 3000, hit, random.Random(0)) / 3000
+    assert low <= share <= high, share
+
+
+def test_follows_a_drafter_that_starts_hitting():
+    policy, rng, req = SpecPolicy(16, SpecConfig(), COSTS), random.Random(1), request()
+    assert run(policy, req, 1000, 0.0, rng) < 25
+    # After its evidence of poor drafts has faded, speculation is tried again, and stays.
+    run(policy, req, 500, 0.7, rng)
+    assert run(policy, req, 500, 0.7, rng) > 480
+
+
+def test_pinned_block_is_kept():
+    policy = SpecPolicy(16, SpecConfig(block=8), COSTS)
+    assert run(policy, request(), 50, 0.0, random.Random(2)) == 50
+
+
+def test_step_costs_are_measured_once_and_kept(tmp_path):
+    """On a tiny random model and drafter (CPU): costs for plain steps and each block, at short
+    and long contexts; the second engine of the same model reads them from the cache folder."""
+    from common.dflash.drafter import Drafter
+    from common.dflash.proposer import DFlashProposer
+    from common.engine.engine import Engine
+    from common.runner.model_runner import ModelRunner
+
+    from tiny_models import random_model, save_random_drafter
+
+    cfg, tensors = random_model(num_layers=2)
+    drafter_dir = save_random_drafter(cfg, (0, 1), str(tmp_path / "drafter"))
+    config = SpecConfig(cache_dir=str(tmp_path / "cache"))
+
+    def engine() -> Engine:
+        runner = ModelRunner(cfg, tensors, num_pages=128, page_size=16)
+        proposer = DFlashProposer(Drafter.load(drafter_dir), runner, runner.pool.num_pages)
+        return Engine(runner, (0,), proposer=proposer, spec=config)
+
+    first = engine().policy.costs
+    assert {b for _, b in first.base} == {0, 4} and {r for r, _ in first.base} == {1, 4}  # block 4: the drafter's
+    assert all(c > 0 for c in first.base.values()) and first.slope[4] >= first.slope[0] >= 0
+    [kept] = list((tmp_path / "cache" / "step-costs").iterdir())
+    second = engine().policy.costs
+    assert second.to_json() == first.to_json() and list((tmp_path / "cache" / "step-costs").iterdir()) == [kept]
+
+
+def test_costs_between_and_past_the_measured_batches():
+    costs = StepCosts(128, {(1, 4): 1.0, (4, 4): 2.0}, {4: 0.01})
+    assert costs.cost(2, 4, 128) == pytest.approx(1 + 1 / 3)  # between 1 and 4: on the line
+    assert costs.cost(8, 4, 128) == pytest.approx(1 + 7 / 3)  # past 4: the last segment extended
+    assert costs.cost(1, 4, 228) == pytest.approx(2.0)  # 100 more tokens of context for one row
