@@ -87,10 +87,10 @@ def test_chat_through_the_openai_client(stack: Stack) -> None:
 
 
 def test_concurrent_requests_keep_their_own_rooms(stack: Stack) -> None:
-    alone = {p: generate(stack, p)["output_ids"] for p in PROMPTS}
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        together = list(pool.map(lambda p: generate(stack, p)["output_ids"], PROMPTS * 2))
-    assert together == [alone[p] for p in PROMPTS * 2]
+    alone = {p: generate(stack, p)["output_ids"] for p in PROMPTS[:4]}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda p: generate(stack, p)["output_ids"], PROMPTS[:4] * 2))
+    assert together == [alone[p] for p in PROMPTS[:4] * 2]
     wait_all_pages_free(stack)
 
 

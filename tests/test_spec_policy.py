@@ -36,9 +36,9 @@ def run(policy: SpecPolicy, req, steps: int, hit: float, rng: random.Random) -> 
     return speculated
 
 
-@pytest.mark.parametrize("hit, low, high", [(0.0, 0.0, 0.02), (0.25, 0.0, 0.05), (0.7, 0.95, 1.0)])
+@pytest.mark.parametrize("hit, low, high", [(0.0, 0.0, 0.03), (0.25, 0.0, 0.06), (0.55, 0.9, 1.0), (0.7, 0.95, 1.0)])
 def test_speculates_when_it_pays(hit, low, high):
-    """E[tokens | 4] = 1 + h + h^2 + h^3 against a cost of 1.5: 1.0 and 1.33 lose, 2.53 wins."""
+    """E[tokens | 4] = 1 + h + h^2 + h^3 against a cost of 1.5: 1.0 and 1.33 lose, 2.0 and 2.53 win."""
     policy = SpecPolicy(16, SpecConfig(), COSTS)
     share = run(policy, request(), 3000, hit, random.Random(0)) / 3000
     assert low <= share <= high, share
@@ -46,7 +46,7 @@ def test_speculates_when_it_pays(hit, low, high):
 
 def test_follows_a_drafter_that_starts_hitting():
     policy, rng, req = SpecPolicy(16, SpecConfig(), COSTS), random.Random(1), request()
-    assert run(policy, req, 1000, 0.0, rng) < 25
+    assert run(policy, req, 1000, 0.0, rng) < 35
     # After its evidence of poor drafts has faded, speculation is tried again, and stays.
     run(policy, req, 500, 0.7, rng)
     assert run(policy, req, 500, 0.7, rng) > 480

@@ -128,7 +128,8 @@ class DFlashProposer(DraftPages):
         x = self.target.model.embed_tokens(ids.flatten())
         cos, sin = self._rope(positions.flatten(), x.dtype)
         hidden = self.drafter.blocks(x, cos, sin, lambda i, q, k, v: paged_attention(q, k, v, self.kv[i], meta))
-        return self.target.model.logits(hidden.view(rows, B, -1)[:, 1:]).argmax(-1)
+        drafted = hidden.view(rows, B, -1)[:, 1:].reshape(rows * (B - 1), -1)
+        return self.target.model.logits(drafted).argmax(-1).view(rows, B - 1)
 
     def append_static(self, captured: dict[int, torch.Tensor], positions: torch.Tensor, pages: torch.Tensor) -> None:
         """Draft KV of a step's tokens at positions [rows, T] (captured rows in the same order),

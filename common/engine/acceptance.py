@@ -7,35 +7,49 @@ the prior (another estimate) weighs s trials. Evidence fades with every decode s
 or not, so that what plain steps cannot teach (they verify nothing) is eventually tried again:
 a policy that stopped speculating because the drafts were poor speculates again once its
 evidence has faded back toward the prior, and stops again after a few steps if they still are.
+The estimate leans a little toward speculating where the evidence is thin (`optimism` standard
+errors above the mean): a few unlucky verify steps early on then do not switch a drafter that
+pays off for hundreds of steps.
+
+The policy weighs every running request at every step, so the arithmetic is numpy over the
+whole batch (`estimates`), and fading multiplies one scale per request instead of its counts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import numpy as np
 
 
-@dataclass
 class Acceptance:
-    hits: list[float] = field(default_factory=list)
-    trials: list[float] = field(default_factory=list)
+    def __init__(self, max_block: int):
+        # Counts in units of `scale`: a count is hits[i] * scale.
+        self.hits = np.zeros(max_block)
+        self.trials = np.zeros(max_block)
+        self.scale = 1.0
 
     def observe(self, drafted: int, block: int) -> None:
-        if len(self.trials) < block:
-            grow = block - len(self.trials)
-            self.hits += [0.0] * grow
-            self.trials += [0.0] * grow
-        for i in range(1, block):
-            self.trials[i] += 1.0
-            self.hits[i] += float(drafted >= i)
+        one = 1.0 / self.scale
+        self.trials[1:block] += one
+        self.hits[1:drafted + 1] += one
 
     def fade(self, keep: float) -> None:
         """One decode step passed: every count keeps this share."""
-        self.hits = [h * keep for h in self.hits]
-        self.trials = [t * keep for t in self.trials]
+        self.scale *= keep
+        if self.scale < 1e-100:  # fold it into the counts before it underflows
+            self.hits *= self.scale
+            self.trials *= self.scale
+            self.scale = 1.0
 
-    def estimate(self, prior: list[float], strength: float) -> list[float]:
-        """P(at least i drafts accepted) for i < len(prior); [0] is 1."""
-        out = [1.0]
-        for i in range(1, len(prior)):
-            h, t = (self.hits[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
-            out.append((h + strength * prior[i]) / (t + strength))
-        return out
+    def estimate(self, prior: np.ndarray, strength: float, optimism: float = 0.0) -> np.ndarray:
+        """P(at least i drafts accepted) for each i < len(prior); [0] is 1."""
+        return estimates([self], prior, strength, optimism)[0]
+
+
+def estimates(evidence: list[Acceptance], prior: np.ndarray, strength: float, optimism: float = 0.0) -> np.ndarray:
+    """[len(evidence), len(prior)]: each one's estimate, with the same prior."""
+    scale = np.array([e.scale for e in evidence])[:, None]
+    hits = np.stack([e.hits for e in evidence]) * scale
+    trials = np.stack([e.trials for e in evidence]) * scale + strength
+    p = (hits + strength * prior) / trials
+    p = np.minimum(1.0, p + optimism * np.sqrt(p * (1.0 - p) / trials))
+    p[:, 0] = 1.0
+    return p

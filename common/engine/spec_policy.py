@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.engine.acceptance import Acceptance
+import numpy as np
+
+from common.engine.acceptance import Acceptance, estimates
 from common.engine.request import Request
 
 BLOCKS = (4, 8, 16)
@@ -30,6 +32,11 @@ GLOBAL_STRENGTH = 8.0  # the prior counts as this many verify steps in the estim
 REQUEST_STRENGTH = 4.0  # the estimate over all requests counts as this many of a request's own steps
 GLOBAL_KEEP = 0.998  # evidence over all requests kept per decode step (half-life ~350 steps)
 REQUEST_KEEP = 0.98  # a request's own evidence kept per decode step (half-life ~35 steps)
+OPTIMISM = 0.25  # standard errors the estimates lean toward speculating (acceptance.py)
+# A clear decision (one choice CLEAR times the other's rate) holds for HOLD more steps of the same
+# batch: the estimates move slowly, and weighing them takes tens of microseconds, a few percent
+# of a small batch's GPU step.
+CLEAR, HOLD = 1.25, 6
 
 
 @dataclass(frozen=True)
@@ -48,8 +55,11 @@ class StepCosts:
     base: dict[tuple[int, int], float]
     slope: dict[int, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self._rows = {b: sorted(r for r, bb in self.base if bb == b) for b in {b for _, b in self.base}}
+
     def cost(self, rows: int, block: int, context: float) -> float:
-        measured = sorted(r for r, b in self.base if b == block)
+        measured = self._rows[block]
         lo = max((r for r in measured if r <= rows), default=measured[0])
         hi = min((r for r in measured if r >= rows), default=measured[-1])
         if lo == hi and rows > hi and len(measured) > 1:  # past the largest: extend the last segment
@@ -72,8 +82,9 @@ class SpecPolicy:
         self.pinned = config.block
         self.blocks = [b for b in config.blocks if b <= max_block] or [max_block]
         self.costs = costs  # None: only a pinned block (or the largest) is ever used
-        self.prior = [PRIOR_REACH ** i for i in range(max_block)]
-        self.acceptance = Acceptance()  # over all requests
+        self.prior = PRIOR_REACH ** np.arange(max_block)
+        self.acceptance = Acceptance(max_block)  # over all requests
+        self._held: tuple[tuple[int, ...], int, int] = ((), 0, 0)  # (batch, choice, steps left)
 
     def choose(self, reqs: list[Request]) -> int:
         """The block for the next step of these requests; 0 = a plain step."""
@@ -84,17 +95,24 @@ class SpecPolicy:
             return self.pinned
         if self.costs is None:
             return self.blocks[-1]
+        batch = tuple(id(r) for r in reqs)
+        held_batch, held_choice, left_steps = self._held
+        if batch == held_batch and left_steps > 0:
+            self._held = (batch, held_choice, left_steps - 1)
+            return held_choice
         rows = len(reqs)
         context = sum(r.cache.length for r in reqs) / rows
-        shared = self.acceptance.estimate(self.prior, GLOBAL_STRENGTH)
-        reach = [r.spec.acceptance.estimate(shared, REQUEST_STRENGTH) for r in reqs]
-        left = [r.params.max_new_tokens - len(r.output_ids) for r in reqs]
-        best, best_rate = 0, rows / self.costs.cost(rows, 0, context)
+        shared = self.acceptance.estimate(self.prior, GLOBAL_STRENGTH, OPTIMISM)
+        expected = estimates([r.spec.acceptance for r in reqs], shared, REQUEST_STRENGTH, OPTIMISM).cumsum(1)
+        left = np.array([r.params.max_new_tokens - len(r.output_ids) for r in reqs])
+        # Tokens per second of each choice; E[tokens | B] = 1 + P(>= 1) + ... + P(>= B-1).
+        rates = {0: rows / self.costs.cost(rows, 0, context)}
         for block in self.blocks:
-            tokens = sum(min(n, 1.0 + sum(p[1:block])) for p, n in zip(reach, left))
-            rate = tokens / self.costs.cost(rows, block, context)
-            if rate > best_rate:
-                best, best_rate = block, rate
+            rates[block] = np.minimum(left, expected[:, block - 1]).sum() / self.costs.cost(rows, block, context)
+        best = max(rates, key=rates.get)
+        plain, spec = rates[0], max(rates[b] for b in self.blocks)
+        clear = max(plain, spec) >= CLEAR * min(plain, spec)
+        self._held = (batch, best, HOLD if clear else 0)
         return best
 
     def observe(self, drafted: int, block: int) -> None:

@@ -17,11 +17,12 @@ class SpecStats:
     plain_steps: int = 0  # decode steps of one token, without speculation
     histogram: list[int] = field(default_factory=list)  # [k] = verify steps that accepted k drafts
     block_histogram: list[int] = field(default_factory=list)  # [b] = verify steps with a block of b
-    acceptance: Acceptance = field(default_factory=Acceptance)
+    acceptance: Acceptance | None = None  # set in __post_init__
 
     def __post_init__(self) -> None:
         self.histogram = self.histogram or [0] * self.max_block
         self.block_histogram = self.block_histogram or [0] * (self.max_block + 1)
+        self.acceptance = self.acceptance or Acceptance(self.max_block)
 
     def record(self, accepted: int, block: int, drafted: int) -> None:
         """One verify step with a block of `block` that committed `accepted` drafts; the drafter

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 SHORT, LONG = 128, 4096
 CPU_ROWS = (1, 4)
 SLOPE_ROWS = {"cuda": 4, "cpu": 1}
+STEP_CODE = ("common.engine.decoder", "common.engine.sampling", "common.model.transformer",
+             "common.model.static_attention", "common.model.attention", "common.runner.model_runner")
 
 
 def step_costs(decoder: Decoder, config: SpecConfig, blocks: list[int]) -> StepCosts:
@@ -62,37 +65,42 @@ def measure(decoder: Decoder, blocks: list[int]) -> StepCosts:
     rows_list = [r for r in (decoder.sizes if graphs else CPU_ROWS) if r <= decoder.max_rows]
     short = min(SHORT, runner.cfg.max_position // 4)
     long = min(LONG, runner.cfg.max_position // 2, runner.pool.num_pages * runner.page_size // 2)
-    repeats = 7 if graphs else 2
-    base, slope = {}, {}
-    for block in [0, *blocks]:
-        for rows in rows_list:
-            base[(rows, block)] = _time(decoder, rows, block, short, repeats)
-        rows = min(SLOPE_ROWS.get(runner.device.type, 1), rows_list[-1])
-        slope[block] = max(0.0, (_time(decoder, rows, block, long, repeats) - base[(rows, block)])
-                           / (rows * (long - short)))
-        # A speculative step reads all the context a plain one reads (and the draft's): whatever
-        # the timing noise says, a longer context never makes it relatively cheaper.
-        slope[block] = max(slope[block], slope[0])
+    repeats = 7 if graphs else 3
+    steps = [0, *blocks]
+    base = {}
+    for rows in rows_list:
+        base |= {(rows, b): t for b, t in _times(decoder, rows, steps, short, repeats).items()}
+    rows = min(SLOPE_ROWS.get(runner.device.type, 1), rows_list[-1])
+    at_long = _times(decoder, rows, steps, long, repeats)
+    slope = {b: max(0.0, (at_long[b] - base[(rows, b)]) / (rows * (long - short))) for b in steps}
+    # A speculative step reads all the context a plain one reads (and the draft's): whatever
+    # the timing noise says, a longer context never makes it relatively cheaper.
+    slope = {b: max(s, slope[0]) for b, s in slope.items()}
     return StepCosts(short, base, slope)
 
 
-def _time(decoder: Decoder, rows: int, block: int, context: int, repeats: int) -> float:
-    with synthetic_requests(decoder, rows, block, context) as reqs:
-        return time_step(decoder, reqs, block, repeats)
+def _times(decoder: Decoder, rows: int, blocks: list[int], context: int, repeats: int) -> dict[int, float]:
+    with synthetic_requests(decoder, rows, max(blocks), context) as reqs:
+        return step_times(decoder, reqs, blocks, repeats)
 
 
-def time_step(decoder: Decoder, reqs: list[Request], block: int, repeats: int) -> float:
-    """Seconds of one step of these requests (block 0: plain), host synchronisation included:
-    the median of `repeats` runs with CUDA graphs, else the fastest; the first run, which may
-    capture a graph, untimed. The requests do not advance."""
+def step_times(decoder: Decoder, reqs: list[Request], blocks: list[int], repeats: int) -> dict[int, float]:
+    """Seconds of one step of these requests with each block (0: plain), host synchronisation
+    included; the requests do not advance. The blocks take turns run by run, so that a machine
+    whose speed drifts (other processes, clocks) slows them alike; the first run of each, which
+    may capture a graph, is not timed. The median of `repeats` with CUDA graphs; on a CPU the
+    fastest, since load from elsewhere only ever slows a run down."""
     with torch.inference_mode():
-        decoder.run(reqs, block)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+        for block in blocks:
             decoder.run(reqs, block)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) if decoder.graphs.enabled else min(times)
+        times: dict[int, list[float]] = {b: [] for b in blocks}
+        for _ in range(repeats):
+            for block in blocks:
+                t0 = time.perf_counter()
+                decoder.run(reqs, block)
+                times[block].append(time.perf_counter() - t0)
+    pick = statistics.median if decoder.graphs.enabled else min
+    return {b: pick(ts) for b, ts in times.items()}
 
 
 @contextlib.contextmanager
@@ -122,12 +130,18 @@ def synthetic_requests(decoder: Decoder, rows: int, block: int, context: int) ->
 
 
 def _signature(decoder: Decoder, blocks: list[int]) -> str:
+    """What the costs depend on: the model, drafter, device, software, settings, and the code of
+    the step itself (a change to it measures again)."""
     runner, proposer = decoder.runner, decoder.proposer
+    code = hashlib.sha256()
+    for module in (*STEP_CODE, *([type(proposer).__module__] if proposer is not None else [])):
+        with open(importlib.import_module(module).__file__, "rb") as f:
+            code.update(f.read())
     device = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else \
         f"{platform.machine()} {platform.processor()} x{os.cpu_count()}"
     facts = {"model": asdict(runner.cfg), "proposer": proposer.name if proposer is not None else None,
              "dtype": str(runner.dtype), "device": device, "torch": torch.__version__, "graphs": decoder.graphs.enabled,
              "sizes": decoder.sizes, "page_size": runner.page_size, "blocks": blocks, "layout": asdict(runner.layout),
-             "short": SHORT, "long": LONG}
+             "short": SHORT, "long": LONG, "code": code.hexdigest()}
     text = json.dumps(facts, sort_keys=True, default=lambda o: asdict(o) if is_dataclass(o) else str(o))
     return f"{runner.cfg.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.model.static_attention import StaticAttn
+from common.model.static_attention import StaticAttn, gather_pages
 
 
 @dataclass
@@ -134,7 +134,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kb, vb = kv_layer[0, first:first + n], kv_layer[1, first:first + n]
     else:
         pages = meta.kv_pages.flatten()
-        kb, vb = kv_layer[0].index_select(0, pages), kv_layer[1].index_select(0, pages)
+        kb, vb = gather_pages(kv_layer[0], pages), gather_pages(kv_layer[1], pages)
     kb = kb.view(B, -1, *k.shape[1:])[:, :meta.max_kv].transpose(1, 2)  # [B, Hkv, maxKV, d]
     vb = vb.view(B, -1, *v.shape[1:])[:, :meta.max_kv].transpose(1, 2)
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.mask, enable_gqa=gqa)
