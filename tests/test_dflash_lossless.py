@@ -16,6 +16,7 @@ from common.engine.meta import meta_info
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.engine.spec_policy import SpecConfig, StepCosts
+from common.model.tokenizer import IncrementalDecoder, Tokenizer
 from common.tools.bench import stats
 
 QUESTIONS = [
@@ -64,13 +65,20 @@ CASES = {
     "seeded": lambda i: SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=i),
     "nucleus": lambda i: SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, top_p=0.95, top_k=50, seed=i),
     "stops": lambda i: SamplingParams(max_new_tokens=3 + i % 11, stop_token_ids=(PERIOD,)),
+    # Stop strings end a request on the host, after a step that may have committed tokens past
+    # them: those must be dropped, as plain decoding never makes them.
+    "stop-strings": lambda i: SamplingParams(max_new_tokens=2 * MAX_NEW, stop=(" the", ",")),
 }
 # (concurrency, prompts, case): all 32 prompts batched, and a subset one at a time.
-RUNS = [(8, 32, "greedy"), (8, 12, "seeded"), (8, 24, "stops"), (1, 8, "greedy"), (1, 8, "nucleus"), (1, 8, "stops")]
+RUNS = [(8, 32, "greedy"), (8, 12, "seeded"), (8, 24, "stops"), (8, 24, "stop-strings"), (1, 6, "greedy"),
+        (1, 4, "nucleus"), (1, 4, "stops"), (1, 4, "stop-strings")]
 
 
-def run_all(engine: Engine, prompts: list[list[int]], concurrency: int, case: str = "greedy") -> list[Request]:
-    reqs = [Request(uuid.uuid4().hex, ids, CASES[case](i)) for i, ids in enumerate(prompts)]
+def run_all(engine: Engine, prompts: list[list[int]], concurrency: int, case: str = "greedy",
+            tok: Tokenizer | None = None) -> list[Request]:
+    params = [CASES[case](i) for i in range(len(prompts))]
+    reqs = [Request(uuid.uuid4().hex, ids, p, decoder=IncrementalDecoder(tok, p.stop) if p.stop else None)
+            for ids, p in zip(prompts, params)]
     engine.run_all(reqs, concurrency)
     return reqs
 
@@ -82,7 +90,8 @@ def check_invariants(meta: dict) -> None:
 @pytest.fixture(scope="module")
 def plain_outputs(runner, embedded_tokenizer, prompts) -> dict[str, list[list[int]]]:
     engine = Engine(runner, embedded_tokenizer.eos_token_ids)
-    return {case: [r.output_ids for r in run_all(engine, prompts[:max(n for _, n, c in RUNS if c == case)], 8, case)]
+    return {case: [r.output_ids for r in run_all(engine, prompts[:max(n for _, n, c in RUNS if c == case)], 8, case,
+                                                 embedded_tokenizer)]
             for case in CASES}
 
 
@@ -99,13 +108,15 @@ def test_in_process_lossless(runner, proposer, embedded_tokenizer, prompts, plai
     """All 32 prompts batched (requests join and leave the batch at different steps), and a
     subset one at a time, with the block pinned to the drafter's 16."""
     engine = Engine(runner, embedded_tokenizer.eos_token_ids, chunk_size=37, proposer=proposer, spec=SpecConfig(block=16))
-    reqs = run_all(engine, prompts[:count], concurrency, case)
+    reqs = run_all(engine, prompts[:count], concurrency, case, embedded_tokenizer)
     assert len(reqs) == count
     for req, plain in zip(reqs, plain_outputs[case]):
         assert req.output_ids == plain, f"speculative output differs for prompt {req.prompt_ids[:8]}..."
         check_invariants(meta_info(req))
     if case == "stops" and count > 8:
         assert any(r.matched_stop == PERIOD for r in reqs)  # some stopped on the token, inside a block
+    if case == "stop-strings" and count > 8:
+        assert any(isinstance(r.matched_stop, str) for r in reqs)
     assert runner.pool.num_free == runner.pool.num_pages
     assert proposer.pool.num_free == proposer.pool.num_pages
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.decoder import Decoder
+from common.engine.decoder import BATCH_SIZES, Decoder
 from common.engine.proposer import ContextProposer, Proposer
 from common.engine.request import Request
 from common.engine.sampling import InvalidRequest, sample
@@ -40,7 +40,8 @@ class StepOutput:
 class Engine:
     def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], *,
                  chunk_size: int = 8192, max_running: int = 256, prefill_only: bool = False,
-                 proposer: ContextProposer | Proposer | None = None, spec: SpecConfig = SpecConfig()):
+                 proposer: ContextProposer | Proposer | None = None, spec: SpecConfig = SpecConfig(),
+                 batch_sizes: tuple[int, ...] = BATCH_SIZES):
         self.runner = runner
         # With a proposer, prefill also builds the prompt's draft KV and decode is speculative.
         self.proposer = proposer
@@ -57,14 +58,14 @@ class Engine:
         self.policy: SpecPolicy | None = None
         self.decoder: Decoder | None = None
         if not prefill_only:
-            self._start_decoder(spec)
+            self._start_decoder(spec, batch_sizes)
 
-    def _start_decoder(self, spec: SpecConfig) -> None:
+    def _start_decoder(self, spec: SpecConfig, batch_sizes: tuple[int, ...]) -> None:
         proposer = self.proposer
         if proposer is not None:
             self.max_block = max(proposer.block_size, spec.block or 0)
             self.policy = SpecPolicy(self.max_block, spec)
-        self.decoder = Decoder(self.runner, self.eos_token_ids, proposer, self.policy)
+        self.decoder = Decoder(self.runner, self.eos_token_ids, proposer, self.policy, batch_sizes)
         if self.policy is not None and spec.block is None:
             # Costs of plain and speculative steps on this device: what the policy weighs.
             self.policy.costs = step_costs(self.decoder, spec, self.policy.blocks)
@@ -157,6 +158,14 @@ class Engine:
         for _ in self.run(reqs, concurrency):
             pass
 
+    @staticmethod
+    def _output(req: Request, committed: int) -> StepOutput:
+        """What a step gave a request; its text first, since a stop string in it drops the
+        tokens a speculative step committed after it."""
+        start = len(req.output_ids) - committed
+        text = req.take_text()
+        return StepOutput(req, req.output_ids[start:], text, req.finished)
+
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         self._admit()
@@ -219,7 +228,7 @@ class Engine:
     def _decode_step(self) -> list[StepOutput]:
         batch = self.running
         committed = self.decoder.step(batch)
-        outputs = [StepOutput(req, new, req.take_text(), req.finished) for req, new in zip(batch, committed)]
+        outputs = [self._output(req, len(new)) for req, new in zip(batch, committed)]
         for out in outputs:
             if out.finished:
                 self.running.remove(out.req)

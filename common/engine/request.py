@@ -27,6 +27,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     seed: int = -1  # sampling seed: params.seed, or a fresh one (set at creation)
+    texted: int = 0  # output ids that take_text has seen
 
     def __post_init__(self) -> None:
         self.seed = self.params.seed if self.params.seed is not None else new_seed()
@@ -77,4 +78,17 @@ class Request:
         delta = self.decoder.update(self.output_ids, self.finished)
         if self.decoder.matched_stop is not None and self.finish_reason != "stop":
             self.finish_reason, self.matched_stop = "stop", self.decoder.matched_stop
+            self._cut_at_stop_string()
+        self.texted = len(self.output_ids)
         return delta
+
+    def _cut_at_stop_string(self) -> None:
+        """Keep the output up to the token that completed the stop string. A speculative step
+        commits several tokens at once; plain decoding would have stopped at that one, and the
+        text (already cut at the stop string) must not differ from the ids. The ids seen by the
+        last call did not hold the stop string, so the search starts after them."""
+        decode, stop = self.decoder.tokenizer.decode, self.matched_stop
+        for n in range(self.texted + 1, len(self.output_ids)):
+            if stop in decode(self.output_ids[:n]):
+                del self.output_ids[n:]
+                return
