@@ -1,6 +1,7 @@
 """`pdflash dflash train` on CPU with tiny settings: the training attention mask and labels,
-the self-distillation data (equal to what the Engine generates; resumable), a loss that falls
-on a fixed batch, the saved drafter, and a resumed run equal to an uninterrupted one."""
+the self-distillation data (equal to what the Engine generates; sharded, resumable, stopped by
+a time limit; every source posed as it should be), a loss that falls on a fixed batch, the saved
+drafter, a resumed run equal to an uninterrupted one, and `dflash eval`."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,10 @@ from common.dflash.drafter import Drafter
 from common.engine.engine import Engine
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
-from common.tools.drafter.data import GenSettings, Sequence, file_sha256, generate, load_sequences, read_prompts
+from common.tools.bench import gsm8k_data
+from common.tools.drafter import sources
+from common.tools.drafter.data import DataStore, GenSettings, Sequence, file_sha256, generate, read_prompts
+from common.tools.drafter.evaluate import eval_prompts, evaluate
 from common.tools.drafter.objective import (
     IGNORE,
     block_attention_mask,
@@ -27,6 +31,7 @@ from common.tools.drafter.train import add_args, drafter_config, train
 from common.tools.drafter.trainer import Trainer
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "fixtures", "dflash_prompts.jsonl")
+WORKED = gsm8k_data.DEFAULT_TRAIN  # shipped questions with worked answers (the few-shot format)
 NEW_TOKENS = 6
 
 
@@ -70,8 +75,8 @@ def test_block_attention_mask():
 
 
 def test_anchors_and_labels():
-    seqs = [Sequence(0, 0, 5, torch.arange(100, 112).int().numpy()),  # response 5..11
-            Sequence(1, 0, 3, torch.arange(200, 206).int().numpy())]  # response 3..5: anchors 3, 4
+    seqs = [Sequence("chat", 0, 0, 5, torch.arange(100, 112).int().numpy()),  # response 5..11
+            Sequence("chat", 1, 0, 3, torch.arange(200, 206).int().numpy())]  # response 3..5: anchors 3, 4
     batch = make_batch(seqs)
     anchors, ok = sample_anchors(batch, 4, torch.Generator().manual_seed(0))
     assert anchors.shape == (2, 4)
@@ -101,54 +106,95 @@ def target():
     torch.set_num_threads(threads)
 
 
+def settings_for(runner, path: str = PROMPTS, **changes) -> GenSettings:
+    return GenSettings(**{"model": runner.cfg.name, "prompts": os.path.basename(path),
+                          "prompts_sha256": file_sha256(path), "prompt_field": "question", "shots": 2,
+                          "gen_max_new_tokens": NEW_TOKENS, "sample_temperatures": [0.8, 1.1], "sample_top_p": 0.95,
+                          "seed": 0, **changes})
+
+
+def chat_sources(tok, questions: list[str], samples: int) -> list[sources.Source]:
+    return sources.build(tok, questions, None, formats=("chat",), shots=0, samples=samples, self_math=0,
+                         self_chat=0, seed=0)
+
+
 @pytest.fixture(scope="module")
 def dataset(target, tmp_path_factory):
-    """Greedy + one sampled answer for the fixture prompts, generated in two runs (the second
-    resumes the file); returns (path, prompts, settings)."""
+    """Greedy + two sampled answers for the fixture prompts, generated in three runs: one
+    stopped by its time limit at once, one of two prompts, and one that resumes the folder
+    (after a torn line) with a third prompt and the samples. Returns (store, sources)."""
     runner, tok = target
-    path = str(tmp_path_factory.mktemp("data") / "data.jsonl")
-    prompts = read_prompts(PROMPTS, "question", 3)
-    settings = GenSettings(model=runner.cfg.name, prompts=os.path.basename(PROMPTS),
-                           prompts_sha256=file_sha256(PROMPTS), prompt_field="question",
-                           chat_template=True, gen_max_new_tokens=NEW_TOKENS, sample_temperature=0.8,
-                           sample_top_p=0.95, seed=0)
-    first = generate(runner, tok, prompts[:2], path, settings, samples_per_prompt=0, progress=False)
-    assert first["generated"] == 2 and first["reused"] == 0
-    with open(path, "a") as f:
-        f.write('{"i": 2, "k": 0, "prompt_len": 3, "ids": [1, 2')  # a torn line from a killed run
-    second = generate(runner, tok, prompts, path, settings, samples_per_prompt=1, progress=False)
-    assert second["reused"] == 2 and second["generated"] == 4
-    return path, prompts, settings
+    folder = str(tmp_path_factory.mktemp("data") / "data")
+    questions = [r["question"] for r in read_prompts(PROMPTS, "question", 3)]
+    settings = settings_for(runner)
+    stopped = generate(runner, tok, chat_sources(tok, questions[:2], 0), DataStore(folder, settings), max_running=8,
+                       time_limit=0.0, progress=False)
+    assert stopped["stopped"] == "time limit" and stopped["generated"] == 0
+    first = generate(runner, tok, chat_sources(tok, questions[:2], 0), DataStore(folder, settings), max_running=8,
+                     progress=False)
+    assert first["generated"] == 2 and first["reused"] == 0 and first["stopped"] == "done"
+    with open(os.path.join(folder, "chat-0000.jsonl"), "a") as f:
+        f.write('{"i": 2, "k": 0, "t": 0.0, "prompt_len": 3, "ids": [1, 2')  # a torn line from a killed run
+    srcs = chat_sources(tok, questions, 2)
+    second = generate(runner, tok, srcs, DataStore(folder, settings), max_running=8, progress=False)
+    assert second["reused"] == 2 and second["generated"] == 7
+    return DataStore(folder, settings), srcs
 
 
 def test_data_matches_engine(target, dataset):
     runner, tok = target
-    path, prompts, settings = dataset
-    meta, seqs = load_sequences(path)
-    assert meta["gen_max_new_tokens"] == NEW_TOKENS
-    assert sorted((s.i, s.k) for s in seqs) == [(i, k) for i in range(3) for k in range(2)]
+    store, srcs = dataset
+    seqs = store.sequences(srcs)
+    assert sorted((s.i, s.k) for s in seqs) == [(i, k) for i in range(3) for k in range(3)]
+    assert {s.temperature for s in seqs if s.k} == {0.8, 1.1}  # the temperatures cycle over the samples
     engine = Engine(runner, tok.eos_token_ids, max_running=8)
-    reqs = []
-    for i, q in enumerate(prompts):
-        reqs.append(Request(f"ref{i}", tok.apply_chat_template([{"role": "user", "content": q}]),
-                            SamplingParams(max_new_tokens=NEW_TOKENS)))
+    questions = [r["question"] for r in read_prompts(PROMPTS, "question", 3)]
+    reqs = [Request(f"ref{i}", tok.apply_chat_template([{"role": "user", "content": q}]),
+                    SamplingParams(max_new_tokens=NEW_TOKENS)) for i, q in enumerate(questions)]
     engine.run_all(reqs)
     greedy = {s.i: s for s in seqs if s.k == 0}
     for i, req in enumerate(reqs):
         assert greedy[i].prompt_len == req.prompt_len
         assert greedy[i].ids.tolist() == req.prompt_ids + req.output_ids
-    sampled = [s for s in seqs if s.k == 1]
-    assert all(s.response_len >= 1 for s in sampled)
-    # A changed generation setting must not silently mix into the file.
+    assert all(s.response_len >= 1 and s.sampled for s in seqs if s.k)
+    # A changed generation setting must not silently mix into the folder.
     with pytest.raises(ValueError, match="other settings"):
-        generate(runner, tok, prompts, path, GenSettings(**{**settings.__dict__, "gen_max_new_tokens": 9}), progress=False)
+        DataStore(store.folder, settings_for(runner, gen_max_new_tokens=9))
+
+
+def test_fewshot_and_self_written_sources(target, tmp_path):
+    """The few-shot source asks in the users' format (other questions of the file as worked
+    examples, then the question, plain completion with the format's stop strings); a stage-2
+    source asks, as a chat turn, what its stage-1 source wrote, and skips what was cut off."""
+    runner, tok = target
+    rows = read_prompts(WORKED, "question", 4)
+    items = [gsm8k_data.Item(r["question"], r["answer"]) for r in rows]
+    store = DataStore(str(tmp_path / "data"), settings_for(runner, WORKED))
+    srcs = sources.build(tok, [r["question"] for r in rows], items, formats=("fewshot",), shots=2, samples=0,
+                         self_math=2, self_chat=0, seed=0, written=lambda name, i: store.written(name, i, tok))
+    assert [s.name for s in srcs] == ["fewshot", "self-math-q", "self-math"]
+    few = srcs[0].prompt(1)
+    text = tok.decode(few.ids)
+    assert text.endswith(f"Question: {items[1].question}\nAnswer:") and text.count("Question: ") == 3
+    assert items[1].answer not in text and few.stop == tuple(gsm8k_data.STOP)
+    assert srcs[1].keys == [(0, 1), (1, 1)] and srcs[1].params(0, 1, NEW_TOKENS, (0.8,), 0.95, 0).temperature == 1.0
+    stats = generate(runner, tok, srcs, store, max_running=8, progress=False)
+    written = {i: store.records[("self-math-q", i, 1)] for i in range(2)}
+    for i, seq in written.items():
+        answer = store.records[("self-math", i, 0)]
+        if seq.finish == "stop":  # a finished problem is asked as a chat turn
+            body = tok.decode([t for t in seq.response_ids if t not in tok.eos_token_ids]).strip()
+            assert answer.ids[:answer.prompt_len].tolist() == tok.apply_chat_template([{"role": "user", "content": body}])
+        else:  # cut off by the token limit: not asked, and recorded so that no later run asks it
+            assert answer == "its written prompt is unusable"
+    assert stats["generated"] + stats["skipped"] == 4 + 2 + 2
 
 
 def test_batched_blocks_match_one_block_at_a_time(target, dataset):
     """All anchors of a padded batch in one masked forward == each block alone over its own
     context (what decoding does): the mask, positions and padding add nothing."""
     runner, _ = target
-    _, seqs = load_sequences(dataset[0])
+    seqs = dataset[0].sequences(dataset[1])
     args = parse("--layers", "2", "--block-size", "4")
     torch.manual_seed(0)
     drafter = Drafter(drafter_config(args, runner)).eval()
@@ -178,7 +224,7 @@ def test_batched_blocks_match_one_block_at_a_time(target, dataset):
 
 def test_loss_falls_on_fixed_batch(target, dataset):
     runner, _ = target
-    _, seqs = load_sequences(dataset[0])
+    seqs = dataset[0].sequences(dataset[1])
     args = parse("--layers", "1", "--block-size", "4")
     torch.manual_seed(0)
     drafter = Drafter(drafter_config(args, runner))
@@ -198,8 +244,9 @@ def test_loss_falls_on_fixed_batch(target, dataset):
 
 def test_train_save_and_resume(target, dataset, tmp_path):
     runner, tok = target
-    data = dataset[0]
+    data = dataset[0].folder
     common = ["--data", data, "--max-seqs", "3", "--gen-max-new-tokens", str(NEW_TOKENS),  # greedy answers only
+              "--shots", "2", "--sample-temperatures", "0.8,1.1",
               "--layers", "1", "--block-size", "4", "--anchors", "4", "--batch-size", "2", "--steps", "3",
               "--log-every", "1", "--save-every", "100"]
     split, straight = str(tmp_path / "split"), str(tmp_path / "straight")
@@ -211,7 +258,7 @@ def test_train_save_and_resume(target, dataset, tmp_path):
     log = [json.loads(line) for line in open(os.path.join(split, "train_log.jsonl"))]
     assert [r["step"] for r in log] == [1, 2, 3]  # the resumed run continued at step 2
 
-    assert train(parse(*common, "--out", straight), runner, tok) == 0
+    assert train(parse(*common, "--out", straight, "--snapshot-every", "2"), runner, tok) == 0
     resumed = Drafter.load(os.path.join(split, "drafter"))
     whole = Drafter.load(os.path.join(straight, "drafter"))
     for name, w in whole.state_dict().items():
@@ -224,6 +271,45 @@ def test_train_save_and_resume(target, dataset, tmp_path):
     assert info["data"]["sequences"] == 3 and info["steps"] == {"done": 3, "total": 3, "stopped": "done"}
     assert info["drafter"]["bytes"] <= 40_000_000
     assert {"loss", "acc1", "accepted"} <= set(info["final"])
+    snap = json.load(open(os.path.join(straight, "snapshots", "step-2", "train_info.json")))
+    assert snap["step"] == 2 and 0 < snap["trained_response_tokens"] < info["trained_response_tokens"]
+    assert Drafter.load(os.path.join(straight, "snapshots", "step-2")).cfg == whole.cfg
+
+
+def test_eval_command(target, tmp_path):
+    """`pdflash dflash eval` through the CLI: the users' few-shot format (stop strings) and the
+    chat set, the shipped drafter against plain decoding: identical outputs, accept lengths."""
+    from common.tools.cli import main
+
+    out = str(tmp_path / "eval")
+    assert main(["dflash", "eval", "--device", "cpu", "--sets", "fewshot,chat", "--num", "2", "--max-new-tokens", "12",
+                 "--concurrency", "2", "--page-size", "16", "--out", out]) == 0
+    result = json.load(open(os.path.join(out, "eval.json")))
+    (row,) = result["drafters"]
+    for name in ("fewshot", "chat"):
+        r = row["sets"][name]
+        assert r["prompts"] == 2 and r["identical"] == 2 and r["verify_steps"] > 0
+        assert sum(r["accept_histogram"]) == r["verify_steps"] and r["accept_length_weighted"] >= 1.0
+
+
+def test_eval_prompts_are_the_benchmarks():
+    """The few-shot set is what `pdflash bench gsm8k` sends: the first exemplars, then the question."""
+    class Chars:  # a tokenizer of characters: the prompt text is visible in the ids
+        eos_token_ids = ()
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+        def apply_chat_template(self, messages):
+            return self.encode(messages[0]["content"])
+
+    tests = gsm8k_data.load(gsm8k_data.DEFAULT_TEST)
+    shots = gsm8k_data.load(gsm8k_data.DEFAULT_TRAIN)[:5]
+    (ids, stop), = eval_prompts(Chars(), "fewshot", 1, offset=3)
+    assert "".join(map(chr, ids)) == gsm8k_data.few_shot_prompt(shots, tests[3]) and stop == tuple(gsm8k_data.STOP)
+    assert len(eval_prompts(Chars(), "chat", 64)) == 16
+    with pytest.raises(ValueError, match="unknown evaluation set"):
+        eval_prompts(Chars(), "poetry", 1)
 
 
 def ckpt_weights(out: str) -> dict[str, torch.Tensor]:

@@ -5,14 +5,18 @@ import argparse
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from common.dflash import train
+    from common.tools.drafter import evaluate, train
 
     sub = p.add_subparsers(dest="dflash_command", required=True)
     t = sub.add_parser("train", help="self-distil a DFlash drafter for a target model",
                        description="Self-distillation: the target answers prompts, then the drafter learns to predict its blocks.")
     train.add_args(t)
     t.set_defaults(_run=train.run)
+    e = sub.add_parser("eval", help="a drafter's accept length on held-out sets, measured with the engine",
+                       description=evaluate.__doc__.splitlines()[0])
+    evaluate.add_args(e)
+    e.set_defaults(_run=evaluate.run)
 
 
 def run(args: argparse.Namespace) -> int:  # replaced by the subcommand's run via set_defaults
-    raise SystemExit("pdflash dflash: choose a subcommand (train)")
+    raise SystemExit("pdflash dflash: choose a subcommand (train, eval)")

@@ -1,60 +1,82 @@
 """Self-distillation data for the drafter: the target answers prompts, we keep the token ids.
 
-One JSONL file. Line 1 is a header with the generation settings; every other line is one
-sequence, written as soon as the target finishes it:
+A data folder holds meta.json (what a sequence depends on) and shards, one JSONL file per
+source and SHARD_PROMPTS prompts: `chat-0003.jsonl` holds the answers to chat prompts
+3072..4095. A line is one finished sequence, written as soon as the target finishes it:
 
-  {"meta": {"model": ..., "prompts": ..., "gen_max_new_tokens": 256, ...}}
-  {"i": 17, "k": 0, "prompt_len": 58, "finish": "stop", "ids": [prompt ids..., response ids...]}
+  {"i": 17, "k": 0, "t": 0.0, "prompt_len": 58, "finish": "stop", "ids": [prompt..., response...]}
 
-i = index of the prompt in the prompt file, k = 0 for the greedy answer and 1..K for sampled
-ones. The file is resumable: a second run reads it, keeps the finished (i, k) pairs and only
-generates the missing ones (a torn last line from a killed run is dropped). The settings that
-change what a sequence is (model, prompts, template, token cap, sampling) must match the header;
-more prompts or more samples per prompt just extend the file.
+or a prompt that cannot be asked ({"i": 17, "k": 0, "skipped": "why"}). i = prompt index in its
+source, k = 0 for the greedy answer and 1.. for sampled ones, t = the sampling temperature.
+Generation resumes: it reads the shards, keeps what is there (a torn last line from a killed
+run is dropped) and generates only the missing (source, i, k). More prompts, samples or
+sources extend the folder; settings that change what a sequence is must match meta.json.
+
+Generation keeps the engine full (batched CUDA-graph decode on a GPU): requests are added in
+batches as others finish, stage-1 sources (prompts the target writes) first, then the shards of
+the other sources in turn, so that a run stopped by its time limit still holds a mix.
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from common.engine.decoder import BATCH_SIZES
 from common.engine.engine import Engine
 from common.engine.request import Request
-from common.engine.sampling import InvalidRequest, SamplingParams
-from common.model.tokenizer import Tokenizer
+from common.engine.sampling import InvalidRequest
+from common.model.tokenizer import IncrementalDecoder, Tokenizer
 from common.runner.model_runner import ModelRunner
+from common.tools.drafter.sources import Source
+
+SHARD_PROMPTS = 1024
+MIN_WRITTEN_CHARS = 16
+NOTE_EVERY_S = 30.0  # a progress line this often when there is no progress bar
 
 
 @dataclass(frozen=True)
 class GenSettings:
-    """What a sequence in the file depends on (checked against the header on resume)."""
+    """What a sequence depends on (checked against meta.json when a folder is reused)."""
 
     model: str
     prompts: str  # file name
     prompts_sha256: str  # content, so that a copy of the files on another machine still matches
     prompt_field: str
-    chat_template: bool
+    shots: int  # few-shot examples per prompt (the fewshot source)
     gen_max_new_tokens: int
-    sample_temperature: float
+    sample_temperatures: list[float]
     sample_top_p: float
     seed: int
 
 
 @dataclass
 class Sequence:
-    i: int  # prompt index
+    source: str
+    i: int  # prompt index in its source
     k: int  # 0 = greedy answer, >0 = sampled answer
     prompt_len: int
     ids: np.ndarray  # int32 [prompt + response]
     finish: str = "stop"
+    temperature: float = 0.0
 
     @property
     def response_len(self) -> int:
         return len(self.ids) - self.prompt_len
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
+
+    @property
+    def response_ids(self) -> list[int]:
+        return self.ids[self.prompt_len:].tolist()
 
 
 def file_sha256(path: str) -> str:
@@ -65,11 +87,11 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def read_prompts(path: str, field: str = "question", limit: int | None = None) -> list[str]:
-    """Prompts from a JSONL file (one object per line, the prompt in `field`)."""
+def read_prompts(path: str, field: str = "question", limit: int | None = None) -> list[dict]:
+    """The objects of a JSONL prompt file (each must hold `field`), at most `limit`."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompt file {path!r} not found")
-    prompts: list[str] = []
+    rows: list[dict] = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -77,116 +99,232 @@ def read_prompts(path: str, field: str = "question", limit: int | None = None) -
             obj = json.loads(line)
             if field not in obj:
                 raise ValueError(f"{path}:{n}: no field {field!r} (fields: {sorted(obj)})")
-            prompts.append(str(obj[field]))
-            if limit is not None and len(prompts) >= limit:
+            rows.append(obj)
+            if limit is not None and len(rows) >= limit:
                 break
-    if not prompts:
+    if not rows:
         raise ValueError(f"no prompts in {path!r}")
-    return prompts
+    return rows
 
 
-def load_sequences(path: str) -> tuple[dict | None, list[Sequence]]:
-    """(header meta, sequences) of a data file; drops a torn last line (rewriting the file)."""
-    if not os.path.isfile(path):
-        return None, []
-    meta, seqs, good, torn = None, [], [], False
-    with open(path) as f:
-        for line in f:
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                torn = True
-                break
-            good.append(line if line.endswith("\n") else line + "\n")
-            if "meta" in obj:
-                meta = obj["meta"]
-            else:
-                seqs.append(Sequence(obj["i"], obj["k"], obj["prompt_len"],
-                                     np.asarray(obj["ids"], dtype=np.int32), obj.get("finish", "stop")))
-    if torn:
-        with open(path, "w") as f:
-            f.writelines(good)
-    return meta, seqs
+class DataStore:
+    """The shards of one data folder: what is there, and appending what is made."""
+
+    def __init__(self, folder: str, settings: GenSettings):
+        self.folder, self.settings = folder, settings
+        os.makedirs(folder, exist_ok=True)
+        meta_path = os.path.join(folder, "meta.json")
+        want = json.loads(json.dumps(asdict(settings)))
+        if os.path.isfile(meta_path):
+            with open(meta_path) as f:
+                meta = json.load(f)
+            diff = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
+            if diff:
+                raise ValueError(f"data folder {folder!r} was generated with other settings "
+                                 f"(folder vs now: {diff}); use another --data/--out or delete it")
+        else:
+            with open(meta_path, "w") as f:
+                json.dump(want, f, indent=1)
+        self.records: dict[tuple[str, int, int], Sequence | str] = {}  # str: why it was skipped
+        for path in sorted(glob.glob(os.path.join(folder, "*-[0-9][0-9][0-9][0-9].jsonl"))):
+            self._read(path)
+        self._files: dict[str, object] = {}
+
+    def _read(self, path: str) -> None:
+        source = os.path.basename(path).rsplit("-", 1)[0]
+        good, torn = [], False
+        with open(path) as f:
+            for line in f:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    torn = True  # the last line of a killed run
+                    break
+                good.append(line if line.endswith("\n") else line + "\n")
+                key = (source, obj["i"], obj["k"])
+                if "skipped" in obj:
+                    self.records[key] = obj["skipped"]
+                else:
+                    self.records[key] = Sequence(source, obj["i"], obj["k"], obj["prompt_len"],
+                                                 np.asarray(obj["ids"], dtype=np.int32), obj["finish"], obj["t"])
+        if torn:
+            with open(path, "w") as f:
+                f.writelines(good)
+
+    def __contains__(self, key: tuple[str, int, int]) -> bool:
+        return key in self.records
+
+    def sequences(self, sources: list[Source]) -> list[Sequence]:
+        """The finished sequences of these sources' keys, in (source, i, k) order."""
+        out = []
+        for src in sources:
+            for i, k in src.keys:
+                rec = self.records.get((src.name, i, k))
+                if isinstance(rec, Sequence):
+                    out.append(rec)
+        return out
+
+    def written(self, source: str, i: int, tok: Tokenizer) -> str | None:
+        """What stage-1 source `source` wrote for prompt i, if usable: finished (not cut off by
+        the token limit) and not trivially short."""
+        rec = self.records.get((source, i, 1))
+        if not isinstance(rec, Sequence) or rec.finish != "stop":
+            return None
+        text = tok.decode([t for t in rec.response_ids if t not in tok.eos_token_ids]).strip()
+        return text if len(text) >= MIN_WRITTEN_CHARS else None
+
+    def add(self, seq: Sequence) -> None:
+        self.records[(seq.source, seq.i, seq.k)] = seq
+        self._write(seq.source, seq.i, {"i": seq.i, "k": seq.k, "t": seq.temperature, "prompt_len": seq.prompt_len,
+                                        "finish": seq.finish, "ids": seq.ids.tolist()})
+
+    def skip(self, source: str, i: int, k: int, why: str) -> None:
+        self.records[(source, i, k)] = why
+        self._write(source, i, {"i": i, "k": k, "skipped": why})
+
+    def _write(self, source: str, i: int, obj: dict) -> None:
+        name = f"{source}-{i // SHARD_PROMPTS:04d}.jsonl"
+        f = self._files.get(name)
+        if f is None:
+            f = self._files[name] = open(os.path.join(self.folder, name), "a")
+        f.write(json.dumps(obj) + "\n")
+
+    def flush(self) -> None:
+        for f in self._files.values():
+            f.flush()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files = {}
 
 
-def _check_header(path: str, meta: dict | None, settings: GenSettings) -> None:
-    if meta is None:
-        return
-    want = asdict(settings)
-    diff = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
-    if diff:
-        raise ValueError(f"data file {path!r} was generated with other settings "
-                         f"(file vs now: {diff}); use another --data/--out or delete it")
+@dataclass(frozen=True)
+class Job:
+    source: Source
+    i: int
+    k: int
 
 
-def generate(runner: ModelRunner, tok: Tokenizer, prompts: list[str], path: str, settings: GenSettings,
-             *, samples_per_prompt: int = 0, max_running: int = 256, progress: bool = True) -> dict:
-    """Make sure `path` holds a greedy answer (k=0) and `samples_per_prompt` sampled answers
-    for every prompt, generating only what is missing. Returns generation stats."""
+def pending(sources: list[Source], store: DataStore) -> Iterator[Job]:
+    """The missing (source, i, k), shard by shard across the sources (a mix at any point)."""
+    shards = max((-(-s.count // SHARD_PROMPTS) for s in sources), default=0)
+    for shard in range(shards):
+        lo, hi = shard * SHARD_PROMPTS, (shard + 1) * SHARD_PROMPTS
+        for src in sources:
+            for i, k in src.keys:
+                if lo <= i < hi and (src.name, i, k) not in store:
+                    yield Job(src, i, k)
+
+
+def generate(runner: ModelRunner, tok: Tokenizer, sources: list[Source], store: DataStore, *, max_running: int,
+             time_limit: float | None = None, progress: bool = True) -> dict:
+    """Generate every missing sequence of `sources` into `store`: first the sources that write
+    prompts, then the rest. Returns stats (tokens/s over the whole run, prefill included)."""
+    stats = {"reused": sum(isinstance(store.records.get((s.name, i, k)), Sequence) for s in sources for i, k in s.keys),
+             "generated": 0, "skipped": 0, "gen_tokens": 0, "gen_seconds": 0.0, "stopped": "done"}
+    start = time.perf_counter()
+    sizes = tuple(sorted({*BATCH_SIZES, *(n for n in (128, 256, 512) if n <= max_running)}))
+    engine = Engine(runner, tok.eos_token_ids, max_running=max_running, batch_sizes=sizes)
+    deadline = None if time_limit is None else start + time_limit
+    for stage in ([s for s in sources if s.writes], [s for s in sources if not s.writes]):
+        if stage and not _run(engine, tok, stage, store, stats, deadline, progress):
+            stats["stopped"] = "time limit"
+            break
+    store.close()
+    stats["gen_seconds"] = round(time.perf_counter() - start, 2)
+    stats["gen_tok_per_s"] = round(stats["gen_tokens"] / max(stats["gen_seconds"], 1e-9), 1)
+    return stats
+
+
+def _run(engine: Engine, tok: Tokenizer, sources: list[Source], store: DataStore, stats: dict,
+         deadline: float | None, progress: bool) -> bool:
+    """Drive the engine over these sources' missing jobs; False if the deadline stopped it."""
     from tqdm import tqdm
 
-    meta, done = load_sequences(path)
-    _check_header(path, meta, settings)
-    have = {(s.i, s.k) for s in done}
-    todo = [(i, k) for i in range(len(prompts)) for k in range(samples_per_prompt + 1) if (i, k) not in have]
-    stats = {"reused": len(have), "generated": 0, "skipped_prompts": 0, "gen_tokens": 0, "gen_seconds": 0.0}
-    if not todo:
-        return stats
-    engine = Engine(runner, tok.eos_token_ids, max_running=max_running)
-    encoded: dict[int, list[int]] = {}
-    keys: dict[str, tuple[int, int]] = {}
-    for i, k in todo:
-        if i not in encoded:
-            encoded[i] = (tok.apply_chat_template([{"role": "user", "content": prompts[i]}])
-                          if settings.chat_template else tok.encode(prompts[i]))
-        greedy = k == 0
-        params = SamplingParams(
-            temperature=0.0 if greedy else settings.sample_temperature,
-            top_p=1.0 if greedy else settings.sample_top_p,
-            max_new_tokens=settings.gen_max_new_tokens,
-            # A seed per (prompt, sample): a resumed run regenerates the same answers.
-            seed=None if greedy else (settings.seed * 1_000_003 + i * 1009 + k) % (2**31))
-        rid = f"{i}:{k}"
-        try:
-            engine.add(Request(rid, encoded[i], params))
-        except InvalidRequest:  # prompt too long for the context window
-            stats["skipped_prompts"] += 1
-            continue
-        keys[rid] = (i, k)
-    first_write = meta is None
-    start = time.perf_counter()
-    with open(path, "a") as f, tqdm(total=len(keys), desc="generate", unit="seq", disable=not progress) as bar:
-        if first_write:
-            f.write(json.dumps({"meta": asdict(settings)}) + "\n")
-        for outputs in engine.run():
-            wrote = 0
-            for out in outputs:
+    jobs = pending(sources, store)
+    total = sum(1 for _ in pending(sources, store))
+    if not total:
+        return True
+    s = store.settings
+    temps = tuple(s.sample_temperatures)
+    in_flight: dict[str, tuple[Job, float]] = {}
+    refill_below = max(1, engine.max_running * 3 // 4)  # prefill in batches, not one prompt per step
+    exhausted, t0 = False, time.perf_counter()
+    last_note = t0
+    with tqdm(total=total, desc=f"generate {'+'.join(x.name for x in sources)}", unit="seq",
+              disable=not progress, mininterval=2) as bar:
+        while True:
+            if deadline is not None and time.perf_counter() > deadline:
+                return False
+            if not exhausted and engine.num_requests < refill_below:
+                while engine.num_requests < engine.max_running:
+                    job = next(jobs, None)
+                    if job is None:
+                        exhausted = True
+                        break
+                    if not _add(engine, tok, job, store, temps, s, in_flight, stats):
+                        bar.update(1)
+            if not engine.has_work:
+                break
+            finished = 0
+            for out in engine.step():
                 stats["gen_tokens"] += len(out.new_ids)
-                if not out.finished:
-                    continue
-                req = out.req
-                i, k = keys[req.rid]
-                f.write(json.dumps({"i": i, "k": k, "prompt_len": req.prompt_len, "finish": req.finish_reason,
-                                    "ids": req.prompt_ids + req.output_ids}) + "\n")
-                wrote += 1
-            if wrote:
-                f.flush()
-                bar.update(wrote)
-                stats["generated"] += wrote
-            elapsed = time.perf_counter() - start
-            bar.set_postfix_str(f"{stats['gen_tokens'] / max(elapsed, 1e-9):,.0f} tok/s", refresh=False)
-    stats["gen_seconds"] = round(time.perf_counter() - start, 2)
-    return stats
+                if out.finished:
+                    job, temperature = in_flight.pop(out.req.rid)
+                    req = out.req
+                    store.add(Sequence(job.source.name, job.i, job.k, req.prompt_len,
+                                       np.asarray(req.prompt_ids + req.output_ids, dtype=np.int32),
+                                       req.finish_reason or "length", temperature))
+                    finished += 1
+            if finished:
+                store.flush()
+                stats["generated"] += finished
+                bar.update(finished)
+                rate = f"{stats['gen_tokens'] / (time.perf_counter() - t0):,.0f} tok/s"
+                bar.set_postfix_str(rate, refresh=False)
+                if not progress and time.perf_counter() - last_note > NOTE_EVERY_S:  # logs, not a terminal
+                    last_note = time.perf_counter()
+                    print(f"generate: {stats['generated']} sequences, {stats['gen_tokens']:,} tokens, {rate}", flush=True)
+    return True
+
+
+def _add(engine: Engine, tok: Tokenizer, job: Job, store: DataStore, temps: tuple[float, ...], s: GenSettings,
+         in_flight: dict, stats: dict) -> bool:
+    """Queue one job; False if it cannot be asked (recorded as skipped, or left for later)."""
+    src = job.source
+    prompt = src.prompt(job.i)
+    if prompt is None:
+        why = "its written prompt is unusable"
+        if (f"{src.name}-q", job.i, 1) not in store:
+            return False  # stage 1 did not get there (time limit): ask on a later run
+        store.skip(src.name, job.i, job.k, why)
+        stats["skipped"] += 1
+        return False
+    params = src.params(job.i, job.k, s.gen_max_new_tokens, temps, s.sample_top_p, s.seed, prompt.stop)
+    rid = f"{src.name}:{job.i}:{job.k}"
+    req = Request(rid, prompt.ids, params, decoder=IncrementalDecoder(tok, params.stop) if params.stop else None)
+    try:
+        engine.add(req)
+    except InvalidRequest as e:  # e.g. longer than the context window
+        store.skip(src.name, job.i, job.k, str(e))
+        stats["skipped"] += 1
+        return False
+    in_flight[rid] = (job, params.temperature)
+    return True
 
 
 def data_stats(seqs: list[Sequence]) -> dict:
     resp = np.array([s.response_len for s in seqs]) if seqs else np.zeros(1)
+    by_source: dict[str, int] = {}
+    for s in seqs:
+        by_source[s.source] = by_source.get(s.source, 0) + s.response_len
     return {
         "sequences": len(seqs),
-        "prompts": len({s.i for s in seqs}),
-        "greedy_sequences": sum(s.k == 0 for s in seqs),
+        "greedy_sequences": sum(not s.sampled for s in seqs),
         "prompt_tokens": int(sum(s.prompt_len for s in seqs)),
         "response_tokens": int(resp.sum()),
+        "response_tokens_by_source": by_source,
         "mean_response_tokens": round(float(resp.mean()), 1),
         "finished_by_stop": round(sum(s.finish == "stop" for s in seqs) / max(len(seqs), 1), 3),
     }

@@ -40,14 +40,14 @@ class Batch:
 
 
 def make_batch(seqs, device: torch.device | str = "cpu") -> Batch:
-    """seqs: objects with .ids (int array), .prompt_len and .k (0 = greedy answer)."""
+    """seqs: objects with .ids (int array), .prompt_len and .sampled (a sampled answer)."""
     lengths = [len(s.ids) for s in seqs]
     ids = np.zeros((len(seqs), max(lengths)), dtype=np.int64)
     for row, s in enumerate(seqs):
         ids[row, : len(s.ids)] = s.ids
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
     return Batch(torch.from_numpy(ids).to(device), as_long(lengths), as_long([s.prompt_len for s in seqs]),
-                 torch.tensor([s.k > 0 for s in seqs], device=device), [[int(t) for t in s.ids] for s in seqs])
+                 torch.tensor([s.sampled for s in seqs], device=device), [[int(t) for t in s.ids] for s in seqs])
 
 
 def sample_anchors(batch: Batch, num_anchors: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

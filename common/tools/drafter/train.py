@@ -1,13 +1,20 @@
 """`pdflash dflash train`: train a DFlash drafter for a target model by self-distillation.
 
-  1. data      the target answers the prompts (greedy, plus optional sampled answers) through
-               the Engine; token ids go to OUT/data.jsonl (resumable, see common.tools.drafter.data)
+  1. data      the target answers prompts through the Engine (batched, CUDA graphs on a GPU):
+               the prompt file as chat turns and in the users' few-shot format, plus problems and
+               questions it writes itself, each greedy and sampled; sharded and resumable in
+               OUT/data/ (see common.tools.drafter.data and .sources)
   2. training  the frozen target runs once over each sequence and its capture layers feed the
                drafter; random anchors in the response, all blocks of a batch in one forward
                (see common.tools.drafter.objective); AdamW, warmup + cosine, bf16 autocast on CUDA
   3. output    OUT/drafter/ (config.json + model.safetensors, what Drafter.load reads),
+               OUT/snapshots/step-N/ (with --snapshot-every, for a scaling curve),
                OUT/checkpoint.pt (resume with --resume), OUT/train_log.jsonl, OUT/train_info.json
                (args, data stats, final metrics, times, the command that reproduces the run)
+
+Both stages resume where a previous run stopped (--stage data, --gen-time-limit, --time-limit
+and --stop-at split the work into calls of any length). `pdflash dflash eval` measures a
+drafter with the engine.
 """
 from __future__ import annotations
 
@@ -24,12 +31,14 @@ import torch
 from common.dflash.drafter import Drafter, DrafterConfig
 from common.runner.model_runner import ModelRunner
 from common.service.loader import ModelOptions, add_model_args, load_model
-from common.tools.drafter.data import GenSettings, data_stats, file_sha256, generate, load_sequences, read_prompts
+from common.tools.bench.gsm8k_data import Item
+from common.tools.drafter import sources
+from common.tools.drafter.data import DataStore, GenSettings, data_stats, file_sha256, generate, read_prompts
 from common.tools.drafter.objective import Batch, make_batch
 from common.tools.drafter.trainer import EpochOrder, Trainer, load_checkpoint, rounded, save_checkpoint, save_drafter
 
 # Flags that steer one invocation but not what it produces: left out of the reproduce command.
-RUN_CONTROL = {"resume", "stop_at", "time_limit", "no_progress", "log_every", "save_every"}
+RUN_CONTROL = {"resume", "stop_at", "time_limit", "no_progress", "log_every", "save_every", "stage", "gen_time_limit"}
 PATHS = {"prompts", "data", "out", "model"}
 
 
@@ -37,14 +46,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("data (self-distillation)")
     d.add_argument("--prompts", required=True, help="JSONL file of prompts, e.g. the GSM8K training split")
     d.add_argument("--prompt-field", default="question", help="JSON field that holds the prompt")
-    d.add_argument("--no-chat-template", action="store_true", help="feed prompts raw, not as a chat user turn")
-    d.add_argument("--max-seqs", type=int, default=None, help="use only the first N prompts (each gives 1 + K sequences)")
+    d.add_argument("--formats", default="chat",
+                   help="how the prompts are posed, comma-separated: chat (a chat user turn), fewshot (the users' "
+                        "'Question: ...\\nAnswer:' completion format with --shots worked examples of the same file; "
+                        "needs an 'answer' field)")
+    d.add_argument("--shots", type=int, default=5, help="worked examples per few-shot prompt")
+    d.add_argument("--self-math", type=int, default=0, help="N math word problems the target writes, then answers")
+    d.add_argument("--self-chat", type=int, default=0, help="N general questions the target writes, then answers")
+    d.add_argument("--max-seqs", type=int, default=None, help="use only the first N prompts of the file")
     d.add_argument("--gen-max-new-tokens", type=int, default=256)
     d.add_argument("--gen-max-running", type=int, default=None, help="engine batch (default 256 on CUDA, 32 on CPU)")
     d.add_argument("--samples-per-prompt", type=int, default=0, help="K sampled answers per prompt besides the greedy one")
-    d.add_argument("--sample-temperature", type=float, default=0.8)
+    d.add_argument("--sample-temperatures", default="0.8",
+                   help="comma-separated; sampled answer k uses the ((k-1) mod n)-th")
     d.add_argument("--sample-top-p", type=float, default=0.95)
-    d.add_argument("--data", default=None, help="data file (default OUT/data.jsonl); reused and extended if it exists")
+    d.add_argument("--data", default=None, help="data folder (default OUT/data); reused and extended if it exists")
+    d.add_argument("--gen-time-limit", type=float, default=None,
+                   help="stop generating after this many seconds (what finished is kept; run again to go on)")
     d.add_argument("--eval-prompts", type=int, default=0, help="hold out the last N prompts; report their loss/acc")
     m = p.add_argument_group("drafter")
     m.add_argument("--layers", type=int, default=2, help="draft layers")
@@ -73,6 +91,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     t.add_argument("--stop-at", type=int, default=None, help="stop (checkpointed) at this step; --resume continues")
     t.add_argument("--time-limit", type=float, default=None, help="stop (checkpointed) after this many seconds")
+    t.add_argument("--snapshot-every", type=int, default=None,
+                   help="also save the drafter every N steps in OUT/snapshots/step-N (a scaling curve)")
+    t.add_argument("--stage", choices=["all", "data", "train"], default="all",
+                   help="data: only generate; train: only train (on the data there is)")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_model_args(p, kv_pages=0)  # --kv-pages 0 = sized for the generation batch
 
@@ -80,7 +102,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     read_prompts(args.prompts, args.prompt_field, 1)  # fail on a bad prompt file before loading the model
-    ctx_tokens = 512 + args.gen_max_new_tokens  # room for prompts up to 512 tokens at full batch
+    # Room for prompts up to 512 tokens at full batch (few-shot prompts: up to 1280).
+    ctx_tokens = (1280 if "fewshot" in _formats(args) else 512) + args.gen_max_new_tokens
     pages = args.kv_pages or max(_max_running(args), args.batch_size) * -(-ctx_tokens // args.page_size) + 1
     runner, tok = load_model(ModelOptions(args.model, args.dtype, args.device, args.page_size, pages))
     return train(args, runner, tok)
@@ -95,31 +118,41 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
     t_start = time.perf_counter()
     _check_args(args)
     os.makedirs(args.out, exist_ok=True)
-    data_path = args.data or os.path.join(args.out, "data.jsonl")
+    data_dir = args.data or os.path.join(args.out, "data")
     device = runner.device
     print(f"reproduce: {reproduce_command(args)}", flush=True)
 
     # ---- 1. data ------------------------------------------------------------------------
-    prompts = read_prompts(args.prompts, args.prompt_field, args.max_seqs)
+    rows = read_prompts(args.prompts, args.prompt_field, args.max_seqs)
     settings = GenSettings(model=runner.cfg.name, prompts=os.path.basename(args.prompts),
-                           prompts_sha256=file_sha256(args.prompts), prompt_field=args.prompt_field,
-                           chat_template=not args.no_chat_template, gen_max_new_tokens=args.gen_max_new_tokens,
-                           sample_temperature=args.sample_temperature, sample_top_p=args.sample_top_p, seed=args.seed)
-    gen = generate(runner, tok, prompts, data_path, settings, samples_per_prompt=args.samples_per_prompt,
-                   max_running=_max_running(args), progress=not args.no_progress)
-    _, seqs = load_sequences(data_path)
-    seqs = sorted((s for s in seqs if s.i < len(prompts) and s.k <= args.samples_per_prompt), key=lambda s: (s.i, s.k))
-    seqs = [s for s in seqs if s.response_len >= 2]  # an anchor needs a token after it
-    held_out = set(range(len(prompts) - args.eval_prompts, len(prompts))) if args.eval_prompts else set()
-    train_seqs = [s for s in seqs if s.i not in held_out]
-    eval_seqs = [s for s in seqs if s.i in held_out and s.k == 0]
+                           prompts_sha256=file_sha256(args.prompts), prompt_field=args.prompt_field, shots=args.shots,
+                           gen_max_new_tokens=args.gen_max_new_tokens, sample_temperatures=_temperatures(args),
+                           sample_top_p=args.sample_top_p, seed=args.seed)
+    store = DataStore(data_dir, settings)
+    items = [Item(r[args.prompt_field], r["answer"]) for r in rows] if "fewshot" in _formats(args) else None
+    srcs = sources.build(tok, [str(r[args.prompt_field]) for r in rows], items, formats=_formats(args),
+                         shots=args.shots, samples=args.samples_per_prompt, self_math=args.self_math,
+                         self_chat=args.self_chat, seed=args.seed, written=lambda name, i: store.written(name, i, tok))
+    gen = {"generated": 0, "gen_seconds": 0.0, "stopped": "not run (--stage train)"}
+    if args.stage != "train":
+        gen = generate(runner, tok, srcs, store, max_running=_max_running(args), time_limit=args.gen_time_limit,
+                       progress=not args.no_progress)
+        print(f"generation: {gen['generated']} sequences, {gen['gen_tokens']:,} tokens in {gen['gen_seconds']} s "
+              f"({gen['gen_tok_per_s']:,.0f} tok/s), {gen['reused']} reused, {gen['skipped']} skipped; {gen['stopped']}",
+              flush=True)
+        if args.stage == "data" or gen["stopped"] != "done":
+            print("data not complete: run again to go on" if gen["stopped"] != "done" else "data done", flush=True)
+            return 0
+    seqs = [s for s in store.sequences(srcs) if s.response_len >= 2]  # an anchor needs a token after it
+    held_out = set(range(len(rows) - args.eval_prompts, len(rows))) if args.eval_prompts else set()
+    asks_file = ("chat", "fewshot")  # sources whose prompt i is the file's prompt i
+    train_seqs = [s for s in seqs if not (s.source in asks_file and s.i in held_out)]
+    eval_seqs = [s for s in seqs if s.source in asks_file and s.i in held_out and s.k == 0]
     if not train_seqs:
         raise ValueError("no training sequences (every answer is shorter than 2 tokens?)")
     stats = data_stats(train_seqs)
-    print(f"data: {data_path}: {stats['sequences']} training sequences from {stats['prompts']} prompts, "
-          f"{stats['response_tokens']:,} response tokens (generated {gen['generated']}, reused {gen['reused']}"
-          f"{', ' + str(gen['gen_tokens']) + ' tokens in ' + str(gen['gen_seconds']) + ' s' if gen['generated'] else ''})",
-          flush=True)
+    print(f"data: {data_dir}: {stats['sequences']} training sequences, {stats['response_tokens']:,} response tokens "
+          f"({', '.join(f'{k} {v:,}' for k, v in stats['response_tokens_by_source'].items())})", flush=True)
 
     # ---- 2. training --------------------------------------------------------------------
     if device.type == "cuda":
@@ -156,11 +189,12 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
     info = {
         "command": reproduce_command(args),
         "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-        "data": stats | {"file": os.path.abspath(data_path), "eval_sequences": len(eval_seqs)},
+        "data": stats | {"folder": os.path.abspath(data_dir), "eval_sequences": len(eval_seqs)},
         "generation": gen,
         "drafter": asdict(cfg) | {"parameters": n_params, "saved_dtype": str(save_dtype).removeprefix("torch."),
                                   "bytes": os.path.getsize(os.path.join(drafter_dir, "model.safetensors"))},
         "steps": {"done": final.get("step", start), "total": total, "stopped": stop_reason},
+        "trained_response_tokens": order.response_tokens_through(final.get("step", start)),
         "final": final,
         "eval": evals,
         "time": {"generation_s_this_run": gen["gen_seconds"], "this_run_s": round(time.perf_counter() - t_start, 1),
@@ -213,6 +247,8 @@ def loop(args, trainer: Trainer, order: EpochOrder, eval_batches: list[Batch], s
                 bar.set_postfix_str(_fmt(final), refresh=False)
                 log.write(json.dumps(final) + "\n")
                 log.flush()
+            if args.snapshot_every and step % args.snapshot_every == 0 and step < total:
+                save_snapshot(os.path.join(args.out, "snapshots", f"step-{step}"), trainer, order, step, args)
             if step % args.save_every == 0 and step < total:
                 save_checkpoint(ckpt_path, trainer, step, prev_seconds + time.perf_counter() - t_start)
                 if eval_batches:
@@ -234,6 +270,13 @@ def loop(args, trainer: Trainer, order: EpochOrder, eval_batches: list[Batch], s
 
 
 # ---- drafter, checkpoint, command --------------------------------------------------------
+
+def save_snapshot(folder: str, trainer: Trainer, order: EpochOrder, step: int, args) -> None:
+    """The drafter as of `step`, with what it was trained on so far (`dflash eval` reads it)."""
+    save_drafter(trainer.drafter, folder, args.save_dtype)
+    with open(os.path.join(folder, "train_info.json"), "w") as f:
+        json.dump({"step": step, "trained_response_tokens": order.response_tokens_through(step),
+                   "command": reproduce_command(args)}, f, indent=2)
 
 def drafter_config(args, runner: ModelRunner) -> DrafterConfig:
     target = runner.cfg
@@ -270,7 +313,23 @@ def reproduce_command(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
+def _formats(args) -> tuple[str, ...]:
+    return tuple(f.strip() for f in args.formats.split(",") if f.strip())
+
+
+def _temperatures(args) -> list[float]:
+    return [float(t) for t in args.sample_temperatures.split(",") if t.strip()]
+
+
 def _check_args(args) -> None:
+    bad = set(_formats(args)) - {"chat", "fewshot"}
+    if bad or not _formats(args):
+        raise ValueError(f"--formats: choose from chat, fewshot (got {args.formats!r})")
+    temps = _temperatures(args)
+    if not temps or min(temps) <= 0:
+        raise ValueError(f"--sample-temperatures must be positive numbers (got {args.sample_temperatures!r})")
+    if min(args.self_math, args.self_chat, args.shots) < 0:
+        raise ValueError("--self-math, --self-chat and --shots must be >= 0")
     for name in ("batch_size", "anchors", "block_size", "layers", "gen_max_new_tokens", "log_every", "save_every"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")

@@ -111,6 +111,15 @@ class EpochOrder:
             self._epoch, self._batches = epoch, [batches[i] for i in order]
         return [self.seqs[i] for i in self._batches[idx]]
 
+    def response_tokens_through(self, step: int) -> int:
+        """Response tokens in the batches of steps 0..step-1 (what a snapshot was trained on)."""
+        return sum(self.seqs[i].response_len for s in range(step)
+                   for i in self._batch_indices(s))
+
+    def _batch_indices(self, step: int) -> list[int]:
+        self.batch(step)
+        return self._batches[step % self.steps_per_epoch]
+
 
 def save_checkpoint(path: str, trainer: Trainer, step: int, seconds: float) -> None:
     state = {"step": step, "seconds": seconds, "total_steps": trainer.total_steps,

@@ -1,0 +1,148 @@
+"""`pdflash dflash eval`: how far a drafter's blocks get accepted, measured by the engine.
+
+Each evaluation set is run through the speculative engine with the block pinned to the
+drafter's (every step speculates, so the number is the drafter's, not the policy's), T=0, and
+through plain decoding; it reports the weighted accept length (1 + accepted drafts per verify
+step over the whole set) and how many outputs equal plain decoding token for token (all of them
+in fp32: speculation is lossless). Sets:
+
+  gsm8k    GSM8K test questions as chat turns (the chat template), as `bench dflash` asks them
+  fewshot  the users' format: the first `shots` shipped training exemplars, then the test
+           question, plain completion, stopping at the next "Question" (as `bench gsm8k`)
+  chat     16 general (non-math) chat prompts shipped with pdflash (tools/drafter/data)
+
+The test questions are never training data: `dflash train` reads its prompts from a file the
+user gives (the GSM8K train split), and the exemplars are training questions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+
+import torch
+
+from common.dflash.drafter import Drafter, shipped_drafter_path
+from common.dflash.proposer import DFlashProposer
+from common.engine.engine import Engine
+from common.engine.request import Request
+from common.engine.sampling import SamplingParams
+from common.engine.spec_policy import SpecConfig
+from common.model.tokenizer import IncrementalDecoder, Tokenizer
+from common.runner.model_runner import ModelRunner
+from common.service.loader import ModelOptions, add_model_args, load_model
+from common.tools.bench import gsm8k_data, report
+
+CHAT_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "chat_eval.jsonl")
+SETS = ("gsm8k", "fewshot", "chat")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-model", action="append", default=None,
+                   help="drafter folder (repeat to compare several; default: the shipped drafter)")
+    p.add_argument("--sets", default="gsm8k,fewshot,chat", help=f"comma-separated, of {', '.join(SETS)}")
+    p.add_argument("--num", type=int, default=64, help="prompts per set (chat has 16)")
+    p.add_argument("--offset", type=int, default=0, help="first GSM8K test question")
+    p.add_argument("--shots", type=int, default=5, help="few-shot exemplars (the fewshot set)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    p.add_argument("--no-compare", action="store_true", help="skip the plain run (no identical-output check)")
+    p.add_argument("--out", default=os.path.join("bench-out", "dflash-eval"), help="output folder (eval.json)")
+    add_model_args(p, kv_pages=0)
+
+
+def eval_prompts(tok: Tokenizer, name: str, num: int, offset: int = 0, shots: int = 5
+                 ) -> list[tuple[list[int], tuple[str, ...]]]:
+    """(prompt ids, stop strings) of an evaluation set."""
+    if name == "chat":
+        with open(CHAT_PROMPTS) as f:
+            texts = [json.loads(line)["question"] for line in f if line.strip()][:num]
+        return [(tok.apply_chat_template([{"role": "user", "content": t}]), ()) for t in texts]
+    items = gsm8k_data.load(gsm8k_data.DEFAULT_TEST)[offset:offset + num]
+    if len(items) < num:
+        raise ValueError(f"the shipped GSM8K test split has too few questions for --offset {offset} --num {num}")
+    if name == "gsm8k":
+        return [(tok.apply_chat_template([{"role": "user", "content": it.question}]), ()) for it in items]
+    if name == "fewshot":
+        exemplars = gsm8k_data.load(gsm8k_data.DEFAULT_TRAIN)[:shots]
+        return [(tok.encode(gsm8k_data.few_shot_prompt(exemplars, it)), tuple(gsm8k_data.STOP)) for it in items]
+    raise ValueError(f"unknown evaluation set {name!r} (known: {', '.join(SETS)})")
+
+
+def _run(engine: Engine, tok: Tokenizer, prompts, max_new_tokens: int, concurrency: int) -> list[Request]:
+    reqs = [Request(uuid.uuid4().hex, ids, SamplingParams(max_new_tokens=max_new_tokens, stop=stop),
+                    decoder=IncrementalDecoder(tok, stop) if stop else None) for ids, stop in prompts]
+    engine.run_all(reqs, concurrency)
+    return reqs
+
+
+@torch.inference_mode()
+def evaluate(runner: ModelRunner, tok: Tokenizer, drafter: Drafter, prompts, *, max_new_tokens: int = 256,
+             concurrency: int = 16, plain: list[list[int]] | None = None) -> dict:
+    """Weighted accept length of `drafter` on these prompts; with `plain` (the outputs of plain
+    decoding), also how many outputs are identical."""
+    proposer = DFlashProposer(drafter, runner, runner.pool.num_pages)
+    engine = Engine(runner, tok.eos_token_ids, max_running=concurrency, proposer=proposer,
+                    spec=SpecConfig(block=drafter.cfg.block_size))
+    start = time.perf_counter()
+    reqs = _run(engine, tok, prompts, max_new_tokens, concurrency)
+    seconds = time.perf_counter() - start
+    verify = sum(r.spec.verify_ct for r in reqs)
+    accepted = sum(r.spec.accepted_drafts for r in reqs)
+    hist = [sum(x) for x in zip(*(r.spec.histogram for r in reqs))]
+    result = {"prompts": len(reqs), "output_tokens": sum(len(r.output_ids) for r in reqs),
+              "verify_steps": verify, "accept_length_weighted": round(1 + accepted / verify, 3) if verify else 0.0,
+              "accept_histogram": hist, "seconds": round(seconds, 2)}
+    if plain is not None:
+        result["identical"] = sum(r.output_ids == p for r, p in zip(reqs, plain))
+    return result
+
+
+def plain_outputs(runner: ModelRunner, tok: Tokenizer, prompts, max_new_tokens: int, concurrency: int) -> list[list[int]]:
+    engine = Engine(runner, tok.eos_token_ids, max_running=concurrency)
+    with torch.inference_mode():
+        return [r.output_ids for r in _run(engine, tok, prompts, max_new_tokens, concurrency)]
+
+
+def run(args: argparse.Namespace) -> int:
+    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    if min(args.num, args.max_new_tokens, args.concurrency) < 1:
+        raise ValueError("--num, --max-new-tokens and --concurrency must be at least 1")
+    opts = ModelOptions.from_args(args)
+    if not opts.kv_pages:  # every request in flight with its longest prompt (few-shot ~900 tokens) and a block
+        per = -(-(1200 + args.max_new_tokens + 32) // opts.page_size)
+        opts = ModelOptions(**{**opts.__dict__, "kv_pages": args.concurrency * per + 8})
+    runner, tok = load_model(opts)
+    prompts = {name: eval_prompts(tok, name, args.num, args.offset, args.shots) for name in sets}
+    plain = {} if args.no_compare else {
+        name: plain_outputs(runner, tok, p, args.max_new_tokens, args.concurrency) for name, p in prompts.items()}
+    paths = args.draft_model or [shipped_drafter_path(args.model)]
+    result = {"bench": "dflash-eval", "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
+              "max_new_tokens": args.max_new_tokens, "provenance": report.provenance(args), "drafters": []}
+    for path in paths:
+        drafter = Drafter.load(path, device=runner.device, dtype=runner.dtype)
+        row = {"drafter": path, "sets": {}}
+        info_path = os.path.join(path, "train_info.json")
+        if os.path.isfile(info_path):  # what it was trained on, for the scaling curve
+            with open(info_path) as f:
+                info = json.load(f)
+            row["trained_response_tokens"] = info.get("trained_response_tokens")
+        for name, p in prompts.items():
+            row["sets"][name] = evaluate(runner, tok, drafter, p, max_new_tokens=args.max_new_tokens,
+                                         concurrency=args.concurrency, plain=plain.get(name))
+            r = row["sets"][name]
+            same = f", identical {r['identical']}/{r['prompts']}" if "identical" in r else ""
+            print(f"{path}: {name}: accept length {r['accept_length_weighted']:.2f} over {r['verify_steps']} "
+                  f"verify steps, {r['prompts']} prompts{same}", flush=True)
+        result["drafters"].append(row)
+    report.write_json(os.path.join(args.out, "eval.json"), result)
+    print(f"saved {args.out}/eval.json")
+    fp32 = runner.dtype == torch.float32
+    bad = [(row["drafter"], n) for row in result["drafters"] for n, r in row["sets"].items()
+           if fp32 and "identical" in r and r["identical"] != r["prompts"]]
+    for path, name in bad:
+        print(f"error: {path}: {name}: outputs differ from plain decoding in fp32", file=sys.stderr)
+    return 1 if bad else 0
