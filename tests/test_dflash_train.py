@@ -18,7 +18,7 @@ from common.engine.sampling import SamplingParams
 from common.tools.bench import gsm8k_data
 from common.tools.drafter import sources
 from common.tools.drafter.data import DataStore, GenSettings, Sequence, file_sha256, generate, read_prompts
-from common.tools.drafter.evaluate import eval_prompts, evaluate
+from common.tools.drafter.evaluate import eval_prompts
 from common.tools.drafter.objective import (
     IGNORE,
     block_attention_mask,
