@@ -46,6 +46,8 @@ def check_parallel(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> None:
     if tp < 1 or pp < 1:
         problems.append(f"tp and pp must be >= 1 (got tp {tp}, pp {pp})")
     else:
+        if cfg.mla is not None and tp > 1:
+            problems.append("tensor parallelism is not implemented for MLA / MoE (deepseek_v3) models yet")
         if cfg.num_heads % tp:
             problems.append(f"{cfg.num_heads} attention heads do not split over TP {tp}")
         if tp <= cfg.num_kv_heads and cfg.num_kv_heads % tp:
