@@ -21,6 +21,7 @@ from common.kv.seq_cache import SeqCache
 from common.model.attention import cache_slot
 from common.model.weights import load_weights, resolve_model
 from common.runner.model_runner import ModelRunner
+from router_svc.model_info import read_model_info
 
 VOCAB = 256
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -68,18 +69,18 @@ def _write(name: str, folder) -> None:
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def checkpoint(request, tmp_path_factory):
-    """(name, transformers model read back from the folder, our config, our tensors)"""
+    """(name, transformers model read back from the folder, our config, our tensors, folder)"""
     from transformers import AutoModelForCausalLM
 
     folder = tmp_path_factory.mktemp(request.param)
     _write(request.param, folder)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     cfg, tensors = load_weights(resolve_model(str(folder)))
-    return request.param, hf, cfg, tensors
+    return request.param, hf, cfg, tensors, folder
 
 
 def _runner(checkpoint, **kw) -> ModelRunner:
-    _, _, cfg, tensors = checkpoint
+    _, _, cfg, tensors, _ = checkpoint
     return ModelRunner(cfg, tensors, num_pages=64, page_size=8, **kw)
 
 
@@ -89,7 +90,7 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
 
 
 def test_config_and_latent_kv_layout(checkpoint):
-    name, hf, cfg, _ = checkpoint
+    name, hf, cfg, _, folder = checkpoint
     assert cfg.arch == "deepseek_v3" and cfg.mla.q_lora_rank == hf.config.q_lora_rank
     assert (cfg.moe.num_groups, cfg.moe.topk_groups) == (hf.config.n_group, hf.config.topk_group)
     assert cfg.mla.softmax_scale == pytest.approx(hf.model.layers[0].self_attn.scaling)
@@ -100,10 +101,12 @@ def test_config_and_latent_kv_layout(checkpoint):
     assert buf.token_bytes == 40 * 4
     assert cfg.kv_elems_per_token * 4 == buf.num_layers * buf.token_bytes
     assert runner.kv.shape == (3, 1, 65, 8, 1, 40)
+    # What the router's /server_info reports (x dtype bytes), read from the folder's config alone.
+    assert read_model_info(resolve_model(str(folder))).kv_values_per_token == 3 * 40
 
 
 def test_prefill_and_decode_logits_match_transformers(checkpoint):
-    _, hf, _, _ = checkpoint
+    _, hf, _, _, _ = checkpoint
     runner = _runner(checkpoint)
     ids = PROMPTS[0] + [60, 61, 62, 63, 64, 65]
     ref = _hf_logits(hf, ids)
@@ -117,7 +120,7 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
 
 
 def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):
-    _, hf, _, _ = checkpoint
+    _, hf, _, _, _ = checkpoint
     runner = _runner(checkpoint)
     refs = [_hf_logits(hf, p) for p in PROMPTS]
     seq = SeqCache()
@@ -138,7 +141,7 @@ def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):
 
 
 def test_greedy_engine_matches_transformers(checkpoint):
-    _, hf, cfg, _ = checkpoint
+    _, hf, cfg, _, _ = checkpoint
     runner = _runner(checkpoint)
     engine = Engine(runner, cfg.eos_token_ids, chunk_size=16)
     reqs = [Request(str(i), p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
@@ -155,7 +158,7 @@ def test_greedy_engine_matches_transformers(checkpoint):
 def test_negative_controls_are_caught(checkpoint):
     """The comparisons above would notice a latent cache shifted by one token, and a router that
     chooses differently (a perturbed correction bias)."""
-    _, hf, cfg, tensors = checkpoint
+    _, hf, cfg, tensors, _ = checkpoint
     ids = PROMPTS[0] + [60]
     ref = _hf_logits(hf, ids)[-1]
     runner = _runner(checkpoint)
@@ -187,3 +190,8 @@ def test_unsupported_config_is_refused():
     raw = {"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}, "moe_layer_freq": 2}
     with pytest.raises(ValueError, match="quantization_config.*moe_layer_freq 2"):
         ModelConfig.from_hf(raw, "x")
+
+
+def test_gguf_model_info_kv_values_match_its_config(embedded_source, embedded_weights):
+    """The router reads GGUF headers on its own: it must agree with the config the runner uses."""
+    assert read_model_info(embedded_source).kv_values_per_token == embedded_weights[0].kv_elems_per_token == 30 * 2 * 3 * 64
