@@ -5,9 +5,16 @@ MoE; grouped routing; q-LoRA on and off; YaRN with both mscales in one), read ba
 common.model.weights, and compared in fp32: prefill and decode logits, chunked against one-shot
 prefill, batched extends of unequal lengths, and greedy generation through the Engine (whose
 decode runs the static path: absorbed attention over the latent pages). Negative controls show
-that a shifted latent page or a perturbed router bias would be caught."""
+that a shifted latent page or a perturbed router bias would be caught.
+
+Tensor parallelism (worker processes, gloo) splits the query heads, kv_b_proj, o_proj and every
+expert's width, and keeps the latent projection whole: its logits and latent KV equal one
+process's. The PD transfer plan, built from the runners' own buffer descriptions, moves whole
+latent pages from exactly one P rank to each D rank, and D decodes on from them as one process
+would."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 
@@ -18,9 +25,13 @@ from common.engine.engine import Engine
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.kv.seq_cache import SeqCache
+from common.kv.buffers import RoomBuffers
 from common.model.attention import cache_slot
 from common.model.weights import load_weights, resolve_model
+from common.parallel.driver import ParallelRunner
+from common.runner.layout import RankLayout
 from common.runner.model_runner import ModelRunner
+from common.transfer.plan import TPRank, build_plan, source_ranks
 from router_svc.model_info import read_model_info
 
 VOCAB = 256
@@ -28,7 +39,7 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
              v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1,
-             max_position_embeddings=256, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+             initializer_range=0.1, bos_token_id=1, eos_token_id=2,
              tie_word_embeddings=False)
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
@@ -36,10 +47,10 @@ VARIANTS = {
     # q-LoRA, grouped routing (2 of 4 groups), YaRN with a softmax mscale and a cos/sin factor,
     # written in the rope_scaling form of the released DeepSeek-V3 config.json.
     "qlora_yarn_grouped": dict(q_lora_rank=24, n_group=4, topk_group=2, n_shared_experts=1, norm_topk_prob=True,
-                               routed_scaling_factor=2.5, rope_parameters=YARN),
+                               routed_scaling_factor=2.5, rope_parameters=YARN, max_position_embeddings=128),
     # No q-LoRA, one group, unnormalised weights, two shared experts, plain RoPE.
     "no_qlora": dict(q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2, norm_topk_prob=False,
-                     routed_scaling_factor=1.5),
+                     routed_scaling_factor=1.5, max_position_embeddings=256),
 }
 PROMPTS = [list(range(3, 3 + 41)), [7, 9, 11, 200, 13, 5, 99, 42, 17], [5] * 3 + list(range(100, 160))]
 
@@ -190,6 +201,112 @@ def test_unsupported_config_is_refused():
     raw = {"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}, "moe_layer_freq": 2}
     with pytest.raises(ValueError, match="quantization_config.*moe_layer_freq 2"):
         ModelConfig.from_hf(raw, "x")
+
+
+def _prefill(runner: ModelRunner, chunks: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Logits of every token of the chunks prefilled in turn, and the KV pages they fill as
+    each rank holds them (rank order; one process: one)."""
+    seq = SeqCache()
+    runner.reserve(seq, sum(map(len, chunks)))
+    logits = torch.cat([runner.extend([seq], [c], all_logits=True).logits for c in chunks])
+    pages = list(seq.pages)
+    # ParallelRunner.read_pages() overlays the ranks' parts, so the replicated latent of only
+    # one rank would show: read every rank's own.
+    kv = [ModelRunner.read_pages(runner, pages)]
+    if isinstance(runner, ParallelRunner):
+        kv += runner._read_all("kv", pages)
+    runner.release(seq)
+    return logits, kv
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (2, 2)])
+def test_tensor_parallel_equals_one_process(checkpoint, tp, pp):
+    _, _, cfg, tensors, _ = checkpoint
+    chunks = [PROMPTS[2][:20], PROMPTS[2][20:31]]
+    want_logits, want_kv = _prefill(_runner(checkpoint), chunks)
+    runner = ParallelRunner(cfg, tensors, tp=tp, pp=pp, num_pages=16, page_size=8)
+    try:
+        logits, kv = _prefill(runner, chunks)
+        torch.testing.assert_close(logits, want_logits, **TOL)
+        for rank, part in enumerate(kv):  # every rank holds its stage's layers of the whole latent cache
+            layers = RankLayout(tp, pp, rank).layers(cfg)
+            torch.testing.assert_close(part, want_kv[0][layers.start:layers.stop], **TOL)
+        if (tp, pp) == (2, 1):  # decode (the static path) through the engine, greedy
+            reqs = [Request(str(i), p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+            Engine(runner, cfg.eos_token_ids, chunk_size=16).run_all(reqs)
+            ref = [Request(str(i), p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+            Engine(_runner(checkpoint), cfg.eos_token_ids, chunk_size=16).run_all(ref)
+            assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
+    finally:
+        runner.close()
+
+
+def _copy(entries) -> None:
+    for e in entries:
+        ctypes.memmove(e.dst_addr, e.src_addr, e.length)
+
+
+@pytest.mark.parametrize("tp_p,tp_d", [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2)])
+def test_pd_plan_sends_whole_latent_pages_from_one_p_rank(checkpoint, tp_p, tp_d):
+    """Each rank's runner (its layout's share of the weights, its own latent cache) describes
+    its buffers; P ranks hold the prompt's latent pages (the same on every rank, as the TP test
+    shows), at other page numbers than D's. The plans are applied as memory copies at the
+    addresses they name. Then every D rank holds one process's latent KV, and a D of TP 1
+    decodes on exactly as one process does; D pages given in a shifted order are caught."""
+    _, _, cfg, tensors, _ = checkpoint
+    prompt, more = PROMPTS[2], [60, 61, 62]
+    single = _runner(checkpoint)
+    seq = SeqCache()
+    single.reserve(seq, len(prompt) + len(more))
+    single.extend([seq], [prompt])
+    want_kv = single.read_pages(list(seq.pages))
+
+    def rank_runners(tp: int, skip: int) -> list[tuple[ModelRunner, SeqCache]]:
+        out = []
+        for r in range(tp):
+            runner = ModelRunner(cfg, tensors, num_pages=64, page_size=8, layout=RankLayout(tp, 1, r))
+            runner.reserve(SeqCache(), skip)  # pages numbered unlike the single process's
+            s = SeqCache()
+            runner.reserve(s, len(prompt) + len(more))
+            out.append((runner, s))
+        return out
+
+    p_side, d_side = rank_runners(tp_p, 3 * 8), rank_runners(tp_d, 5 * 8)
+    for runner, s in p_side:
+        runner.kv[:, :, s.pages] = single.kv[:, :, seq.pages]
+
+    def plans(d_pages: list[int] | None = None):
+        for d_rank, (d_runner, d_seq) in enumerate(d_side):
+            dst = RoomBuffers(d_runner.describe_buffers(), {"kv": d_pages or list(d_seq.pages)})
+            senders = []
+            for p_rank, (p_runner, p_seq) in enumerate(p_side):
+                src = RoomBuffers(p_runner.describe_buffers(), {"kv": list(p_seq.pages)})
+                plan = build_plan("room", src, dst, len(prompt), src_tp=TPRank(p_rank, tp_p), dst_tp=TPRank(d_rank, tp_d))
+                if plan.entries:
+                    senders.append(p_rank)
+                    page_bytes = d_runner.describe_buffers()[0].bytes_per_page
+                    assert all(e.length % page_bytes == 0 for e in plan.entries)  # whole pages, no head slicing
+                    yield plan
+            assert senders == [d_rank % tp_p] == source_ranks(d_rank, range(1), tp_p, 1)
+
+    for plan in plans():
+        _copy(plan.entries)
+    for d_runner, d_seq in d_side:
+        assert torch.equal(d_runner.read_pages(list(d_seq.pages)), want_kv)
+    if tp_d > 1:
+        return
+    d_runner, d_seq = d_side[0]
+    d_seq.length = len(prompt)
+    seq_want = torch.cat([single.extend([seq], [[t]]).logits for t in more])
+    torch.testing.assert_close(torch.cat([d_runner.extend([d_seq], [[t]]).logits for t in more]), seq_want, **TOL)
+    # Negative control: the same transfer into D's pages listed in a rotated order.
+    d_runner.kv.zero_()
+    pages = list(d_seq.pages)
+    for plan in plans(pages[1:] + pages[:1]):
+        _copy(plan.entries)
+    d_seq.length = len(prompt)
+    got = torch.cat([d_runner.extend([d_seq], [[t]]).logits for t in more])
+    assert not torch.allclose(got, seq_want, **TOL)
 
 
 def test_gguf_model_info_kv_values_match_its_config(embedded_source, embedded_weights):
