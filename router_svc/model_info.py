@@ -18,19 +18,25 @@ class ModelInfo:
     name: str
     max_context: int
     vocab_size: int
+    kv_values_per_token: int  # KV cache values one token takes over all layers (x dtype bytes)
 
 
 def read_model_info(src: ModelSource) -> ModelInfo:
     if src.kind == "hf":
         with open(os.path.join(src.folder, "config.json")) as f:
             cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(src.folder.rstrip("/")))
-        return ModelInfo(cfg.name, cfg.max_position, cfg.vocab_size)
+        return ModelInfo(cfg.name, cfg.max_position, cfg.vocab_size, cfg.kv_elems_per_token)
     meta = read_gguf_metadata(src.path)
     arch = meta["general.architecture"]
+    heads = meta[f"{arch}.attention.head_count"]
+    heads_kv = meta.get(f"{arch}.attention.head_count_kv", heads)
     return ModelInfo(
         name=os.path.splitext(src.gguf_file or "model")[0],  # as common.model.weights names it
         max_context=meta.get(f"{arch}.context_length", 4096),  # common.model.weights' default too
         vocab_size=meta.get(f"{arch}.vocab_size") or meta["tokenizer.ggml.tokens"],
+        # K and V per layer and KV head, as common.model.weights reads the same keys
+        kv_values_per_token=meta[f"{arch}.block_count"] * 2 * heads_kv
+        * meta.get(f"{arch}.attention.key_length", meta[f"{arch}.embedding_length"] // heads),
     )
 
 

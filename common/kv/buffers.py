@@ -14,7 +14,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 class PagedKVBuffer:
     """A paged per-token KV cache stored as one tensor [layer, k/v, page, token, head, dim]
     (layout "LKPSHD"). `num_heads` heads starting at global head `head_start` are held here;
-    `num_heads == 0` means latent (MLA-style) KV with `head_dim` elements per token.
+    `num_heads == 0` means latent (MLA-style) KV with `head_dim` elements per token. The MLA
+    runner describes its latent cache as kv_planes 1 with one head of total_heads 1 (latent +
+    rope key wide), which every TP rank holds whole: the same transfer rule as `num_heads == 0`.
     `num_layers` layers starting at global layer `layer_start` of `total_layers` are held here
     (a pipeline stage holds a range; 0 total_layers means num_layers, i.e. all of them)."""
 

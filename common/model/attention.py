@@ -121,12 +121,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_cache.index_copy_(0, meta.write_slots, v)
     if meta.static is not None:
         return meta.static.attend(q, kv_layer)
-    gqa = q.shape[1] != k.shape[1]
     if meta.fresh_causal:
         # 4-D inputs: with 3-D ones PyTorch's CPU SDPA falls back to its (much slower) math path.
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], is_causal=True, enable_gqa=gqa)
+                                             v.transpose(0, 1)[None], is_causal=True,
+                                             enable_gqa=q.shape[1] != k.shape[1])
         return out[0].transpose(0, 1)
+    return attend_cached(q, kv_layer, meta)
+
+
+def attend_cached(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttnMeta,
+                  scale: float | None = None) -> torch.Tensor:
+    """Attention of q [T, Hq, d] over the keys and values already in the cache's pages
+    (the new tokens' included), general (non-static) path. `scale` None: d ** -0.5."""
+    heads, d = kv_layer.shape[-2:]
     B = meta.kv_pages.shape[0]
     qb = (q.reshape(B, -1, *q.shape[1:]) if meta.q_index is None else q[meta.q_index]).transpose(1, 2)
     if meta.page_range is not None:
@@ -135,8 +143,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         pages = meta.kv_pages.flatten()
         kb, vb = gather_pages(kv_layer[0], pages), gather_pages(kv_layer[1], pages)
-    kb = kb.view(B, -1, *k.shape[1:])[:, :meta.max_kv].transpose(1, 2)  # [B, Hkv, maxKV, d]
-    vb = vb.view(B, -1, *v.shape[1:])[:, :meta.max_kv].transpose(1, 2)
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.mask, enable_gqa=gqa)
+    kb = kb.view(B, -1, heads, d)[:, :meta.max_kv].transpose(1, 2)  # [B, Hkv, maxKV, d]
+    vb = vb.view(B, -1, heads, d)[:, :meta.max_kv].transpose(1, 2)
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.mask, enable_gqa=q.shape[1] != heads,
+                                         scale=scale)
     out = out.transpose(1, 2).reshape(-1, *q.shape[1:])
     return out if meta.out_rows is None else out[meta.out_rows]

@@ -1,6 +1,8 @@
-"""Architecture description of a dense decoder-only model (Llama, Qwen2, Qwen3 families)."""
+"""Architecture description of a decoder-only model: dense (Llama, Qwen2, Qwen3 families) or
+DeepSeek-V3 style (MLA attention over a latent KV cache, MoE feed-forward; Kimi-K2, Moonlight)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -15,8 +17,51 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN frequency scaling ("rope_type": "yarn") as DeepSeek-V3 configs give it."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0  # with mscale_all_dim: the cos/sin factor is yarn_mscale(mscale) / yarn_mscale(mscale_all_dim)
+    mscale_all_dim: float = 0.0  # nonzero: the softmax scale is multiplied by yarn_mscale(mscale_all_dim) ** 2
+    attention_factor: float | None = None  # given explicitly: the cos/sin factor
+    truncate: bool = True  # round the correction range to whole dimensions
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention: the cache holds per token the normalised latent (kv_lora_rank)
+    and one rotated key shared by all heads (qk_rope_head_dim)."""
+
+    q_lora_rank: int | None  # None: q comes from the hidden state in one projection
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float  # qk_head_dim ** -0.5, times the YaRN mscale squared when the config asks
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """DeepSeek-V3 routed experts: sigmoid scores, top-k chosen on score + correction bias within
+    the best `topk_groups` of `num_groups` expert groups, weights from the unbiased scores."""
+
+    num_experts: int
+    experts_per_token: int
+    num_shared_experts: int
+    intermediate_size: int  # of each routed expert (a shared expert is num_shared_experts times as wide)
+    first_dense_layers: int  # layers [0, first_dense_layers) keep a dense MLP
+    num_groups: int
+    topk_groups: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama", "qwen2", "qwen3"
+    arch: str  # "llama", "qwen2", "qwen3", "deepseek_v3"
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -30,9 +75,13 @@ class ModelConfig:
     tie_embeddings: bool
     attn_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
     name: str = "model"
+    # DeepSeek-V3 family. With MLA, num_kv_heads is 1 and head_dim the query/key head width
+    # (nope + rope): decode attends like multi-query attention over one latent "head".
+    mla: MlaConfig | None = None
+    moe: MoeConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -42,21 +91,42 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions of a head that RoPE rotates."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
+    @property
+    def kv_planes(self) -> int:
+        """Planes of the KV cache: K and V, or the one latent plane of MLA."""
+        return 2 if self.mla is None else 1
+
+    @property
+    def cache_head_dim(self) -> int:
+        """Elements per cached token and head: head_dim, or latent + rope key for MLA."""
+        return self.head_dim if self.mla is None else self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+
+    @property
+    def kv_elems_per_token(self) -> int:
+        """KV cache elements one token takes over all layers (of the whole model)."""
+        return self.num_layers * self.kv_planes * self.num_kv_heads * self.cache_head_dim
+
     @classmethod
     def from_hf(cls, cfg: dict, name: str) -> "ModelConfig":
         model_type = cfg.get("model_type", "llama")
+        if model_type == "deepseek_v3":
+            return _deepseek_v3(cfg, name)
         arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type)
         if arch is None:
-            raise ValueError(f"unsupported model_type {model_type!r}: pdflash serves llama, qwen2 and qwen3 dense models")
+            raise ValueError(f"unsupported model_type {model_type!r}: pdflash serves llama, qwen2 and qwen3 "
+                             f"dense models and deepseek_v3 (MLA + MoE)")
         heads = cfg["num_attention_heads"]
-        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        rs = _rope_params(cfg)
         scaling = None
         if rs.get("rope_type", rs.get("type")) == "llama3":
             scaling = RopeScaling(rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"],
                                   rs["original_max_position_embeddings"])
         theta = cfg.get("rope_theta", rs.get("rope_theta", 10000.0))
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
             arch=arch,
             num_layers=cfg["num_hidden_layers"],
@@ -73,6 +143,90 @@ class ModelConfig:
             attn_bias=arch == "qwen2" or cfg.get("attention_bias", False),
             qk_norm=arch == "qwen3",
             rope_scaling=scaling,
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_ids(cfg),
             name=name,
         )
+
+
+def eos_ids(cfg: dict) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+
+
+def _rope_params(cfg: dict) -> dict:
+    """Older configs say rope_scaling (and rope_theta beside it), newer ones rope_parameters."""
+    return cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _deepseek_v3(cfg: dict, name: str) -> ModelConfig:
+    """DeepSeek-V3 / Kimi-K2 / Moonlight (`DeepseekV3ForCausalLM`). Fields this code does not
+    implement are refused by name rather than silently ignored."""
+    unsupported = []
+    if cfg.get("quantization_config"):
+        unsupported.append(f"quantization_config ({cfg['quantization_config'].get('quant_method')}): "
+                           "give dequantized bf16/fp32 weights")
+    if cfg.get("attention_bias"):
+        unsupported.append("attention_bias: true")
+    if cfg.get("moe_layer_freq", 1) != 1:
+        unsupported.append(f"moe_layer_freq {cfg['moe_layer_freq']} (only 1: every layer from first_k_dense_replace on is MoE)")
+    if cfg.get("topk_method", "noaux_tc") != "noaux_tc" or cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        unsupported.append(f"topk_method {cfg.get('topk_method')!r} / scoring_func {cfg.get('scoring_func')!r} "
+                           "(only noaux_tc routing on sigmoid scores)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act {cfg['hidden_act']!r} (only silu)")
+    if not cfg.get("rope_interleave", True):
+        unsupported.append("rope_interleave: false (the weights are read as DeepSeek lays out its rope dims)")
+    rs = _rope_params(cfg)
+    rope_type = rs.get("rope_type", rs.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        unsupported.append(f"rope type {rope_type!r} (only default and yarn)")
+    if unsupported:
+        raise ValueError(f"deepseek_v3 config of {name!r} uses what pdflash does not support yet: " + "; ".join(unsupported))
+
+    nope, rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+    scale = (nope + rope) ** -0.5
+    scaling = None
+    if rope_type == "yarn":
+        scaling = YarnScaling(factor=float(rs["factor"]), original_max_position=rs["original_max_position_embeddings"],
+                              beta_fast=float(rs.get("beta_fast") or 32), beta_slow=float(rs.get("beta_slow") or 1),
+                              mscale=float(rs.get("mscale") or 0), mscale_all_dim=float(rs.get("mscale_all_dim") or 0),
+                              attention_factor=rs.get("attention_factor"), truncate=rs.get("truncate", True))
+        if scaling.mscale_all_dim:  # as DeepSeek's reference code and transformers do
+            scale *= yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+    heads = cfg["num_attention_heads"]
+    experts = cfg.get("n_routed_experts") or 0
+    moe = None
+    if experts:
+        moe = MoeConfig(num_experts=experts, experts_per_token=cfg["num_experts_per_tok"],
+                        num_shared_experts=cfg.get("n_shared_experts") or 0,
+                        intermediate_size=cfg["moe_intermediate_size"],
+                        first_dense_layers=cfg.get("first_k_dense_replace") or 0,
+                        num_groups=cfg.get("n_group") or 1, topk_groups=cfg.get("topk_group") or 1,
+                        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
+        if experts % moe.num_groups or moe.topk_groups > moe.num_groups:
+            raise ValueError(f"{experts} experts do not form {moe.num_groups} groups of which {moe.topk_groups} are chosen")
+    return ModelConfig(
+        arch="deepseek_v3",
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=1,
+        head_dim=nope + rope,
+        intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        rope_theta=float(cfg.get("rope_theta", rs.get("rope_theta", 10000.0))),
+        rms_eps=cfg.get("rms_norm_eps", 1e-6),
+        max_position=cfg.get("max_position_embeddings", 4096),
+        tie_embeddings=cfg.get("tie_word_embeddings", False),
+        rope_scaling=scaling,
+        eos_token_ids=eos_ids(cfg),
+        name=name,
+        mla=MlaConfig(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=nope,
+                      qk_rope_head_dim=rope, v_head_dim=cfg["v_head_dim"], softmax_scale=scale),
+        moe=moe,
+    )

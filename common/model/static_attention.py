@@ -35,10 +35,11 @@ class StaticAttn:
     kv_start: torch.Tensor | None = None  # [rows] first key each row reads (sliding window); None: 0
     backend: str = "torch"  # "torch" or "triton"
 
-    def attend(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-        """q [rows * T, Hq, d] -> [rows * T, Hq, d]; kv_layer [2, pages, page_size, Hkv, d]."""
+    def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """q [rows * T, Hq, d] -> [rows * T, Hq, d]; kv_layer [2, pages, page_size, Hkv, d];
+        `scale` None: d ** -0.5."""
         fn = static_attention_triton if self.backend == "triton" else static_attention_torch
-        return fn(q, kv_layer, self.page_table, self.kv_len, self.tokens_per_row, self.causal, self.kv_start)
+        return fn(q, kv_layer, self.page_table, self.kv_len, self.tokens_per_row, self.causal, self.kv_start, scale)
 
 
 def default_backend(device: torch.device) -> str:
@@ -46,7 +47,8 @@ def default_backend(device: torch.device) -> str:
 
 
 def static_attention_torch(q: torch.Tensor, kv_layer: torch.Tensor, page_table: torch.Tensor, kv_len: torch.Tensor,
-                           T: int = 1, causal: bool = True, kv_start: torch.Tensor | None = None) -> torch.Tensor:
+                           T: int = 1, causal: bool = True, kv_start: torch.Tensor | None = None,
+                           scale: float | None = None) -> torch.Tensor:
     rows, max_pages = page_table.shape
     heads, d = kv_layer.shape[-2:]
     span = _page_span(page_table, kv_len, kv_layer.shape[2])
@@ -60,7 +62,8 @@ def static_attention_torch(q: torch.Tensor, kv_layer: torch.Tensor, page_table: 
         v = gather_pages(kv_layer[1], pages).view(rows, -1, heads, d).transpose(1, 2)
     mask = _mask(k.shape[2], kv_len, T, causal, kv_start)  # [rows, T, S]
     qb = q.view(rows, T, q.shape[1], d).transpose(1, 2)  # [rows, Hq, T, d]
-    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != heads)
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != heads,
+                                         scale=scale)
     return out.transpose(1, 2).reshape(rows * T, q.shape[1], d)
 
 
@@ -106,7 +109,8 @@ def num_splits(batch: int, kv_heads: int, max_keys: int, block_n: int = 32) -> i
 
 
 def static_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, page_table: torch.Tensor, kv_len: torch.Tensor,
-                            T: int = 1, causal: bool = True, kv_start: torch.Tensor | None = None) -> torch.Tensor:
+                            T: int = 1, causal: bool = True, kv_start: torch.Tensor | None = None,
+                            scale: float | None = None) -> torch.Tensor:
     rows = page_table.shape[0]
     Hq, d = q.shape[1], q.shape[2]
     page_size, Hkv = kv_layer.shape[2], kv_layer.shape[3]
@@ -125,7 +129,7 @@ def static_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, page_table:
     _split_kernel[(rows, Hkv, splits)](
         q, k_cache, v_cache, page_table, kv_len, start, part_out, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0), kv_len.stride(0),
-        start.stride(0), d ** -0.5, splits,
+        start.stride(0), d ** -0.5 if scale is None else scale, splits,
         T=T, CAUSAL=causal, WINDOW=kv_start is not None, PAGE=page_size, GROUP=group, D=d,
         BLOCK_M=max(16, triton.next_power_of_2(T * group)), BLOCK_D=block_d, BLOCK_N=32,
         IEEE=q.dtype == torch.float32)

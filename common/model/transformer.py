@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.model.attention import AttnMeta, paged_attention
-from common.model.config import ModelConfig
+from common.model.config import ModelConfig, YarnScaling
+from common.model.rope import yarn_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -30,15 +31,19 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(cfg: ModelConfig, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_position, head_dim] in fp32 for rotate-half RoPE."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    if cfg.rope_scaling is not None:
-        inv_freq = _llama3_scale(inv_freq, cfg)
+    """cos/sin tables [max_position, rope_dim] in fp32 for rotate-half RoPE."""
+    d = cfg.rope_dim
+    attention_factor = 1.0
+    if isinstance(cfg.rope_scaling, YarnScaling):
+        inv_freq, attention_factor = yarn_inv_freq(d, cfg.rope_theta, cfg.rope_scaling)
+    else:
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        if cfg.rope_scaling is not None:
+            inv_freq = _llama3_scale(inv_freq, cfg)
     t = torch.arange(cfg.max_position, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
+    return (emb.cos() * attention_factor).to(device), (emb.sin() * attention_factor).to(device)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -125,6 +130,12 @@ class MLP(nn.Module):
         gate, up = linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj.weight)
 
+    @staticmethod
+    def hf_weights(tensors: dict[str, torch.Tensor], src: str) -> dict[str, torch.Tensor]:
+        """Parameters (names relative to the module) from Hugging Face tensors under `src`."""
+        return {"gate_up_proj.weight": torch.cat([tensors[src + "gate_proj.weight"], tensors[src + "up_proj.weight"]]),
+                "down_proj.weight": tensors[src + "down_proj.weight"]}
+
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -164,15 +175,19 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.first_layer = first_layer
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, reduce) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, reduce, first_layer + i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Filled by init_rope() once the module sits on its device (it may be built on "meta").
         self.rope_cos = self.rope_sin_signed = torch.empty(0)
 
+    def make_layer(self, cfg: ModelConfig, reduce: Reduce, layer: int) -> nn.Module:
+        """Decoder layer number `layer` of the whole model (architectures differ per layer)."""
+        return DecoderLayer(cfg, reduce)
+
     def init_rope(self, device: torch.device) -> None:
         self.rope_cos, sin = rope_cos_sin(self.cfg, device)
-        half = self.cfg.head_dim // 2
+        half = self.cfg.rope_dim // 2
         self.rope_sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
 
     @property
@@ -206,26 +221,10 @@ class Transformer(nn.Module):
         return self.norm(h)
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up as this module stores them."""
-        cfg = self.cfg
+        """Load Hugging Face-named tensors (this module's layers numbered from 0)."""
         own = {}
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            own[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-                [tensors[a + "q_proj.weight"], tensors[a + "k_proj.weight"], tensors[a + "v_proj.weight"]])
-            if cfg.attn_bias:
-                own[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
-                    [tensors[a + "q_proj.bias"], tensors[a + "k_proj.bias"], tensors[a + "v_proj.bias"]])
-            if cfg.qk_norm:
-                own[f"layers.{i}.self_attn.q_norm.weight"] = tensors[a + "q_norm.weight"]
-                own[f"layers.{i}.self_attn.k_norm.weight"] = tensors[a + "k_norm.weight"]
-            own[f"layers.{i}.self_attn.o_proj.weight"] = tensors[a + "o_proj.weight"]
-            own[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-                [tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
-            own[f"layers.{i}.mlp.down_proj.weight"] = tensors[p + "mlp.down_proj.weight"]
-            own[f"layers.{i}.input_layernorm.weight"] = tensors[p + "input_layernorm.weight"]
-            own[f"layers.{i}.post_attention_layernorm.weight"] = tensors[p + "post_attention_layernorm.weight"]
+        for i in range(self.cfg.num_layers):
+            own |= {f"layers.{i}.{name}": t for name, t in self.layer_hf_weights(i, tensors).items()}
         own["embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
         own["norm.weight"] = tensors["model.norm.weight"]
         if self.lm_head is not None:
@@ -233,3 +232,23 @@ class Transformer(nn.Module):
         missing, unexpected = self.load_state_dict(own, strict=False)
         if missing or unexpected:
             raise ValueError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def layer_hf_weights(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Layer i's parameters (names relative to it), fusing q/k/v and gate/up as it stores them."""
+        cfg = self.cfg
+        own = {}
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        own["self_attn.qkv_proj.weight"] = torch.cat(
+            [tensors[a + "q_proj.weight"], tensors[a + "k_proj.weight"], tensors[a + "v_proj.weight"]])
+        if cfg.attn_bias:
+            own["self_attn.qkv_proj.bias"] = torch.cat(
+                [tensors[a + "q_proj.bias"], tensors[a + "k_proj.bias"], tensors[a + "v_proj.bias"]])
+        if cfg.qk_norm:
+            own["self_attn.q_norm.weight"] = tensors[a + "q_norm.weight"]
+            own["self_attn.k_norm.weight"] = tensors[a + "k_norm.weight"]
+        own["self_attn.o_proj.weight"] = tensors[a + "o_proj.weight"]
+        own |= {f"mlp.{k}": t for k, t in MLP.hf_weights(tensors, p + "mlp.").items()}
+        own["input_layernorm.weight"] = tensors[p + "input_layernorm.weight"]
+        own["post_attention_layernorm.weight"] = tensors[p + "post_attention_layernorm.weight"]
+        return own

@@ -147,7 +147,8 @@ class ParallelRunner(ModelRunner):
         """These pages of the whole model's KV, every rank's layers and heads put in place."""
         parts = [super().read_pages(pages)] + self._read_all("kv", pages)
         cfg = self.cfg
-        kv = torch.empty(cfg.num_layers, 2, len(pages), self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype)
+        kv = torch.empty(cfg.num_layers, cfg.kv_planes, len(pages), self.page_size, cfg.num_kv_heads,
+                         cfg.cache_head_dim, dtype=self.dtype)
         for r, part in enumerate(parts):
             layers, heads = self.layout.with_rank(r).layers(cfg), self.layout.with_rank(r).kv_heads(cfg)
             kv[layers.start:layers.stop, :, :, :, heads.start:heads.stop] = part

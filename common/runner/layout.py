@@ -54,6 +54,8 @@ def check_parallel(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> None:
             problems.append(f"TP {tp} is not a multiple of the {cfg.num_kv_heads} KV heads (needed to replicate them)")
         if cfg.intermediate_size % tp:
             problems.append(f"MLP width {cfg.intermediate_size} does not split over TP {tp}")
+        if cfg.moe is not None and cfg.moe.intermediate_size % tp:
+            problems.append(f"expert width {cfg.moe.intermediate_size} does not split over TP {tp}")
         if pp > cfg.num_layers:
             problems.append(f"PP {pp} exceeds the {cfg.num_layers} layers")
     if problems:
@@ -103,6 +105,9 @@ class RankLayout:
         return q_head_range(self.tp_rank, self.tp, cfg.num_heads)
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The model this rank computes: its layers, its heads, its share of the MLP width."""
+        """The model this rank computes: its layers, its heads, its share of the MLP width (and
+        of every expert's width: MoE layers split like MLPs, routing is replicated)."""
+        moe = None if cfg.moe is None else replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // self.tp)
         return replace(cfg, num_layers=len(self.layers(cfg)), num_heads=len(self.q_heads(cfg)),
-                       num_kv_heads=len(self.kv_heads(cfg)), intermediate_size=cfg.intermediate_size // self.tp)
+                       num_kv_heads=len(self.kv_heads(cfg)), intermediate_size=cfg.intermediate_size // self.tp,
+                       moe=moe)

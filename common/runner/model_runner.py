@@ -19,7 +19,8 @@ from common.kv.seq_cache import SeqCache
 from common.model.attention import AttnMeta, build_attn_meta
 from common.model.config import ModelConfig
 from common.model.static_attention import StaticAttn, default_backend
-from common.model.transformer import Reduce, Transformer, no_reduce
+from common.model.deepseek import model_class
+from common.model.transformer import Reduce, no_reduce
 from common.runner.layout import RankLayout
 from common.runner.shard import shard_tensors
 
@@ -67,7 +68,7 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         local = layout.local_config(cfg)
         with torch.device("meta"):
-            model = Transformer(local, reduce, first_layer=layout.layers(cfg).start)
+            model = model_class(cfg)(local, reduce, first_layer=layout.layers(cfg).start)
         model = model.to_empty(device=self.device)
         model.load_hf_weights(shard_tensors(tensors, cfg, layout))
         self.model = model.to(self.dtype).eval()
@@ -75,13 +76,16 @@ class ModelRunner:
         self.pool = PagePool(num_pages, page_size)
         # One tensor for the whole cache ([layer, k/v, page, token, head, dim]) so that it is a
         # single region to register with the transfer engine. The extra last page is scratch:
-        # padded attention reads land there and no request owns it.
-        self.kv = torch.zeros(local.num_layers, 2, num_pages + 1, page_size, local.num_kv_heads,
-                              cfg.head_dim, dtype=self.dtype, device=self.device)
+        # padded attention reads land there and no request owns it. MLA has one plane and one
+        # head (the latent and rope key), the same on every TP rank.
+        self.kv = torch.zeros(local.num_layers, cfg.kv_planes, num_pages + 1, page_size, local.num_kv_heads,
+                              cfg.cache_head_dim, dtype=self.dtype, device=self.device)
         self.scratch_slot = num_pages * page_size
         # Static steps (decode, verify) replay CUDA graphs on a GPU unless told otherwise; a rank of
         # a parallel model cannot (its collectives and the other ranks' commands are not captured).
-        self.use_graphs = self.device.type == "cuda" and not enforce_eager and layout.world == 1
+        # MoE layers read how many tokens each expert got on the host, which a graph cannot capture.
+        self.use_graphs = (self.device.type == "cuda" and not enforce_eager and layout.world == 1
+                           and cfg.moe is None)
         self.static_backend = default_backend(self.device)
         # Page tables of static steps: enough pages for the longest context the pool or model allows.
         self.max_pages = -(-min(cfg.max_position, num_pages * page_size) // page_size)
@@ -161,7 +165,7 @@ class ModelRunner:
 
     # ---- transfer description --------------------------------------------------------------
     def read_pages(self, pages: list[int]) -> torch.Tensor:
-        """A copy of these pages of the KV, [layer, k/v, page, token, head, dim] (CPU)."""
+        """A copy of these pages of the KV, [layer, k/v (or latent), page, token, head, dim] (CPU)."""
         return self.kv[:, :, pages].cpu()
 
     def describe_buffers(self) -> list[PagedKVBuffer]:
@@ -170,6 +174,6 @@ class ModelRunner:
         return [PagedKVBuffer(
             name="kv", base_addr=self.kv.data_ptr(), num_layers=len(layers),
             num_pages=self.kv.shape[2], page_size=self.page_size, num_heads=len(heads),
-            head_start=heads.start, total_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            dtype=str(self.dtype).removeprefix("torch."), layer_start=layers.start,
+            head_start=heads.start, total_heads=cfg.num_kv_heads, head_dim=cfg.cache_head_dim,
+            dtype=str(self.dtype).removeprefix("torch."), kv_planes=cfg.kv_planes, layer_start=layers.start,
             total_layers=cfg.num_layers)]

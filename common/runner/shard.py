@@ -6,6 +6,11 @@ does. Tensor parallel slices: q/k/v (and their biases) by head, gate/up by MLP w
 parallel); o_proj and down_proj along their input (row parallel; they have no bias, so the
 all-reduce of the partial outputs is the whole result). Embedding, final norm and LM head are
 replicated on every rank.
+
+MLA (as SGLang splits it): the query (q_proj, or q_b_proj after the replicated q-LoRA input),
+kv_b_proj and o_proj by head; the latent projection kv_a_proj_with_mqa and its norm whole on
+every rank, so every rank writes the same latent cache. MoE: the router whole; every routed and
+shared expert split by width like the dense MLP, so each rank's output is a partial sum too.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from common.model.config import ModelConfig
 from common.runner.layout import RankLayout
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"experts\.\d+\.")
 
 
 def shard_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: RankLayout) -> dict[str, torch.Tensor]:
@@ -29,10 +35,17 @@ def shard_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: Ra
         "self_attn.k_proj": (0, kv.start * d, kv.stop * d),
         "self_attn.v_proj": (0, kv.start * d, kv.stop * d),
         "self_attn.o_proj": (1, q.start * d, q.stop * d),
-        "mlp.gate_proj": (0, layout.tp_rank * width, (layout.tp_rank + 1) * width),
-        "mlp.up_proj": (0, layout.tp_rank * width, (layout.tp_rank + 1) * width),
-        "mlp.down_proj": (1, layout.tp_rank * width, (layout.tp_rank + 1) * width),
+        **_mlp_cols("mlp.", layout.tp_rank, width),
     }
+    if cfg.mla is not None:
+        kv_b, v = cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim, cfg.mla.v_head_dim
+        cols |= {"self_attn.q_b_proj": (0, q.start * d, q.stop * d),
+                 "self_attn.kv_b_proj": (0, q.start * kv_b, q.stop * kv_b),
+                 "self_attn.o_proj": (1, q.start * v, q.stop * v)}
+    if cfg.moe is not None:
+        expert = cfg.moe.intermediate_size // layout.tp
+        cols |= _mlp_cols("mlp.experts.", layout.tp_rank, expert)
+        cols |= _mlp_cols("mlp.shared_experts.", layout.tp_rank, expert * cfg.moe.num_shared_experts)
     out = {}
     for name, t in tensors.items():
         m = _LAYER.fullmatch(name)
@@ -43,9 +56,16 @@ def shard_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: Ra
         if layer not in layers:
             continue
         param, _, kind = rest.rpartition(".")
+        param = _EXPERT.sub("experts.", param)  # every routed expert splits alike
         if param in cols and layout.tp > 1:
             dim, start, stop = cols[param]
             dim = 0 if kind == "bias" else dim
             t = t.narrow(dim, start, stop - start).contiguous()
         out[f"model.layers.{layer - layers.start}.{rest}"] = t
     return out
+
+
+def _mlp_cols(prefix: str, rank: int, width: int) -> dict[str, tuple[int, int, int]]:
+    """A SwiGLU MLP's slices: gate/up by output width, down by input width."""
+    part = (rank * width, (rank + 1) * width)
+    return {prefix + "gate_proj": (0, *part), prefix + "up_proj": (0, *part), prefix + "down_proj": (1, *part)}

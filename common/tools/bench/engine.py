@@ -259,7 +259,7 @@ def _floor(args: argparse.Namespace, shape: str, batches: list[int], context: in
 
 
 def _kv_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element_size
+    return cfg.kv_elems_per_token * element_size
 
 
 # ---- the two sides ---------------------------------------------------------------------------

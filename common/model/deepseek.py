@@ -1,0 +1,47 @@
+"""The DeepSeek-V3 architecture (Kimi-K2, Moonlight): the dense decoder's embedding, norms, RoPE
+tables, LM head and pipeline pieces, with MLA attention in every layer and a MoE feed-forward
+from layer `first_dense_layers` on (a dense SwiGLU MLP before it)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from common.model.attention import AttnMeta
+from common.model.config import ModelConfig
+from common.model.mla import MLAttention
+from common.model.moe import MoE
+from common.model.transformer import MLP, Reduce, RMSNorm, Transformer
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, reduce: Reduce, layer: int):
+        super().__init__()
+        self.reduce = reduce
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = MLAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MoE(cfg) if cfg.moe is not None and layer >= cfg.moe.first_dense_layers else MLP(cfg)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
+                meta: AttnMeta) -> torch.Tensor:
+        h = h + self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta))
+        return h + self.reduce(self.mlp(self.post_attention_layernorm(h)))
+
+
+class DeepseekTransformer(Transformer):
+    def make_layer(self, cfg: ModelConfig, reduce: Reduce, layer: int) -> nn.Module:
+        return DeepseekDecoderLayer(cfg, reduce, layer)
+
+    def layer_hf_weights(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        p = f"model.layers.{i}."
+        layer = self.layers[i]
+        own = {"input_layernorm.weight": tensors[p + "input_layernorm.weight"],
+               "post_attention_layernorm.weight": tensors[p + "post_attention_layernorm.weight"]}
+        own |= {f"self_attn.{k}": t for k, t in layer.self_attn.hf_weights(tensors, p + "self_attn.").items()}
+        own |= {f"mlp.{k}": t for k, t in layer.mlp.hf_weights(tensors, p + "mlp.").items()}
+        return own
+
+
+def model_class(cfg: ModelConfig) -> type[Transformer]:
+    """The module that computes this architecture."""
+    return Transformer if cfg.mla is None else DeepseekTransformer

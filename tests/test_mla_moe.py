@@ -1,0 +1,314 @@
+"""DeepSeek-V3 architecture (MLA + MoE) against transformers' DeepseekV3ForCausalLM.
+
+Tiny random-weight checkpoints are written as Hugging Face folders (3 layers: one dense MLP, two
+MoE; grouped routing; q-LoRA on and off; YaRN with both mscales in one), read back through
+common.model.weights, and compared in fp32: prefill and decode logits, chunked against one-shot
+prefill, batched extends of unequal lengths, and greedy generation through the Engine (whose
+decode runs the static path: absorbed attention over the latent pages). Negative controls show
+that a shifted latent page or a perturbed router bias would be caught.
+
+Tensor parallelism (worker processes, gloo) splits the query heads, kv_b_proj, o_proj and every
+expert's width, and keeps the latent projection whole: its logits and latent KV equal one
+process's. The PD transfer plan, built from the runners' own buffer descriptions, moves whole
+latent pages from exactly one P rank to each D rank, and D decodes on from them as one process
+would."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+
+import pytest
+import torch
+
+from common.engine.engine import Engine
+from common.engine.request import Request
+from common.engine.sampling import SamplingParams
+from common.kv.seq_cache import SeqCache
+from common.kv.buffers import RoomBuffers
+from common.model.attention import cache_slot
+from common.model.weights import load_weights, resolve_model
+from common.parallel.driver import ParallelRunner
+from common.runner.layout import RankLayout
+from common.runner.model_runner import ModelRunner
+from common.transfer.plan import TPRank, build_plan, source_ranks
+from router_svc.model_info import read_model_info
+
+VOCAB = 256
+TOL = dict(rtol=1e-4, atol=1e-4)
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+             v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1,
+             initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+             tie_word_embeddings=False)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
+VARIANTS = {
+    # q-LoRA, grouped routing (2 of 4 groups), YaRN with a softmax mscale and a cos/sin factor,
+    # written in the rope_scaling form of the released DeepSeek-V3 config.json.
+    "qlora_yarn_grouped": dict(q_lora_rank=24, n_group=4, topk_group=2, n_shared_experts=1, norm_topk_prob=True,
+                               routed_scaling_factor=2.5, rope_parameters=YARN, max_position_embeddings=128),
+    # No q-LoRA, one group, unnormalised weights, two shared experts, plain RoPE.
+    "no_qlora": dict(q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2, norm_topk_prob=False,
+                     routed_scaling_factor=1.5, max_position_embeddings=256),
+}
+PROMPTS = [list(range(3, 3 + 41)), [7, 9, 11, 200, 13, 5, 99, 42, 17], [5] * 3 + list(range(100, 160))]
+
+
+def _write(name: str, folder) -> None:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(sum(map(ord, name)))
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**SMALL, **VARIANTS[name])).eval()
+    with torch.no_grad():  # norms, router biases: not their init values (ones, zeros), so that loading them matters
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.uniform_(-0.1, 0.1)
+    model.save_pretrained(folder)
+    if "rope_parameters" in VARIANTS[name]:
+        path = os.path.join(folder, "config.json")
+        with open(path) as f:
+            raw = json.load(f)
+        params = raw.pop("rope_parameters")
+        raw["rope_theta"] = params.pop("rope_theta")
+        raw["rope_scaling"] = {"type": params.pop("rope_type"), **params}
+        with open(path, "w") as f:
+            json.dump(raw, f)
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def checkpoint(request, tmp_path_factory):
+    """(name, transformers model read back from the folder, our config, our tensors, folder)"""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp(request.param)
+    _write(request.param, folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    cfg, tensors = load_weights(resolve_model(str(folder)))
+    return request.param, hf, cfg, tensors, folder
+
+
+def _runner(checkpoint, **kw) -> ModelRunner:
+    _, _, cfg, tensors, _ = checkpoint
+    return ModelRunner(cfg, tensors, num_pages=64, page_size=8, **kw)
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def test_config_and_latent_kv_layout(checkpoint):
+    name, hf, cfg, _, folder = checkpoint
+    assert cfg.arch == "deepseek_v3" and cfg.mla.q_lora_rank == hf.config.q_lora_rank
+    assert (cfg.moe.num_groups, cfg.moe.topk_groups) == (hf.config.n_group, hf.config.topk_group)
+    assert cfg.mla.softmax_scale == pytest.approx(hf.model.layers[0].self_attn.scaling)
+    runner = _runner(checkpoint)
+    (buf,) = runner.describe_buffers()
+    # One latent "head" of kv_lora_rank + rope dims per token and layer, one plane.
+    assert (buf.kv_planes, buf.num_heads, buf.total_heads, buf.head_dim) == (1, 1, 1, 32 + 8)
+    assert buf.token_bytes == 40 * 4
+    assert cfg.kv_elems_per_token * 4 == buf.num_layers * buf.token_bytes
+    assert runner.kv.shape == (3, 1, 65, 8, 1, 40)
+    # What the router's /server_info reports (x dtype bytes), read from the folder's config alone.
+    assert read_model_info(resolve_model(str(folder))).kv_values_per_token == 3 * 40
+
+
+def test_prefill_and_decode_logits_match_transformers(checkpoint):
+    _, hf, _, _, _ = checkpoint
+    runner = _runner(checkpoint)
+    ids = PROMPTS[0] + [60, 61, 62, 63, 64, 65]
+    ref = _hf_logits(hf, ids)
+    seq = SeqCache()
+    runner.reserve(seq, len(ids))
+    n = len(PROMPTS[0])
+    got = [runner.extend([seq], [ids[:n]], all_logits=True).logits]  # expanded attention
+    got += [runner.extend([seq], [[t]]).logits for t in ids[n:]]  # absorbed, one token at a time
+    torch.testing.assert_close(torch.cat(got), ref, **TOL)
+    runner.release(seq)
+
+
+def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):
+    _, hf, _, _, _ = checkpoint
+    runner = _runner(checkpoint)
+    refs = [_hf_logits(hf, p) for p in PROMPTS]
+    seq = SeqCache()
+    runner.reserve(seq, len(PROMPTS[2]))
+    chunks = [runner.extend([seq], [PROMPTS[2][i:i + 11]], all_logits=True).logits
+              for i in range(0, len(PROMPTS[2]), 11)]
+    torch.testing.assert_close(torch.cat(chunks), refs[2], **TOL)
+    runner.release(seq)
+    # Three requests of unequal lengths in one extend, each already holding a few tokens.
+    seqs = [SeqCache() for _ in PROMPTS]
+    for s, p in zip(seqs, PROMPTS):
+        runner.reserve(s, len(p))
+        runner.extend([s], [p[:4]])
+    out = runner.extend(seqs, [p[4:] for p in PROMPTS], all_logits=True).logits
+    torch.testing.assert_close(out, torch.cat([r[4:] for r in refs]), **TOL)
+    for s in seqs:
+        runner.release(s)
+
+
+def test_greedy_engine_matches_transformers(checkpoint):
+    _, hf, cfg, _, _ = checkpoint
+    runner = _runner(checkpoint)
+    engine = Engine(runner, cfg.eos_token_ids, chunk_size=16)
+    reqs = [Request(str(i), p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+    engine.run_all(reqs)
+    for r in reqs:
+        x = torch.tensor([r.prompt_ids])
+        with torch.inference_mode():
+            out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12,
+                              min_new_tokens=12, pad_token_id=0)
+        assert r.output_ids == out[0, len(r.prompt_ids):].tolist()
+    assert runner.pool.num_free == runner.pool.num_pages
+
+
+def test_negative_controls_are_caught(checkpoint):
+    """The comparisons above would notice a latent cache shifted by one token, and a router that
+    chooses differently (a perturbed correction bias)."""
+    _, hf, cfg, tensors, _ = checkpoint
+    ids = PROMPTS[0] + [60]
+    ref = _hf_logits(hf, ids)[-1]
+    runner = _runner(checkpoint)
+    seq = SeqCache()
+    runner.reserve(seq, len(ids))
+    runner.extend([seq], [PROMPTS[0]])
+    # Every layer's cached prompt one token late (as a transfer off by one token would leave it):
+    # the first token twice, the last one lost. (Reordering keys alone would not show: their
+    # positions are already rotated into them.)
+    slots = torch.tensor([cache_slot(seq.pages, p, runner.page_size) for p in range(seq.length)])
+    flat = runner.kv.flatten(2, 3)
+    flat[:, :, slots[1:]] = flat[:, :, slots[:-1]].clone()
+    shifted = runner.extend([seq], [[60]]).logits[0]
+    runner.release(seq)
+    assert not torch.allclose(shifted, ref, **TOL)
+
+    bias = "model.layers.2.mlp.gate.e_score_correction_bias"
+    perturbed = dict(tensors, **{bias: tensors[bias] + torch.linspace(-1, 1, cfg.moe.num_experts)})
+    runner = ModelRunner(cfg, perturbed, num_pages=64, page_size=8)
+    seq = SeqCache()
+    runner.reserve(seq, len(ids))
+    got = runner.extend([seq], [ids], all_logits=True).logits
+    assert not torch.allclose(got, _hf_logits(hf, ids), **TOL)
+
+
+def test_unsupported_config_is_refused():
+    from common.model.config import ModelConfig
+
+    raw = {"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}, "moe_layer_freq": 2}
+    with pytest.raises(ValueError, match="quantization_config.*moe_layer_freq 2"):
+        ModelConfig.from_hf(raw, "x")
+
+
+def _prefill(runner: ModelRunner, chunks: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Logits of every token of the chunks prefilled in turn, and the KV pages they fill as
+    each rank holds them (rank order; one process: one)."""
+    seq = SeqCache()
+    runner.reserve(seq, sum(map(len, chunks)))
+    logits = torch.cat([runner.extend([seq], [c], all_logits=True).logits for c in chunks])
+    pages = list(seq.pages)
+    # ParallelRunner.read_pages() overlays the ranks' parts, so the replicated latent of only
+    # one rank would show: read every rank's own.
+    kv = [ModelRunner.read_pages(runner, pages)]
+    if isinstance(runner, ParallelRunner):
+        kv += runner._read_all("kv", pages)
+    runner.release(seq)
+    return logits, kv
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (2, 2)])
+def test_tensor_parallel_equals_one_process(checkpoint, tp, pp):
+    _, _, cfg, tensors, _ = checkpoint
+    chunks = [PROMPTS[2][:20], PROMPTS[2][20:31]]
+    want_logits, want_kv = _prefill(_runner(checkpoint), chunks)
+    runner = ParallelRunner(cfg, tensors, tp=tp, pp=pp, num_pages=16, page_size=8)
+    try:
+        logits, kv = _prefill(runner, chunks)
+        torch.testing.assert_close(logits, want_logits, **TOL)
+        for rank, part in enumerate(kv):  # every rank holds its stage's layers of the whole latent cache
+            layers = RankLayout(tp, pp, rank).layers(cfg)
+            torch.testing.assert_close(part, want_kv[0][layers.start:layers.stop], **TOL)
+        if (tp, pp) == (2, 1):  # decode (the static path) through the engine, greedy
+            reqs = [Request(str(i), p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+            Engine(runner, cfg.eos_token_ids, chunk_size=16).run_all(reqs)
+            ref = [Request(str(i), p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+            Engine(_runner(checkpoint), cfg.eos_token_ids, chunk_size=16).run_all(ref)
+            assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
+    finally:
+        runner.close()
+
+
+def _copy(entries) -> None:
+    for e in entries:
+        ctypes.memmove(e.dst_addr, e.src_addr, e.length)
+
+
+@pytest.mark.parametrize("tp_p,tp_d", [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2)])
+def test_pd_plan_sends_whole_latent_pages_from_one_p_rank(checkpoint, tp_p, tp_d):
+    """Each rank's runner (its layout's share of the weights, its own latent cache) describes
+    its buffers; P ranks hold the prompt's latent pages (the same on every rank, as the TP test
+    shows), at other page numbers than D's. The plans are applied as memory copies at the
+    addresses they name. Then every D rank holds one process's latent KV, and a D of TP 1
+    decodes on exactly as one process does; D pages given in a shifted order are caught."""
+    _, _, cfg, tensors, _ = checkpoint
+    prompt, more = PROMPTS[2], [60, 61, 62]
+    single = _runner(checkpoint)
+    seq = SeqCache()
+    single.reserve(seq, len(prompt) + len(more))
+    single.extend([seq], [prompt])
+    want_kv = single.read_pages(list(seq.pages))
+
+    def rank_runners(tp: int, skip: int) -> list[tuple[ModelRunner, SeqCache]]:
+        out = []
+        for r in range(tp):
+            runner = ModelRunner(cfg, tensors, num_pages=64, page_size=8, layout=RankLayout(tp, 1, r))
+            runner.reserve(SeqCache(), skip)  # pages numbered unlike the single process's
+            s = SeqCache()
+            runner.reserve(s, len(prompt) + len(more))
+            out.append((runner, s))
+        return out
+
+    p_side, d_side = rank_runners(tp_p, 3 * 8), rank_runners(tp_d, 5 * 8)
+    for runner, s in p_side:
+        runner.kv[:, :, s.pages] = single.kv[:, :, seq.pages]
+
+    def plans(d_pages: list[int] | None = None):
+        for d_rank, (d_runner, d_seq) in enumerate(d_side):
+            dst = RoomBuffers(d_runner.describe_buffers(), {"kv": d_pages or list(d_seq.pages)})
+            senders = []
+            for p_rank, (p_runner, p_seq) in enumerate(p_side):
+                src = RoomBuffers(p_runner.describe_buffers(), {"kv": list(p_seq.pages)})
+                plan = build_plan("room", src, dst, len(prompt), src_tp=TPRank(p_rank, tp_p), dst_tp=TPRank(d_rank, tp_d))
+                if plan.entries:
+                    senders.append(p_rank)
+                    page_bytes = d_runner.describe_buffers()[0].bytes_per_page
+                    assert all(e.length % page_bytes == 0 for e in plan.entries)  # whole pages, no head slicing
+                    yield plan
+            assert senders == [d_rank % tp_p] == source_ranks(d_rank, range(1), tp_p, 1)
+
+    for plan in plans():
+        _copy(plan.entries)
+    for d_runner, d_seq in d_side:
+        assert torch.equal(d_runner.read_pages(list(d_seq.pages)), want_kv)
+    if tp_d > 1:
+        return
+    d_runner, d_seq = d_side[0]
+    d_seq.length = len(prompt)
+    seq_want = torch.cat([single.extend([seq], [[t]]).logits for t in more])
+    torch.testing.assert_close(torch.cat([d_runner.extend([d_seq], [[t]]).logits for t in more]), seq_want, **TOL)
+    # Negative control: the same transfer into D's pages listed in a rotated order.
+    d_runner.kv.zero_()
+    pages = list(d_seq.pages)
+    for plan in plans(pages[1:] + pages[:1]):
+        _copy(plan.entries)
+    d_seq.length = len(prompt)
+    got = torch.cat([d_runner.extend([d_seq], [[t]]).logits for t in more])
+    assert not torch.allclose(got, seq_want, **TOL)
+
+
+def test_gguf_model_info_kv_values_match_its_config(embedded_source, embedded_weights):
+    """The router reads GGUF headers on its own: it must agree with the config the runner uses."""
+    assert read_model_info(embedded_source).kv_values_per_token == embedded_weights[0].kv_elems_per_token == 30 * 2 * 3 * 64
