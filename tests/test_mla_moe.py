@@ -35,6 +35,8 @@ from common.runner.model_runner import ModelRunner
 from common.runner.shard import shard_tensors
 from common.transfer.plan import TPRank, build_plan, source_ranks
 from router_svc.model_info import read_model_info
+from test_parallel_runner import FP32_TOL, check_parallel_equals_single
+from tiny_models import save_random_drafter
 
 VOCAB = 256
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -243,6 +245,16 @@ def test_tensor_parallel_equals_one_process(checkpoint, tp, pp, ep):
             assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
     finally:
         runner.close()
+
+
+def test_pipeline_parallel_equals_one_process(checkpoint, tmp_path):
+    """PP 2 (layers [0, 1] | [2]) and PP 3 (a layer per stage): each stage holds its layers'
+    latent cache and MLA/MoE weights; logits, latent KV and the DFlash draft KV built from the
+    hidden states captured on every stage (their fc partial sums travel down the pipeline)
+    equal one process's."""
+    _, _, cfg, tensors, _ = checkpoint
+    drafter = save_random_drafter(cfg, (0, 1, 2), str(tmp_path / "drafter"))
+    check_parallel_equals_single(cfg, tensors, drafter, [(1, 2), (1, 3)], "fp32", FP32_TOL)
 
 
 def test_expert_parallel_shards_and_is_not_vacuous(checkpoint):
