@@ -64,7 +64,8 @@ VARIANTS = {
 PROMPTS = [list(range(3, 3 + 41)), [7, 9, 11, 200, 13, 5, 99, 42, 17], [5] * 3 + list(range(100, 160))]
 
 
-def _write(name: str, folder) -> None:
+def write_checkpoint(name: str, folder) -> None:
+    """The tiny random checkpoint VARIANTS[name] as a Hugging Face folder (also served by test_pd_deepseek.py)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(sum(map(ord, name)))
@@ -93,7 +94,7 @@ def checkpoint(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     folder = tmp_path_factory.mktemp(request.param)
-    _write(request.param, folder)
+    write_checkpoint(request.param, folder)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     cfg, tensors = load_weights(resolve_model(str(folder)))
     return request.param, hf, cfg, tensors, folder

@@ -18,7 +18,7 @@ from common.engine.sampling import SamplingParams
 from common.model.weights import converted_folder, load_weights, resolve_model
 from common.runner.model_runner import ModelRunner
 from pd_stack import Stack
-from test_mla_moe import PROMPTS, _write
+from test_mla_moe import PROMPTS, write_checkpoint
 from tiny_models import save_random_drafter
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def folder(tmp_path_factory, embedded_source, embedded_tokenizer) -> str:
     """The checkpoint with the embedded model's tokenizer files beside it (the services load a
     tokenizer; requests here are token ids below the checkpoint's vocabulary)."""
     path = str(tmp_path_factory.mktemp("deepseek"))
-    _write("qlora_yarn_grouped", path)
+    write_checkpoint("qlora_yarn_grouped", path)
     tokenizer = os.path.join(converted_folder(embedded_source), "tokenizer")  # kept there by Tokenizer
     for f in os.listdir(tokenizer):
         shutil.copy(os.path.join(tokenizer, f), path)
