@@ -256,10 +256,11 @@ def _prefill(runner: ModelRunner, chunks: list[list[int]]) -> tuple[torch.Tensor
     return logits, kv
 
 
-@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2), (4, 1, 2)])
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2), (4, 1, 2), (2, 2, 2)])
 def test_tensor_parallel_equals_one_process(checkpoint, tp, pp, ep):
     """TP (and with EP the routed experts sharded over the TP ranks: EP 2 of TP 4 also splits
-    each expert's width over 2 ranks) gives one process's logits and latent KV."""
+    each expert's width over 2 ranks; with PP 2 each stage's TP group shards its own layers'
+    experts) gives one process's logits and latent KV."""
     _, _, cfg, tensors, _ = checkpoint
     chunks = [PROMPTS[2][:20], PROMPTS[2][20:31]]
     want_logits, want_kv = _prefill(_runner(checkpoint), chunks)
