@@ -55,8 +55,8 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
         servicer = DecodeServicer(loop, tokenizer, receiver, args.role, runner.cfg.name, args.deadline)
         loop.start()
         server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_DecodeServiceServicer_to_server(servicer, s))
-        log.info("ready on %s:%d (%s, TP %d, %d KV pages of %d tokens)", args.host, args.port, args.role, args.tp,
-                 runner.pool.num_pages, runner.page_size)
+        log.info("ready on %s:%d (%s, TP %d, EP %d, %d KV pages of %d tokens)", args.host, args.port, args.role,
+                 args.tp, args.ep, runner.pool.num_pages, runner.page_size)
         await stop.wait()
         await server.stop(grace=2)
         loop.stop()

@@ -48,8 +48,8 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
                                    runner.cfg.name, args.deadline)
         loop.start()
         server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_PrefillServiceServicer_to_server(servicer, s))
-        log.info("ready on %s:%d (mooncake %s, TP %d x PP %d, %d KV pages of %d tokens)", args.host, args.port,
-                 ranks.mooncake.session_id, args.tp, args.pp, runner.pool.num_pages, runner.page_size)
+        log.info("ready on %s:%d (mooncake %s, TP %d x PP %d, EP %d, %d KV pages of %d tokens)", args.host, args.port,
+                 ranks.mooncake.session_id, args.tp, args.pp, args.ep, runner.pool.num_pages, runner.page_size)
         await stop.wait()
         await server.stop(grace=2)
         loop.stop()

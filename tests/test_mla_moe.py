@@ -17,22 +17,31 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 
 import pytest
 import torch
 
+from common.dflash.drafter import Drafter
+from common.dflash.proposer import DFlashProposer
 from common.engine.engine import Engine
+from common.engine.meta import meta_info
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
+from common.engine.spec_policy import SpecConfig
 from common.kv.seq_cache import SeqCache
 from common.kv.buffers import RoomBuffers
 from common.model.attention import cache_slot
 from common.model.weights import load_weights, resolve_model
 from common.parallel.driver import ParallelRunner
-from common.runner.layout import RankLayout
+from common.runner.layout import ParallelConfigError, RankLayout, check_parallel
 from common.runner.model_runner import ModelRunner
+from common.runner.shard import shard_tensors
+from common.tools.bench import stats
 from common.transfer.plan import TPRank, build_plan, source_ranks
 from router_svc.model_info import read_model_info
+from test_parallel_runner import FP32_TOL, check_parallel_equals_single
+from tiny_models import save_random_drafter
 
 VOCAB = 256
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -55,7 +64,8 @@ VARIANTS = {
 PROMPTS = [list(range(3, 3 + 41)), [7, 9, 11, 200, 13, 5, 99, 42, 17], [5] * 3 + list(range(100, 160))]
 
 
-def _write(name: str, folder) -> None:
+def write_checkpoint(name: str, folder) -> None:
+    """The tiny random checkpoint VARIANTS[name] as a Hugging Face folder (also served by test_pd_deepseek.py)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(sum(map(ord, name)))
@@ -84,7 +94,7 @@ def checkpoint(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     folder = tmp_path_factory.mktemp(request.param)
-    _write(request.param, folder)
+    write_checkpoint(request.param, folder)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     cfg, tensors = load_weights(resolve_model(str(folder)))
     return request.param, hf, cfg, tensors, folder
@@ -166,6 +176,33 @@ def test_greedy_engine_matches_transformers(checkpoint):
     assert runner.pool.num_free == runner.pool.num_pages
 
 
+def test_dflash_greedy_equals_plain(checkpoint, tmp_path):
+    """--spec dflash with this target (a GQA drafter reading the MLA/MoE target's hidden states
+    at layers 0 and 2) gives the plain greedy output: verify runs blocks through the absorbed
+    latent attention and rolls rejected tokens back. Random drafters rarely guess right, so
+    seeds are tried until one has drafts accepted (the accept path: kept draft tokens, their
+    latent KV and draft KV), each of them lossless."""
+    _, _, cfg, _, _ = checkpoint
+    runner = _runner(checkpoint)
+
+    def run(**spec) -> list[Request]:
+        reqs = [Request(str(i), p, SamplingParams(max_new_tokens=24, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+        Engine(runner, cfg.eos_token_ids, chunk_size=16, **spec).run_all(reqs)
+        return reqs
+
+    plain = [r.output_ids for r in run()]
+    for seed in range(40):
+        drafter = Drafter.load(save_random_drafter(cfg, (0, 2), str(tmp_path / str(seed)), seed=seed))
+        reqs = run(proposer=DFlashProposer(drafter, runner, runner.pool.num_pages), spec=SpecConfig(block=4))
+        assert [r.output_ids for r in reqs] == plain, f"drafter seed {seed}"
+        assert all(stats.check_invariants(meta_info(r)) == [] for r in reqs)
+        if sum(r.spec.accepted_drafts for r in reqs):
+            break
+    else:
+        pytest.fail("no random drafter had a draft accepted: the accept path went untested")
+    assert runner.pool.num_free == runner.pool.num_pages
+
+
 def test_negative_controls_are_caught(checkpoint):
     """The comparisons above would notice a latent cache shifted by one token, and a router that
     chooses differently (a perturbed correction bias)."""
@@ -219,19 +256,22 @@ def _prefill(runner: ModelRunner, chunks: list[list[int]]) -> tuple[torch.Tensor
     return logits, kv
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (2, 2)])
-def test_tensor_parallel_equals_one_process(checkpoint, tp, pp):
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2), (4, 1, 2), (2, 2, 2)])
+def test_tensor_parallel_equals_one_process(checkpoint, tp, pp, ep):
+    """TP (and with EP the routed experts sharded over the TP ranks: EP 2 of TP 4 also splits
+    each expert's width over 2 ranks; with PP 2 each stage's TP group shards its own layers'
+    experts) gives one process's logits and latent KV."""
     _, _, cfg, tensors, _ = checkpoint
     chunks = [PROMPTS[2][:20], PROMPTS[2][20:31]]
     want_logits, want_kv = _prefill(_runner(checkpoint), chunks)
-    runner = ParallelRunner(cfg, tensors, tp=tp, pp=pp, num_pages=16, page_size=8)
+    runner = ParallelRunner(cfg, tensors, tp=tp, pp=pp, ep=ep, num_pages=16, page_size=8)
     try:
         logits, kv = _prefill(runner, chunks)
         torch.testing.assert_close(logits, want_logits, **TOL)
         for rank, part in enumerate(kv):  # every rank holds its stage's layers of the whole latent cache
             layers = RankLayout(tp, pp, rank).layers(cfg)
             torch.testing.assert_close(part, want_kv[0][layers.start:layers.stop], **TOL)
-        if (tp, pp) == (2, 1):  # decode (the static path) through the engine, greedy
+        if (tp, pp, ep) == (2, 1, 2):  # decode (the static path) through the engine, greedy
             reqs = [Request(str(i), p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
             Engine(runner, cfg.eos_token_ids, chunk_size=16).run_all(reqs)
             ref = [Request(str(i), p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
@@ -239,6 +279,67 @@ def test_tensor_parallel_equals_one_process(checkpoint, tp, pp):
             assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
     finally:
         runner.close()
+
+
+def test_pipeline_parallel_equals_one_process(checkpoint, tmp_path):
+    """PP 2 (layers [0, 1] | [2]) and PP 3 (a layer per stage): each stage holds its layers'
+    latent cache and MLA/MoE weights; logits, latent KV and the DFlash draft KV built from the
+    hidden states captured on every stage (their fc partial sums travel down the pipeline)
+    equal one process's."""
+    _, _, cfg, tensors, _ = checkpoint
+    drafter = save_random_drafter(cfg, (0, 1, 2), str(tmp_path / "drafter"))
+    check_parallel_equals_single(cfg, tensors, drafter, [(1, 2), (1, 3)], "fp32", FP32_TOL)
+
+
+def test_expert_parallel_shards_and_is_not_vacuous(checkpoint):
+    """The EP ranks hold disjoint halves of the experts (and only those weights), and the prompt
+    the EP test prefills routes tokens to both halves in every MoE layer, so that a rank whose
+    experts were lost or counted twice would change the logits."""
+    _, _, cfg, tensors, _ = checkpoint
+    held = [RankLayout(2, 1, r, ep=2).local_config(cfg).moe.held_experts for r in range(2)]
+    assert held == [range(0, 4), range(4, 8)]
+    keys = shard_tensors(tensors, cfg, RankLayout(2, 1, 1, ep=2))
+    assert {int(k.split(".")[5]) for k in keys if ".mlp.experts." in k} == {4, 5, 6, 7}
+    runner = _runner(checkpoint)
+    chosen = []
+    for layer in runner.model.layers[cfg.moe.first_dense_layers:]:
+        layer.mlp.register_forward_hook(lambda mod, args, out: chosen.append(mod.route(args[0])[0]))
+    _prefill(runner, [PROMPTS[2][:31]])
+    assert len(chosen) == cfg.num_layers - cfg.moe.first_dense_layers
+    for experts in chosen:
+        assert (experts < 4).any() and (experts >= 4).any()
+
+
+def test_expert_parallel_refused_where_it_does_not_fit(checkpoint):
+    from dataclasses import replace
+
+    _, _, cfg, _, _ = checkpoint
+    with pytest.raises(ParallelConfigError, match="EP 3 does not divide TP 2"):
+        check_parallel(cfg, tp=2, ep=3)
+    with pytest.raises(ParallelConfigError, match="EP 2 does not divide TP 1"):
+        check_parallel(cfg, tp=1, ep=2)
+    with pytest.raises(ParallelConfigError, match="6 routed experts do not split over EP 4"):
+        check_parallel(replace(cfg, moe=replace(cfg.moe, num_experts=6)), tp=4, ep=4)
+    with pytest.raises(ParallelConfigError, match="EP 2 needs a model with routed experts"):
+        check_parallel(replace(cfg, moe=None), tp=2, ep=2)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--decode-ep", "2"], "--decode-ep 2 must divide --decode-tp 1"),
+    (["--prefill-tp", "4", "--prefill-ep", "3"], "--prefill-ep 3 must divide --prefill-tp 4"),
+    (["--mode", "colocated", "--prefill-ep", "2"], "apply to --mode pd"),
+])
+def test_up_refuses_ep_that_does_not_divide_tp(flags, message):
+    """Before it starts anything (whether EP divides the model's experts each instance checks
+    when it loads the model, with check_parallel above)."""
+    import argparse
+
+    from common.tools import up
+
+    p = argparse.ArgumentParser()
+    up.add_args(p)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        up.run(p.parse_args(flags))
 
 
 def _copy(entries) -> None:

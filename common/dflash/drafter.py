@@ -60,8 +60,14 @@ class DrafterConfig:
 
     @classmethod
     def for_target(cls, target: ModelConfig, num_layers: int = 2, **overrides) -> "DrafterConfig":
+        kv_heads, head_dim = target.num_kv_heads, target.head_dim
+        if target.mla is not None:
+            # An MLA target's one latent "head" of nope + rope width describes its cache, not an
+            # attention shape to copy: the drafter stays a plain GQA model, with v_head_dim-wide
+            # heads and a KV head per query head (overridable, like everything here).
+            kv_heads, head_dim = target.num_heads, target.mla.v_head_dim
         base = dict(num_layers=num_layers, hidden_size=target.hidden_size, num_heads=target.num_heads,
-                    num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+                    num_kv_heads=kv_heads, head_dim=head_dim,
                     intermediate_size=target.intermediate_size, rope_theta=target.rope_theta,
                     rms_eps=target.rms_eps, capture_layers=default_capture_layers(target.num_layers),
                     max_position=target.max_position, target_hidden_size=target.hidden_size)

@@ -50,13 +50,23 @@ class MoeConfig:
 
     num_experts: int
     experts_per_token: int
-    num_shared_experts: int
-    intermediate_size: int  # of each routed expert (a shared expert is num_shared_experts times as wide)
+    intermediate_size: int  # of each routed expert
+    # The shared experts as one MLP, n_shared_experts times as wide as a routed expert (split
+    # over TP, while routed experts split over TP / EP: RankLayout.local_config)
+    shared_intermediate_size: int
     first_dense_layers: int  # layers [0, first_dense_layers) keep a dense MLP
     num_groups: int
     topk_groups: int
     norm_topk_prob: bool
     routed_scaling_factor: float
+    # Expert parallelism (common.runner.layout): a rank holds experts [first_expert,
+    # first_expert + local_experts) and routes over all of them; None = every expert.
+    first_expert: int = 0
+    local_experts: int | None = None
+
+    @property
+    def held_experts(self) -> range:
+        return range(self.first_expert, self.first_expert + (self.local_experts or self.num_experts))
 
 
 @dataclass(frozen=True)
@@ -202,8 +212,8 @@ def _deepseek_v3(cfg: dict, name: str) -> ModelConfig:
     moe = None
     if experts:
         moe = MoeConfig(num_experts=experts, experts_per_token=cfg["num_experts_per_tok"],
-                        num_shared_experts=cfg.get("n_shared_experts") or 0,
                         intermediate_size=cfg["moe_intermediate_size"],
+                        shared_intermediate_size=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0),
                         first_dense_layers=cfg.get("first_k_dense_replace") or 0,
                         num_groups=cfg.get("n_group") or 1, topk_groups=cfg.get("topk_group") or 1,
                         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),

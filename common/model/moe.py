@@ -6,6 +6,11 @@ correction bias (which balances the load without an auxiliary loss): experts for
 groups, a group is rated by the sum of its two best biased scores, only the best `topk_groups`
 groups stay eligible, and the top `experts_per_token` eligible experts are chosen. Their weights
 are the unbiased scores, renormalised to sum to 1 if norm_topk_prob, times routed_scaling_factor.
+
+Under expert parallelism a rank holds only `moe.held_experts`: it still routes every token over
+all experts (the router is whole), computes the pairs routed to its own experts, and returns
+that partial sum; the TP all-reduce after the layer adds the other ranks' experts (as SGLang's
+all-reduce EP does).
 """
 from __future__ import annotations
 
@@ -26,12 +31,13 @@ class MoE(nn.Module):
         self.moe = m
         self.router = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)
         self.register_buffer("correction_bias", torch.zeros(m.num_experts))
-        # All experts in two tensors ([expert, out, in]), gate and up fused as in the dense MLP.
-        self.gate_up = nn.Parameter(torch.empty(m.num_experts, 2 * m.intermediate_size, cfg.hidden_size))
-        self.down = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size, m.intermediate_size))
+        # The held experts in two tensors ([expert, out, in]), gate and up fused as in the dense MLP.
+        held = len(m.held_experts)
+        self.gate_up = nn.Parameter(torch.empty(held, 2 * m.intermediate_size, cfg.hidden_size))
+        self.down = nn.Parameter(torch.empty(held, cfg.hidden_size, m.intermediate_size))
         self.shared_experts = None
-        if m.num_shared_experts:
-            self.shared_experts = MLP(replace(cfg, intermediate_size=m.intermediate_size * m.num_shared_experts))
+        if m.shared_intermediate_size:
+            self.shared_experts = MLP(replace(cfg, intermediate_size=m.shared_intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
@@ -56,14 +62,19 @@ class MoE(nn.Module):
         return experts, weights * m.routed_scaling_factor
 
     def run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's chosen experts of weight x SwiGLU_expert(x). Tokens are grouped by
-        expert so that each expert's weights are read once per step, for all its tokens. (The
-        group sizes are read on the host, so this step cannot be captured in a CUDA graph.)"""
-        k = experts.shape[1]
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)
+        """Sum over each token's chosen experts held here of weight x SwiGLU_expert(x). Tokens are
+        grouped by expert so that each expert's weights are read once per step, for all its
+        tokens. (The group sizes are read on the host, so this step cannot be captured in a CUDA
+        graph.)"""
+        k, held = experts.shape[1], self.moe.held_experts
+        flat = experts.flatten() - held.start  # index into this rank's experts
+        if len(held) == self.moe.num_experts:
+            order = flat.argsort(stable=True)
+        else:  # the (token, choice) pairs routed to the held experts
+            mine = ((flat >= 0) & (flat < len(held))).nonzero()[:, 0]
+            order = mine[flat[mine].argsort(stable=True)]
         token = order // k
-        counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
+        counts = torch.bincount(flat[order], minlength=len(held)).tolist()
         xs = x[token]
         ys = torch.empty_like(xs)
         start = 0
@@ -77,8 +88,9 @@ class MoE(nn.Module):
 
     def hf_weights(self, tensors: dict[str, torch.Tensor], src: str) -> dict[str, torch.Tensor]:
         """This module's parameters (names relative to it) from Hugging Face tensors under `src`
-        ("model.layers.{i}.mlp.", experts stored one by one as in the released checkpoints)."""
-        e = [f"{src}experts.{j}." for j in range(self.moe.num_experts)]
+        ("model.layers.{i}.mlp.", experts stored one by one as in the released checkpoints); of
+        the routed experts only the held ones are read."""
+        e = [f"{src}experts.{j}." for j in self.moe.held_experts]
         own = {"router.weight": tensors[src + "gate.weight"],
                "correction_bias": tensors[src + "gate.e_score_correction_bias"],
                "gate_up": torch.stack([torch.cat([tensors[p + "gate_proj.weight"], tensors[p + "up_proj.weight"]])

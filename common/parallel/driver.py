@@ -58,9 +58,9 @@ class WorkerError(RuntimeError):
 
 class ParallelRunner(ModelRunner):
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, tp: int = 1, pp: int = 1,
-                 dtype: str = "fp32", device: str = "cpu", num_pages: int = 512, page_size: int = 64):
-        check_parallel(cfg, tp, pp)  # before any process starts
-        layout = RankLayout(tp, pp, 0)
+                 ep: int = 1, dtype: str = "fp32", device: str = "cpu", num_pages: int = 512, page_size: int = 64):
+        check_parallel(cfg, tp, pp, ep)  # before any process starts
+        layout = RankLayout(tp, pp, 0, ep)
         backend = "nccl" if device.startswith("cuda") else "gloo"
         init_method = f"tcp://127.0.0.1:{free_port()}"
         # forkserver: one clean process imports torch and this package once, and every worker

@@ -1,4 +1,11 @@
-"""How a model is split over pipeline stages (layers) and tensor-parallel ranks (heads).
+"""How a model is split over pipeline stages (layers), tensor-parallel ranks (heads) and, in MoE
+layers, expert-parallel ranks (routed experts).
+
+Expert parallelism follows SGLang's `--ep-size`: it does not add processes, it shards the
+routed experts over the ranks of each TP group. EP must divide TP; the TP group then holds
+EP groups of experts, each split by width over TP / EP ranks (SGLang's moe_tp_size), and TP rank
+t holds expert group t // (TP / EP), width slice t % (TP / EP). Attention, the dense MLPs and
+the shared experts split over TP as without EP.
 
 Pure arithmetic shared by the runners (which weights and KV a process holds) and the transfer
 plan (which bytes a P rank sends to which D rank).
@@ -40,11 +47,11 @@ def q_head_range(rank: int, tp: int, num_heads: int) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
-def check_parallel(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> None:
+def check_parallel(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
     """Refuse splits that do not divide the model evenly, with the numbers that don't fit."""
     problems = []
-    if tp < 1 or pp < 1:
-        problems.append(f"tp and pp must be >= 1 (got tp {tp}, pp {pp})")
+    if tp < 1 or pp < 1 or ep < 1:
+        problems.append(f"tp, pp and ep must be >= 1 (got tp {tp}, pp {pp}, ep {ep})")
     else:
         if cfg.num_heads % tp:
             problems.append(f"{cfg.num_heads} attention heads do not split over TP {tp}")
@@ -54,23 +61,36 @@ def check_parallel(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> None:
             problems.append(f"TP {tp} is not a multiple of the {cfg.num_kv_heads} KV heads (needed to replicate them)")
         if cfg.intermediate_size % tp:
             problems.append(f"MLP width {cfg.intermediate_size} does not split over TP {tp}")
-        if cfg.moe is not None and cfg.moe.intermediate_size % tp:
-            problems.append(f"expert width {cfg.moe.intermediate_size} does not split over TP {tp}")
+        if ep > 1 and cfg.moe is None:
+            problems.append(f"EP {ep} needs a model with routed experts")
+        # As SGLang requires: the experts are sharded over the TP group's ranks (EP divides TP),
+        # and every EP rank holds the same number of experts.
+        if ep > 1 and tp % ep:
+            problems.append(f"EP {ep} does not divide TP {tp} (experts are sharded over the TP group's ranks)")
+        if cfg.moe is not None and not tp % ep:
+            m, moe_tp = cfg.moe, tp // ep
+            if m.num_experts % ep:
+                problems.append(f"{m.num_experts} routed experts do not split over EP {ep}")
+            if m.intermediate_size % moe_tp:
+                problems.append(f"expert width {m.intermediate_size} does not split over TP {tp} / EP {ep}")
+            if m.shared_intermediate_size % tp:
+                problems.append(f"shared expert width {m.shared_intermediate_size} does not split over TP {tp}")
         if pp > cfg.num_layers:
             problems.append(f"PP {pp} exceeds the {cfg.num_layers} layers")
     if problems:
-        raise ParallelConfigError(f"cannot run {cfg.name} with TP {tp} x PP {pp}: " + "; ".join(problems))
+        raise ParallelConfigError(f"cannot run {cfg.name} with TP {tp} x PP {pp} (EP {ep}): " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
 class RankLayout:
     """Where one process sits: TP rank `rank % tp` of pipeline stage `rank // tp`. Rank 0 is the
     driver (the service process); stage s's TP rank t sends its activations to stage s+1's
-    TP rank t."""
+    TP rank t. `ep` shards the routed experts over each TP group (see the module docstring)."""
 
     tp: int = 1
     pp: int = 1
     rank: int = 0
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -104,10 +124,30 @@ class RankLayout:
     def q_heads(self, cfg: ModelConfig) -> range:
         return q_head_range(self.tp_rank, self.tp, cfg.num_heads)
 
+    @property
+    def moe_tp(self) -> int:
+        """Ranks splitting each routed expert's width (SGLang's moe_tp_size)."""
+        return self.tp // self.ep
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.tp_rank % self.moe_tp
+
+    def experts(self, cfg: ModelConfig) -> range:
+        """The routed experts this rank holds (a share of each one's width)."""
+        per = cfg.moe.num_experts // self.ep
+        group = self.tp_rank // self.moe_tp
+        return range(group * per, (group + 1) * per)
+
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The model this rank computes: its layers, its heads, its share of the MLP width (and
-        of every expert's width: MoE layers split like MLPs, routing is replicated)."""
-        moe = None if cfg.moe is None else replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // self.tp)
+        """The model this rank computes: its layers, its heads, its share of the MLP width, its
+        routed experts and its share of their width (routing is replicated)."""
+        moe = None
+        if cfg.moe is not None:
+            experts = self.experts(cfg)
+            moe = replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // self.moe_tp,
+                          shared_intermediate_size=cfg.moe.shared_intermediate_size // self.tp,
+                          first_expert=experts.start, local_experts=len(experts))
         return replace(cfg, num_layers=len(self.layers(cfg)), num_heads=len(self.q_heads(cfg)),
                        num_kv_heads=len(self.kv_heads(cfg)), intermediate_size=cfg.intermediate_size // self.tp,
                        moe=moe)

@@ -9,8 +9,10 @@ replicated on every rank.
 
 MLA (as SGLang splits it): the query (q_proj, or q_b_proj after the replicated q-LoRA input),
 kv_b_proj and o_proj by head; the latent projection kv_a_proj_with_mqa and its norm whole on
-every rank, so every rank writes the same latent cache. MoE: the router whole; every routed and
-shared expert split by width like the dense MLP, so each rank's output is a partial sum too.
+every rank, so every rank writes the same latent cache. MoE: the router whole; the shared
+experts split by width like the dense MLP; of the routed experts a rank keeps only those of its
+expert-parallel group (RankLayout.experts), each split by width over TP / EP ranks. Either way
+each rank's output is a partial sum that the TP all-reduce completes.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from common.model.config import ModelConfig
 from common.runner.layout import RankLayout
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"experts\.\d+\.")
+_EXPERT = re.compile(r"experts\.(\d+)\.")
 
 
 def shard_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: RankLayout) -> dict[str, torch.Tensor]:
@@ -42,10 +44,11 @@ def shard_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: Ra
         cols |= {"self_attn.q_b_proj": (0, q.start * d, q.stop * d),
                  "self_attn.kv_b_proj": (0, q.start * kv_b, q.stop * kv_b),
                  "self_attn.o_proj": (1, q.start * v, q.stop * v)}
+    experts = range(0)
     if cfg.moe is not None:
-        expert = cfg.moe.intermediate_size // layout.tp
-        cols |= _mlp_cols("mlp.experts.", layout.tp_rank, expert)
-        cols |= _mlp_cols("mlp.shared_experts.", layout.tp_rank, expert * cfg.moe.num_shared_experts)
+        experts = layout.experts(cfg)
+        cols |= _mlp_cols("mlp.experts.", layout.moe_tp_rank, cfg.moe.intermediate_size // layout.moe_tp)
+        cols |= _mlp_cols("mlp.shared_experts.", layout.tp_rank, cfg.moe.shared_intermediate_size // layout.tp)
     out = {}
     for name, t in tensors.items():
         m = _LAYER.fullmatch(name)
@@ -56,7 +59,11 @@ def shard_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: Ra
         if layer not in layers:
             continue
         param, _, kind = rest.rpartition(".")
-        param = _EXPERT.sub("experts.", param)  # every routed expert splits alike
+        expert = _EXPERT.search(param)
+        if expert is not None:
+            if int(expert.group(1)) not in experts:  # another expert-parallel group's
+                continue
+            param = _EXPERT.sub("experts.", param)  # every routed expert splits alike
         if param in cols and layout.tp > 1:
             dim, start, stop = cols[param]
             dim = 0 if kind == "bias" else dim

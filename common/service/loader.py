@@ -10,6 +10,7 @@ import torch
 from common.engine.spec_policy import SpecConfig
 from common.model.tokenizer import Tokenizer
 from common.model.weights import load_weights, resolve_model
+from common.runner.layout import check_parallel
 from common.runner.model_runner import ModelRunner
 
 # Measurements kept between runs (the step costs the speculation policy weighs).
@@ -26,12 +27,13 @@ class ModelOptions:
     enforce_eager: bool = False  # CUDA: decode without CUDA graphs
     tp: int = 1  # tensor-parallel ranks (processes) per pipeline stage
     pp: int = 1  # pipeline stages (prefill instances only)
+    ep: int = 1  # expert parallel: the routed experts sharded over each TP group's ranks
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ModelOptions":
-        # --tp / --pp exist only on the services (add_parallel_args)
+        # --tp / --pp / --ep exist only on the services (add_parallel_args)
         return cls(args.model, args.dtype, args.device, args.page_size, args.kv_pages, args.no_cuda_graphs,
-                   getattr(args, "tp", 1), getattr(args, "pp", 1))
+                   getattr(args, "tp", 1), getattr(args, "pp", 1), getattr(args, "ep", 1))
 
 
 def add_model_args(p: argparse.ArgumentParser, kv_pages: int = 512) -> None:
@@ -47,6 +49,9 @@ def add_parallel_args(p: argparse.ArgumentParser, pipeline: bool) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel: processes splitting heads and MLP width")
     if pipeline:
         p.add_argument("--pp", type=int, default=1, help="pipeline parallel: processes holding a range of layers each")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallel (MoE models): the routed experts sharded over the --tp ranks; must divide "
+                        "--tp and the number of experts")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -96,11 +101,12 @@ def load_proposer(args: argparse.Namespace, runner: ModelRunner):
 def load_model(opts: ModelOptions) -> tuple[ModelRunner, Tokenizer]:
     src = resolve_model(opts.model)
     cfg, tensors = load_weights(src)
+    check_parallel(cfg, opts.tp, opts.pp, opts.ep)  # e.g. --ep without the --tp ranks to shard over
     if opts.tp * opts.pp > 1:
         from common.parallel.driver import ParallelRunner
 
-        runner = ParallelRunner(cfg, tensors, tp=opts.tp, pp=opts.pp, dtype=opts.dtype, device=opts.device,
-                                num_pages=opts.kv_pages, page_size=opts.page_size)
+        runner = ParallelRunner(cfg, tensors, tp=opts.tp, pp=opts.pp, ep=opts.ep, dtype=opts.dtype,
+                                device=opts.device, num_pages=opts.kv_pages, page_size=opts.page_size)
     else:
         runner = ModelRunner(cfg, tensors, dtype=opts.dtype, device=opts.device,
                              num_pages=opts.kv_pages, page_size=opts.page_size, enforce_eager=opts.enforce_eager)

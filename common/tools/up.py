@@ -49,6 +49,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel processes per prefill instance")
     p.add_argument("--prefill-pp", type=int, default=1, help="pipeline stages (processes) per prefill instance")
     p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel processes per decode instance (or replica)")
+    p.add_argument("--prefill-ep", type=int, default=1,
+                   help="expert parallel (MoE models): routed experts sharded over each prefill stage's TP ranks")
+    p.add_argument("--decode-ep", type=int, default=1,
+                   help="expert parallel (MoE models): routed experts sharded over the decode TP ranks")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="router HTTP port (gRPC on port+1)")
     p.add_argument("--model", default=None, help="Hugging Face folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
@@ -134,8 +138,14 @@ def stop_all(children: list[Child], timeout: float = 15.0) -> None:
 def run(args: argparse.Namespace) -> int:
     if min(args.prefill, args.decode, args.replicas) < 1:
         raise ValueError("--prefill, --decode and --replicas must be at least 1")
-    if args.mode == "colocated" and (args.prefill_tp, args.prefill_pp) != (1, 1):
-        raise ValueError("--prefill-tp/--prefill-pp apply to --mode pd; a colocated replica is split with --decode-tp")
+    if args.mode == "colocated" and (args.prefill_tp, args.prefill_pp, args.prefill_ep) != (1, 1, 1):
+        raise ValueError("--prefill-tp/--prefill-pp/--prefill-ep apply to --mode pd; a colocated replica is split "
+                         "with --decode-tp/--decode-ep")
+    # EP shards the experts over the TP ranks (SGLang's --ep-size): it must divide TP. Whether it
+    # divides the model's experts each instance checks when it loads the model (and exits with the reason).
+    for side, tp, ep in (("prefill", args.prefill_tp, args.prefill_ep), ("decode", args.decode_tp, args.decode_ep)):
+        if ep < 1 or tp % ep:
+            raise ValueError(f"--{side}-ep {ep} must divide --{side}-tp {tp}: the experts are sharded over the TP ranks")
     children: list[Child] = []
     stopping = False
 
@@ -195,8 +205,8 @@ def supervise(children: list[Child], router: Child) -> None:
 def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child]:
     common = model_flags(args) + spec_flags(args) + ["--host", args.host, "--chunk-size", str(args.chunk_size),
                                   "--deadline", str(args.deadline)]
-    prefill_par = ["--tp", str(args.prefill_tp), "--pp", str(args.prefill_pp)]
-    decode_par = ["--tp", str(args.decode_tp)]
+    prefill_par = ["--tp", str(args.prefill_tp), "--pp", str(args.prefill_pp), "--ep", str(args.prefill_ep)]
+    decode_par = ["--tp", str(args.decode_tp), "--ep", str(args.decode_ep)]
     if args.mode == "pd":
         verify = ["--verify-transfer"] if args.verify_transfer else []
         groups = [("prefill", "prefill_svc", args.prefill, verify + prefill_par),
