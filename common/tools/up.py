@@ -7,6 +7,7 @@ SIGTERM stops every child (router first, so no new work arrives) and waits for t
 from __future__ import annotations
 
 import argparse
+import http.client
 import os
 import signal
 import subprocess
@@ -115,7 +116,7 @@ def wait_http_healthy(child: Child, url: str, timeout: float) -> None:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
                     return
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not listening yet, or not HTTP (yet)
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"{child.name} not healthy after {timeout:.0f} s")
