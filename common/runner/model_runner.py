@@ -19,7 +19,7 @@ from common.kv.seq_cache import SeqCache
 from common.model.attention import AttnMeta, build_attn_meta
 from common.model.config import ModelConfig
 from common.model.static_attention import StaticAttn, default_backend
-from common.model.deepseek import model_class
+from common.model.architectures import model_class
 from common.model.transformer import Reduce, no_reduce
 from common.runner.layout import RankLayout
 from common.runner.shard import shard_tensors
