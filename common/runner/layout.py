@@ -77,6 +77,9 @@ def check_parallel(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -> N
                 problems.append(f"shared expert width {m.shared_intermediate_size} does not split over TP {tp}")
         if pp > cfg.num_layers:
             problems.append(f"PP {pp} exceeds the {cfg.num_layers} layers")
+        if cfg.kda is not None and tp * pp > 1:
+            # Not built yet: KDA heads split over TP ranks, layer states owned by PP stages.
+            problems.append("KDA layers (kimi_linear) run in one process only so far (TP 1, PP 1)")
     if problems:
         raise ParallelConfigError(f"cannot run {cfg.name} with TP {tp} x PP {pp} (EP {ep}): " + "; ".join(problems))
 
