@@ -122,10 +122,11 @@ class ParallelRunner(ModelRunner):
         return hidden, {}
 
     def forward_static(self, token_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
-                       attn: StaticAttn, capture_layers: tuple[int, ...] = ()
-                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                       attn: StaticAttn, capture_layers: tuple[int, ...] = (),
+                       state_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The workers run StepBatches, not static buffers: the same causal step as one (rows
-        unpadded: a parallel runner replays no graphs), through forward()."""
+        unpadded: a parallel runner replays no graphs), through forward(). `state_slots` is
+        always None here: models with KDA layers are not split yet (check_parallel)."""
         T, page = attn.tokens_per_row, self.page_size
         kv_len = attn.kv_len.tolist()
         tables = attn.page_table.tolist()
