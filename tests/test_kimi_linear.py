@@ -28,6 +28,7 @@ from common.model.config import ModelConfig
 from common.model.weights import load_weights, resolve_model
 from common.runner.layout import ParallelConfigError, check_parallel
 from common.runner.model_runner import ModelRunner
+from router_svc.model_info import read_model_info
 
 VOCAB = 256
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -73,18 +74,18 @@ def write_checkpoint(name: str, folder) -> None:
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def checkpoint(request, tmp_path_factory):
-    """(name, transformers model read back from the folder, our config, our tensors)"""
+    """(name, transformers model read back from the folder, our config, our tensors, folder)"""
     from transformers import AutoModelForCausalLM
 
     folder = tmp_path_factory.mktemp(request.param)
     write_checkpoint(request.param, folder)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     cfg, tensors = load_weights(resolve_model(str(folder)))
-    return request.param, hf, cfg, tensors
+    return request.param, hf, cfg, tensors, folder
 
 
 def _runner(checkpoint, **kw) -> ModelRunner:
-    _, _, cfg, tensors = checkpoint
+    _, _, cfg, tensors, _ = checkpoint
     return ModelRunner(cfg, tensors, num_pages=64, page_size=8, **kw)
 
 
@@ -94,7 +95,7 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
 
 
 def test_config_reads_both_styles(checkpoint):
-    name, hf, cfg, _ = checkpoint
+    name, hf, cfg, _, folder = checkpoint
     assert hf.config.layer_types == ["linear_attention", "linear_attention", "full_attention",
                                      "linear_attention", "full_attention"]
     assert cfg.arch == "kimi_linear" and cfg.kda.layers == (0, 1, 3) and cfg.kv_layers == (2, 4)
@@ -109,12 +110,17 @@ def test_config_reads_both_styles(checkpoint):
     D = cfg.kda.head_dim
     assert cfg.state_bytes_per_request(4) == 3 * (4 * 2 * D * D + 4 * 3 * 2 * D * 3)
     assert cfg.kv_elems_per_token == 2 * (32 + 8)
+    # What the router's /server_info reports beside the KV bytes per token.
+    info = read_model_info(resolve_model(str(folder)))
+    assert info.kv_values_per_token == cfg.kv_elems_per_token
+    assert info.state_bytes_per_request == {"bfloat16": cfg.state_bytes_per_request(2),
+                                            "float32": cfg.state_bytes_per_request(4)}
 
 
 def test_prefill_and_decode_logits_match_transformers(checkpoint):
     """90 prompt tokens through the chunked form (a 64-token chunk and a partial one), then six
     tokens one at a time through the one-step form."""
-    _, hf, _, _ = checkpoint
+    _, hf, _, _, _ = checkpoint
     runner = _runner(checkpoint)
     ids = PROMPTS[0] + [60, 61, 62, 63, 64, 65]
     ref = _hf_logits(hf, ids)
@@ -128,7 +134,7 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
 
 
 def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):
-    _, hf, _, _ = checkpoint
+    _, hf, _, _, _ = checkpoint
     runner = _runner(checkpoint)
     refs = [_hf_logits(hf, p) for p in PROMPTS]
     seq = SeqCache()
@@ -158,7 +164,7 @@ def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):
 
 def test_greedy_engine_matches_transformers(checkpoint):
     """Chunked prefill in the engine (chunks of 16), then static decode steps of the batch."""
-    _, hf, cfg, _ = checkpoint
+    _, hf, cfg, _, _ = checkpoint
     runner = _runner(checkpoint)
     engine = Engine(runner, cfg.eos_token_ids, chunk_size=16)
     reqs = [Request(str(i), p, SamplingParams(max_new_tokens=10, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
@@ -176,7 +182,7 @@ def test_greedy_engine_matches_transformers(checkpoint):
 def test_state_slots_are_admitted_held_and_returned(checkpoint):
     """Two slots for three requests: the third waits for one (pages are plentiful), outputs
     equal an engine with room for all; an aborted request's slot returns too."""
-    _, _, cfg, _ = checkpoint
+    _, _, cfg, _, _ = checkpoint
     ample = _runner(checkpoint)
     ref = [Request(str(i), p, SamplingParams(max_new_tokens=5, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
     Engine(ample, cfg.eos_token_ids, chunk_size=32).run_all(ref)
@@ -226,7 +232,7 @@ def test_negative_controls_are_caught(checkpoint):
     state lost, as a transfer that never arrived leaves it), and the hand-off token applied
     twice (harmless to a KV cache, which overwrites the same slot; a recurrent state absorbs it
     again). Both runs reach the same positions as the reference."""
-    _, hf, _, _ = checkpoint
+    _, hf, _, _, _ = checkpoint
     ids = PROMPTS[0] + [60, 61]
     ref = _hf_logits(hf, ids)[-1]
     runner = _runner(checkpoint)
@@ -265,7 +271,7 @@ def test_recurrent_state_cannot_be_cut_back(checkpoint):
 
 
 def test_unsupported_config_is_refused(checkpoint):
-    _, _, cfg, _ = checkpoint
+    _, _, cfg, _, _ = checkpoint
     raw = {"model_type": "kimi_linear", "num_hidden_layers": 2, "mla_use_nope": False,
            "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "gate_lower_bound": -5.0},
            "layer_types": ["full_attention", "linear_attention"]}
