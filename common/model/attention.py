@@ -40,6 +40,9 @@ class AttnMeta:
     # tokens each adds; None on static steps, where every row adds T / B.
     state_slots: torch.Tensor | None = None
     state_counts: list[int] | None = None
+    # [B] bool: the batch holds the request's first tokens, so its state starts at zero whatever
+    # its slot holds (every rank learns this from the batch; None: no request starts here).
+    state_fresh: torch.Tensor | None = None
 
 
 def cache_slot(pages: list[int], pos: int, page_size: int) -> int:

@@ -108,32 +108,36 @@ class KimiDeltaAttention(nn.Module):
         g = linear(f_a, self.f_b_proj.weight).float() + self.dt_bias.float()
         g = (-self.A_log.float().exp()[:, None] * F.softplus(g.view(T, H, D))).view(T, H * D)
         beta = b.float().sigmoid()
-        slots, counts = meta.state_slots, meta.state_counts
+        slots, counts, fresh = meta.state_slots, meta.state_counts, meta.state_fresh
         if counts is None or len(set(counts)) == 1:  # every request adds as many tokens: one batch
-            o = self._rows(mixed, g, beta, slots, recurrent, conv)
+            o = self._rows(mixed, g, beta, slots, fresh, recurrent, conv)
         else:
             ends = torch.tensor(counts).cumsum(0).tolist()
-            o = torch.cat([self._rows(mixed[e - n:e], g[e - n:e], beta[e - n:e], slots[i:i + 1], recurrent, conv)
+            o = torch.cat([self._rows(mixed[e - n:e], g[e - n:e], beta[e - n:e], slots[i:i + 1],
+                                      None if fresh is None else fresh[i:i + 1], recurrent, conv)
                            for i, (n, e) in enumerate(zip(counts, ends))])
         gate = linear(g_a, self.g_b_proj.weight).view(T, H, D)
         o = F.rms_norm(o, (D,), eps=self.cfg.rms_eps) * self.o_norm.float() * gate.float().sigmoid()
         return linear(o.to(x.dtype).view(T, H * D), self.o_proj.weight)
 
     def _rows(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
-              recurrent: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
+              fresh: torch.Tensor | None, recurrent: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
         """Rows = slots.shape[0] requests of n tokens each (flattened row by row): outputs [T, H, D]
-        fp32; their slots' state and windows are updated in place."""
+        fp32; their slots' state and windows are updated in place. Rows `fresh` start from zeros."""
         H, D, rows = self.heads, self.dim, slots.shape[0]
         n = mixed.shape[0] // rows
+        window, state = conv[slots], recurrent[slots]
+        if fresh is not None:  # where, not a product: a slot's leftovers may hold anything
+            window = window.masked_fill(fresh[:, None, None], 0)
+            state = state.masked_fill(fresh[:, None, None, None], 0)
         # Convolution over [window | new inputs]: the window supplies the W - 1 inputs before the
         # first new token (zeros for a fresh request, as the reference's zero padding).
-        seq = torch.cat([conv[slots], mixed.view(rows, n, -1).transpose(1, 2).to(conv.dtype)], -1)
+        seq = torch.cat([window, mixed.view(rows, n, -1).transpose(1, 2).to(conv.dtype)], -1)
         conv.index_copy_(0, slots, seq[..., -(conv.shape[-1]):])
         qkv = F.silu(F.conv1d(seq.to(self.conv_weight.dtype), self.conv_weight[:, None], groups=seq.shape[1]))
         q, k, v = qkv.transpose(1, 2).float().view(rows, n, 3, H, D).unbind(2)  # [rows, n, H, D] each
         q, k = l2norm(q) * D ** -0.5, l2norm(k)
         g, beta = g.view(rows, n, H, D), beta.view(rows, n, H)
-        state = recurrent[slots]
         if n == 1:
             o, state = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
             o = o[:, None]

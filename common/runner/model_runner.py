@@ -112,7 +112,9 @@ class ModelRunner:
     # ---- page management -------------------------------------------------------------------
     def reserve(self, seq: SeqCache, num_tokens: int) -> None:
         """Make sure seq has pages for `num_tokens` tokens, and a state slot if the model has KDA
-        layers (raises OutOfPages or its OutOfStateSlots, allocating nothing)."""
+        layers (raises OutOfPages or its OutOfStateSlots, allocating nothing). The slot is not
+        cleared here: the request's first chunk reads it as zeros (AttnMeta.state_fresh), on
+        every rank."""
         new_slot = self.state_pool is not None and not seq.state_slot
         if new_slot:
             seq.state_slot = self.state_pool.alloc()
@@ -123,9 +125,6 @@ class ModelRunner:
                 self.state_pool.free(seq.state_slot)
                 seq.state_slot = 0
             raise
-        if new_slot:  # a request starts from a zero state and empty convolution windows
-            self.cache.recurrent[:, seq.state_slot].zero_()
-            self.cache.conv[:, seq.state_slot].zero_()
 
     def release(self, seq: SeqCache) -> None:
         """Return seq's pages and state slot; it holds nothing after."""
@@ -175,6 +174,7 @@ class ModelRunner:
                 raise RuntimeError("a request runs through KDA layers without a state slot (reserve it first)")
             meta.state_slots = torch.tensor(batch.state_slots, dtype=torch.long, device=self.device)
             meta.state_counts = batch.counts
+            meta.state_fresh = torch.tensor([s == 0 for s in batch.starts], device=self.device)
         return meta
 
     def token_tensor(self, batch: StepBatch) -> torch.Tensor:
