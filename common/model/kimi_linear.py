@@ -4,7 +4,9 @@ SwiGLU MLP in the first `first_dense_layers` layers and DeepSeek-V3-routed MoE a
 (common.model.moe: sigmoid scores, biased top-k, renormalised, scaled). No rotary embedding.
 
 The cache the model runs over is a `HybridCache`: the paged KV of the MLA layers only (a KDA
-layer has no per-token cache) and the state slots of the KDA layers.
+layer has no per-token cache) and the state slots of the KDA layers. The feed-forward tensors are
+renamed as DeepSeek-V3 names them when the checkpoint is read (`deepseek_ffn_names`), so that the
+dense MLP, the MoE and their TP/EP split (common.runner.shard) read them as they are.
 """
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import re
+
 from common.model.attention import AttnMeta
 from common.model.config import ModelConfig
+from common.model.deepseek import DeepseekTransformer
 from common.model.kda import KimiDeltaAttention
 from common.model.mla import MLAttention
 from common.model.moe import MoE
-from common.model.transformer import MLP, Reduce, RMSNorm, Transformer
+from common.model.transformer import MLP, Reduce, RMSNorm
 
 
 @dataclass
@@ -52,7 +57,10 @@ class KimiDecoderLayer(nn.Module):
         return h + self.reduce(self.mlp(self.post_attention_layernorm(h)))
 
 
-class KimiLinearTransformer(Transformer):
+class KimiLinearTransformer(DeepseekTransformer):
+    """DeepSeek-V3's module with Kimi's layers; weights load as there (layer_hf_weights), each
+    layer's attention reading its own kind's tensors."""
+
     def __init__(self, cfg: ModelConfig, reduce: Reduce, first_layer: int = 0):
         super().__init__(cfg, reduce, first_layer)
         # Each layer's index among the cache entries of its kind (KDA state or MLA pages).
@@ -74,30 +82,20 @@ class KimiLinearTransformer(Transformer):
                 captured[self.first_layer + i] = h
         return h, captured
 
-    def layer_hf_weights(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        p = f"model.layers.{i}."
-        layer = self.layers[i]
-        own = {"input_layernorm.weight": tensors[p + "input_layernorm.weight"],
-               "post_attention_layernorm.weight": tensors[p + "post_attention_layernorm.weight"]}
-        own |= {f"self_attn.{k}": t for k, t in layer.self_attn.hf_weights(tensors, p + "self_attn.").items()}
-        ffn = _deepseek_ffn_names(tensors, p + "block_sparse_moe.", p + "mlp.")
-        own |= {f"mlp.{k}": t for k, t in layer.mlp.hf_weights(ffn, p + "mlp.").items()}
-        return own
+
+_KIMI_FFN = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(.*)")
+_EXPERT_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def _deepseek_ffn_names(tensors: dict[str, torch.Tensor], src: str, dst: str) -> dict[str, torch.Tensor]:
-    """The feed-forward tensors under `src` (Kimi's checkpoint names: block_sparse_moe, experts'
-    w1 / w3 / w2, gate.weight) renamed under `dst` as DeepSeek-V3 names them, which the dense MLP
-    and MoE read (gate_proj / up_proj / down_proj, gate.weight, gate.e_score_correction_bias)."""
-    expert_names = {"w1.": "gate_proj.", "w3.": "up_proj.", "w2.": "down_proj."}
+def deepseek_ffn_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Kimi-Linear's checkpoint tensors with the feed-forward ones renamed as DeepSeek-V3 names
+    them: block_sparse_moe -> mlp, routed experts' w1 / w3 / w2 -> gate_proj / up_proj /
+    down_proj (the dense MLP, shared experts and router keep their names)."""
     out = {}
     for name, t in tensors.items():
-        if not name.startswith(src):
-            continue
-        rest = name[len(src):]
-        if rest.startswith("experts."):
-            e, _, w = rest[len("experts."):].partition(".")
-            w = next((new + w[len(old):] for old, new in expert_names.items() if w.startswith(old)), w)
-            rest = f"experts.{e}.{w}"
-        out[dst + rest] = t
+        m = _KIMI_FFN.fullmatch(name)
+        if m is not None:
+            rest = re.sub(r"^(experts\.\d+\.)(w[123])\.", lambda e: f"{e.group(1)}{_EXPERT_W[e.group(2)]}.", m.group(2))
+            name = f"{m.group(1)}mlp.{rest}"
+        out[name] = t
     return out
