@@ -26,6 +26,7 @@ from common.kv.seq_cache import SeqCache
 from common.kv.state_pool import OutOfStateSlots, StatePool
 from common.model.config import ModelConfig
 from common.model.weights import load_weights, resolve_model
+from common.parallel.driver import ParallelRunner
 from common.runner.layout import ParallelConfigError, check_parallel
 from common.runner.model_runner import ModelRunner
 from router_svc.model_info import read_model_info
@@ -277,5 +278,33 @@ def test_unsupported_config_is_refused(checkpoint):
            "layer_types": ["full_attention", "linear_attention"]}
     with pytest.raises(ValueError, match="mla_use_nope.*gate_lower_bound.*disagree"):
         ModelConfig.from_hf(raw, "x")
-    with pytest.raises(ParallelConfigError, match="KDA layers"):
-        check_parallel(cfg, tp=2)
+    with pytest.raises(ParallelConfigError, match="2 KDA heads do not split over TP 4.*not run under PP"):
+        check_parallel(cfg, tp=4, pp=2)
+
+
+def test_tensor_parallel_equals_transformers(checkpoint):
+    """TP 2: each rank one KDA head (its slice of every state and window), half the MLA query
+    heads, half of each expert's width. Prefill and decode logits equal transformers', greedy
+    output through the Engine (static decode steps, state slots in the batch) equals one
+    process's."""
+    _, hf, cfg, tensors, _ = checkpoint
+    ids = PROMPTS[0] + [60, 61, 62]
+    ref = _hf_logits(hf, ids)
+    single = [Request(str(i), p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+    Engine(_runner(checkpoint), cfg.eos_token_ids, chunk_size=32).run_all(single)
+    runner = ParallelRunner(cfg, tensors, tp=2, num_pages=64, page_size=8, state_slots=4)
+    try:
+        seq = SeqCache()
+        runner.reserve(seq, len(ids))
+        n = len(PROMPTS[0])
+        got = [runner.extend([seq], [ids[:n]], all_logits=True).logits]
+        got += [runner.extend([seq], [[t]]).logits for t in ids[n:]]
+        torch.testing.assert_close(torch.cat(got), ref, **TOL)
+        runner.release(seq)
+        reqs = [Request(str(i), p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+        Engine(runner, cfg.eos_token_ids, chunk_size=32).run_all(reqs)
+        assert [r.output_ids for r in reqs] == [r.output_ids for r in single]
+        assert runner.state_pool.num_free == 4
+    finally:
+        runner.close()
+

@@ -88,8 +88,8 @@ class ModelRunner:
         # its own (`state_slots` requests at a time): row 0 of each tensor is scratch.
         self.state_pool: StatePool | None = None
         self.cache: torch.Tensor | HybridCache = self.kv
-        if cfg.kda is not None:
-            k, n = cfg.kda, len(cfg.kda.layers)
+        if local.kda is not None:  # this rank's heads of each state
+            k, n = local.kda, len(local.kda.layers)
             self.state_pool = StatePool(state_slots)
             self.cache = HybridCache(
                 self.kv,
@@ -187,13 +187,16 @@ class ModelRunner:
         (for RoPE), cache slots and (KDA layers) each row's state slot: final-normed hidden
         states of every token, and the captured layers. Nothing here reads the host: CUDA graphs
         capture it as it is."""
+        self.check_static(attn, state_slots)
+        meta = AttnMeta(positions=positions, write_slots=write_slots, logit_rows=None, static=attn,
+                        state_slots=state_slots)
+        return self.model(token_ids, self.cache, meta, capture_layers)
+
+    def check_static(self, attn: StaticAttn, state_slots: torch.Tensor | None) -> None:
         if self.state_pool is not None and (state_slots is None or attn.tokens_per_row != 1):
             # A verify block would advance the recurrent state past tokens it may reject
             # (keeping per-position states is issue 17's DFlash-on-KDA part, not done yet).
             raise NotImplementedError("static steps of a model with KDA layers: one token per row, with state slots")
-        meta = AttnMeta(positions=positions, write_slots=write_slots, logit_rows=None, static=attn,
-                        state_slots=state_slots)
-        return self.model(token_ids, self.cache, meta, capture_layers)
 
     @property
     def scratch_page(self) -> int:

@@ -110,7 +110,8 @@ def load_model(opts: ModelOptions) -> tuple[ModelRunner, Tokenizer]:
         from common.parallel.driver import ParallelRunner
 
         runner = ParallelRunner(cfg, tensors, tp=opts.tp, pp=opts.pp, ep=opts.ep, dtype=opts.dtype,
-                                device=opts.device, num_pages=opts.kv_pages, page_size=opts.page_size)
+                                device=opts.device, num_pages=opts.kv_pages, page_size=opts.page_size,
+                                state_slots=opts.state_slots)
     else:
         runner = ModelRunner(cfg, tensors, dtype=opts.dtype, device=opts.device, num_pages=opts.kv_pages,
                              page_size=opts.page_size, enforce_eager=opts.enforce_eager, state_slots=opts.state_slots)
