@@ -215,6 +215,21 @@ def test_state_slots_are_admitted_held_and_returned(checkpoint):
     runner.state_pool.check_integrity()
 
 
+def test_state_slots_option_reaches_the_services():
+    import argparse
+
+    from common.service.loader import ModelOptions, add_model_args
+    from common.tools import up
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    assert ModelOptions.from_args(p.parse_args(["--state-slots", "3"])).state_slots == 3
+    p = argparse.ArgumentParser()
+    up.add_args(p)
+    flags = up.model_flags(p.parse_args(["--state-slots", "5"]))
+    assert flags[flags.index("--state-slots") + 1] == "5"
+
+
 def test_state_pool_never_hands_out_slot_0():
     pool = StatePool(3)
     slots = [pool.alloc() for _ in range(3)]
