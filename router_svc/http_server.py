@@ -100,6 +100,7 @@ class HttpApi:
             "model": model.name, "max_context": model.max_context, "vocab_size": model.vocab_size,
             # The backends' dtype is theirs to choose: bytes for each one they may use.
             "kv_bytes_per_token": {"bfloat16": 2 * model.kv_values_per_token, "float32": 4 * model.kv_values_per_token},
+            "state_bytes_per_request": model.state_bytes_per_request,
             "backends": [{"role": h.role, "addr": h.addr, "ok": h.ok, "error": h.error or None,
                           "health": MessageToDict(h.reply, always_print_fields_with_no_presence=True)
                           if h.reply else None,

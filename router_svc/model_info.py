@@ -6,7 +6,7 @@ import json
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.model.config import ModelConfig
@@ -19,13 +19,17 @@ class ModelInfo:
     max_context: int
     vocab_size: int
     kv_values_per_token: int  # KV cache values one token takes over all layers (x dtype bytes)
+    # Fixed-size state one request holds whatever its length (KDA layers: fp32 recurrent state,
+    # convolution windows in the backend's dtype), by that dtype; 0 without such layers.
+    state_bytes_per_request: dict[str, int] = field(default_factory=lambda: {"bfloat16": 0, "float32": 0})
 
 
 def read_model_info(src: ModelSource) -> ModelInfo:
     if src.kind == "hf":
         with open(os.path.join(src.folder, "config.json")) as f:
             cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(src.folder.rstrip("/")))
-        return ModelInfo(cfg.name, cfg.max_position, cfg.vocab_size, cfg.kv_elems_per_token)
+        return ModelInfo(cfg.name, cfg.max_position, cfg.vocab_size, cfg.kv_elems_per_token,
+                         {"bfloat16": cfg.state_bytes_per_request(2), "float32": cfg.state_bytes_per_request(4)})
     meta = read_gguf_metadata(src.path)
     arch = meta["general.architecture"]
     heads = meta[f"{arch}.attention.head_count"]

@@ -124,7 +124,8 @@ class Decoder:
         # Positions past the RoPE table belong to tokens past the request's budget (never committed).
         rope_positions = positions.clamp(max=runner.cfg.max_position - 1).flatten()
         slots = table_slots(v.pages, positions, runner.page_size).flatten()
-        return runner.forward_static(token_ids, rope_positions, slots, attn, self.capture)
+        state_slots = v.state_slot if runner.state_pool is not None else None
+        return runner.forward_static(token_ids, rope_positions, slots, attn, self.capture, state_slots)
 
     # ---- host bookkeeping ---------------------------------------------------------------------
     def _commit(self, reqs: list[Request], out: np.ndarray, block: int) -> list[list[int]]:

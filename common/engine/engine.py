@@ -101,7 +101,7 @@ class Engine:
         return None
 
     def release(self, req: Request) -> None:
-        if req.cache.pages:
+        if req.cache.pages or req.cache.state_slot:
             self.runner.release(req.cache)
         if req.draft_cache.pages:
             self.proposer.release(req.draft_cache)

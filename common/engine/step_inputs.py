@@ -7,13 +7,14 @@ Per row (request), int64 columns of one packed buffer:
   LEN    tokens in its cache (target and draft alike)        TOPK   top-k (0 = off)
   STEP   the output position of the next token               TEMP   temperature (float64 bits)
   LEFT   tokens it may still emit (>= 1)                     TOPP   top-p (float64 bits)
+  STATE  its state slot (models with KDA layers; else 0)
   STOPS  `stop_width` token ids that end it (EOS unless ignore_eos, its stop ids), padded with -1
   PAGES  its target page table, then (speculative engines) its draft page table: `width` pages
          each, padded with the scratch page; the last column is always the scratch page
 
 Padding rows (a batch of n padded to the graph's size) decode token 0 at position 0 with a
-context of 1, reading and writing only the scratch pages: they compute garbage nobody reads
-and touch no page a request owns. The host fills one pinned buffer and sends it with one
+context of 1, reading and writing only the scratch pages (and state slot 0, which no request
+owns): they compute garbage nobody reads and touch no page a request owns. The host fills one pinned buffer and sends it with one
 asynchronous copy; nothing in a step reads the host.
 """
 from __future__ import annotations
@@ -26,8 +27,8 @@ import torch
 from common.engine.request import Request
 from common.engine.sampling import SamplingRows, row_values
 
-LAST, LEN, STEP, LEFT, SEED, TOPK, TEMP, TOPP = range(8)
-STOPS = 8
+LAST, LEN, STEP, LEFT, SEED, TOPK, TEMP, TOPP, STATE = range(9)
+STOPS = 9
 
 
 @dataclass
@@ -42,6 +43,7 @@ class StepView:
     pages: torch.Tensor  # [rows, width]
     draft_pages: torch.Tensor | None  # [rows, width]
     sampling: SamplingRows
+    state_slot: torch.Tensor  # [rows]
 
     def is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [rows, T] -> bool [rows, T]: which of them end their request."""
@@ -74,6 +76,7 @@ class StepInputs:
             h[i, LAST], h[i, LEN], h[i, STEP] = req.output_ids[-1], req.cache.length, len(req.output_ids)
             h[i, LEFT], h[i, SEED], h[i, TOPK] = p.max_new_tokens - len(req.output_ids), seed, top_k
             floats[i, TEMP], floats[i, TOPP] = temp, top_p
+            h[i, STATE] = req.cache.state_slot
             stops = req.stop_ids(eos_ids)
             h[i, STOPS:STOPS + len(stops)] = stops
             pages = req.cache.pages[:usable]
@@ -111,4 +114,4 @@ class StepInputs:
                                 x[:, TOPK], x[:, SEED], x[:, STEP])
         return StepView(x[:, LAST], x[:, LEN], x[:, STEP], x[:, LEFT], x[:, STOPS:self.pages_at],
                         table(self.pages_at), table(self.draft_at) if self.draft_scratch_page is not None else None,
-                        sampling)
+                        sampling, x[:, STATE])

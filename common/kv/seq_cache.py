@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SeqCache:
-    """One request's place in the cache: its pages in token order and how many tokens are stored."""
+    """One request's place in the cache: its pages in token order and how many tokens are stored,
+    and (models with recurrent layers) its state slot, 0 while it holds none."""
 
     pages: list[int] = field(default_factory=list)
     length: int = 0
+    state_slot: int = 0

@@ -36,6 +36,13 @@ class AttnMeta:
     # Static shapes (decode, verify and draft steps that CUDA graphs replay): only positions,
     # write_slots and this are used.
     static: StaticAttn | None = None
+    # Recurrent layers (KDA): each request's state slot [B], and (general path) how many new
+    # tokens each adds; None on static steps, where every row adds T / B.
+    state_slots: torch.Tensor | None = None
+    state_counts: list[int] | None = None
+    # [B] bool: the batch holds the request's first tokens, so its state starts at zero whatever
+    # its slot holds (every rank learns this from the batch; None: no request starts here).
+    state_fresh: torch.Tensor | None = None
 
 
 def cache_slot(pages: list[int], pos: int, page_size: int) -> int:

@@ -40,8 +40,3 @@ class DeepseekTransformer(Transformer):
         own |= {f"self_attn.{k}": t for k, t in layer.self_attn.hf_weights(tensors, p + "self_attn.").items()}
         own |= {f"mlp.{k}": t for k, t in layer.mlp.hf_weights(tensors, p + "mlp.").items()}
         return own
-
-
-def model_class(cfg: ModelConfig) -> type[Transformer]:
-    """The module that computes this architecture."""
-    return Transformer if cfg.mla is None else DeepseekTransformer

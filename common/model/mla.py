@@ -56,15 +56,16 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * m.v_head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 kv_layer: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         m, H, T = self.cfg.mla, self.cfg.num_heads, x.shape[0]
         q, latent, k_rope = linear(x, self.in_proj.weight).split([self.q_in, m.kv_lora_rank, m.qk_rope_head_dim], -1)
         if m.q_lora_rank:
             q = linear(self.q_a_layernorm(q), self.q_b_proj.weight)
         q_nope, q_rope = q.view(T, H, self.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
-        q_rope = apply_rope_signed(q_rope, cos, sin)
-        k_rope = apply_rope_signed(k_rope.view(T, 1, m.qk_rope_head_dim), cos, sin)[:, 0]
+        if m.rope:  # NoPE models (Kimi-Linear) pass no tables: the slice stays as projected
+            q_rope = apply_rope_signed(q_rope, cos, sin)
+            k_rope = apply_rope_signed(k_rope.view(T, 1, m.qk_rope_head_dim), cos, sin)[:, 0]
         latent = self.kv_a_layernorm(latent)
         kv_layer[0].view(-1, m.kv_lora_rank + m.qk_rope_head_dim).index_copy_(
             0, meta.write_slots, torch.cat([latent, k_rope], -1))
@@ -109,7 +110,9 @@ class MLAttention(nn.Module):
         """This module's parameters (names relative to it) from Hugging Face tensors under `src`
         ("model.layers.{i}.self_attn.")."""
         m = self.cfg.mla
-        perm = _rope_deinterleave(m.qk_rope_head_dim)
+        # Without rotation the rope slice keeps the checkpoint's order (the cache then holds it as
+        # the reference implementation does).
+        perm = _rope_deinterleave(m.qk_rope_head_dim) if m.rope else torch.arange(m.qk_rope_head_dim)
 
         def rope_rows_q(w: torch.Tensor) -> torch.Tensor:  # per head [nope | rope] rows
             w = w.view(-1, self.qk_head_dim, w.shape[-1])

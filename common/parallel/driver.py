@@ -58,7 +58,8 @@ class WorkerError(RuntimeError):
 
 class ParallelRunner(ModelRunner):
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, tp: int = 1, pp: int = 1,
-                 ep: int = 1, dtype: str = "fp32", device: str = "cpu", num_pages: int = 512, page_size: int = 64):
+                 ep: int = 1, dtype: str = "fp32", device: str = "cpu", num_pages: int = 512, page_size: int = 64,
+                 state_slots: int = 64):
         check_parallel(cfg, tp, pp, ep)  # before any process starts
         layout = RankLayout(tp, pp, 0, ep)
         backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -80,7 +81,7 @@ class ParallelRunner(ModelRunner):
         for r in range(1, layout.world):
             rank = layout.with_rank(r)
             spec = WorkerSpec(rank, cfg, packed, dtype, _rank_device(device, r),
-                              num_pages, page_size, init_method, backend)
+                              num_pages, page_size, init_method, backend, state_slots)
             commands, writes = ctx.SimpleQueue(), ctx.SimpleQueue()
             proc = ctx.Process(target=worker_main, args=(spec, commands, writes, self._replies),
                                name=f"pdflash-rank{r}", daemon=True)
@@ -92,7 +93,7 @@ class ParallelRunner(ModelRunner):
         threading.Thread(target=self._watch_workers, name="rank-watch", daemon=True).start()
         reduce = init_ranks(layout, init_method, backend, _rank_device(device, 0))
         super().__init__(cfg, tensors, dtype=dtype, device=_rank_device(device, 0), num_pages=num_pages,
-                         page_size=page_size, layout=layout, reduce=reduce)
+                         page_size=page_size, layout=layout, reduce=reduce, state_slots=state_slots)
         for f in ready:
             f.result(STARTUP_TIMEOUT_S)
         self.drafter = None  # pipeline-parallel DFlash: this stage's share of the fused context
@@ -122,15 +123,17 @@ class ParallelRunner(ModelRunner):
         return hidden, {}
 
     def forward_static(self, token_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
-                       attn: StaticAttn, capture_layers: tuple[int, ...] = ()
-                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                       attn: StaticAttn, capture_layers: tuple[int, ...] = (),
+                       state_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The workers run StepBatches, not static buffers: the same causal step as one (rows
         unpadded: a parallel runner replays no graphs), through forward()."""
+        self.check_static(attn, state_slots)
         T, page = attn.tokens_per_row, self.page_size
         kv_len = attn.kv_len.tolist()
         tables = attn.page_table.tolist()
         batch = StepBatch([n - T for n in kv_len], [T] * len(kv_len),
-                          [table[:-(-n // page)] for table, n in zip(tables, kv_len)], token_ids.tolist(), None)
+                          [table[:-(-n // page)] for table, n in zip(tables, kv_len)], token_ids.tolist(), None,
+                          None if state_slots is None else state_slots.tolist())
         return self.forward(batch, capture_layers)
 
     # ---- DFlash under pipeline parallelism ------------------------------------------------------

@@ -68,7 +68,7 @@ def stage_forward(runner: ModelRunner, batch: StepBatch, capture_layers: tuple[i
         prev = layout.rank - layout.tp
         h = recv(shape, runner.dtype, runner.device, prev)
         fc_sum = recv(shape, torch.float32, runner.device, prev) if fuse else None
-    h, captured = runner.model.run_layers(h, runner.kv, meta, capture_layers)
+    h, captured = runner.model.run_layers(h, runner.cache, meta, capture_layers)
     if fuse and captured:
         fc_sum = fc_sum + drafter.fc_part(captured)
     if not layout.is_last_stage:

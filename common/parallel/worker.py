@@ -66,6 +66,7 @@ class WorkerSpec:
     page_size: int
     init_method: str  # torch.distributed rendezvous
     backend: str  # "gloo" (CPU) or "nccl" (GPU)
+    state_slots: int  # KDA state slots, as many as the driver's: the batch names them by index
 
 
 @dataclass
@@ -146,7 +147,7 @@ def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world))
     reduce = init_ranks(layout, spec.init_method, spec.backend, spec.device)
     runner = ModelRunner(spec.cfg, spec.tensors.unpack(), dtype=spec.dtype, device=spec.device, num_pages=spec.num_pages,
-                         page_size=spec.page_size, layout=layout, reduce=reduce)
+                         page_size=spec.page_size, layout=layout, reduce=reduce, state_slots=spec.state_slots)
     del spec.tensors  # loaded into the model: let the driver's shared copy go
     replies.put(Reply(("ready", layout.rank)))
     drafter = draft = fc_sum = None

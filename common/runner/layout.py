@@ -77,6 +77,11 @@ def check_parallel(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -> N
                 problems.append(f"shared expert width {m.shared_intermediate_size} does not split over TP {tp}")
         if pp > cfg.num_layers:
             problems.append(f"PP {pp} exceeds the {cfg.num_layers} layers")
+        if cfg.kda is not None and cfg.kda.num_heads % tp:
+            problems.append(f"{cfg.kda.num_heads} KDA heads do not split over TP {tp}")
+        if cfg.kda is not None and pp > 1:
+            # Not built yet: each stage owning its layers' states (and its share of the KV layers).
+            problems.append("KDA layers (kimi_linear) do not run under PP yet")
     if problems:
         raise ParallelConfigError(f"cannot run {cfg.name} with TP {tp} x PP {pp} (EP {ep}): " + "; ".join(problems))
 
@@ -124,6 +129,11 @@ class RankLayout:
     def q_heads(self, cfg: ModelConfig) -> range:
         return q_head_range(self.tp_rank, self.tp, cfg.num_heads)
 
+    def kda_heads(self, cfg: ModelConfig) -> range:
+        """This rank's KDA heads, and so its slice of every KDA state: [heads, D, D] and, of
+        each of the q, k and v convolution windows, those heads' channels."""
+        return q_head_range(self.tp_rank, self.tp, cfg.kda.num_heads)
+
     @property
     def moe_tp(self) -> int:
         """Ranks splitting each routed expert's width (SGLang's moe_tp_size)."""
@@ -141,7 +151,7 @@ class RankLayout:
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """The model this rank computes: its layers, its heads, its share of the MLP width, its
-        routed experts and its share of their width (routing is replicated)."""
+        routed experts and its share of their width (routing is replicated), its KDA heads."""
         moe = None
         if cfg.moe is not None:
             experts = self.experts(cfg)
@@ -150,4 +160,4 @@ class RankLayout:
                           first_expert=experts.start, local_experts=len(experts))
         return replace(cfg, num_layers=len(self.layers(cfg)), num_heads=len(self.q_heads(cfg)),
                        num_kv_heads=len(self.kv_heads(cfg)), intermediate_size=cfg.intermediate_size // self.tp,
-                       moe=moe)
+                       moe=moe, kda=cfg.kda and replace(cfg.kda, num_heads=len(self.kda_heads(cfg))))

@@ -4,7 +4,8 @@ This is the interface the services drive (an SGLang-backed runner can implement 
   extend()           prefill a chunk (or any tokens) for a batch of requests, shapes as they come
   forward_static()   T new tokens for each of a batch's rows through fixed shapes: decode (T = 1)
                      and speculative verify (T = B) steps, which CUDA graphs capture and replay
-  reserve()/release() grow or free a request's pages;  truncate() cut its cache back to a length
+  reserve()/release() grow or free a request's pages (and its state slot, models with KDA layers);
+                     truncate() cut its cache back to a length
   describe_buffers() where the KV lives and how it is laid out (for transfers)
 """
 from __future__ import annotations
@@ -16,10 +17,12 @@ import torch
 from common.kv.buffers import PagedKVBuffer
 from common.kv.page_pool import PagePool
 from common.kv.seq_cache import SeqCache
+from common.kv.state_pool import StatePool
 from common.model.attention import AttnMeta, build_attn_meta
 from common.model.config import ModelConfig
+from common.model.kimi_linear import HybridCache
 from common.model.static_attention import StaticAttn, default_backend
-from common.model.deepseek import model_class
+from common.model.architectures import model_class
 from common.model.transformer import Reduce, no_reduce
 from common.runner.layout import RankLayout
 from common.runner.shard import shard_tensors
@@ -37,6 +40,7 @@ class StepBatch:
     page_tables: list[list[int]]
     token_ids: list[int]
     logit_rows: list[int] | None  # rows whose final hidden state is wanted (None = all, [] = none)
+    state_slots: list[int] | None = None  # each request's state slot (models with KDA layers)
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +64,7 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, dtype: str = "fp32",
                  device: str = "cpu", num_pages: int = 512, page_size: int = 64,
-                 enforce_eager: bool = False,
+                 enforce_eager: bool = False, state_slots: int = 64,
                  layout: RankLayout = RankLayout(), reduce: Reduce = no_reduce):
         self.cfg = cfg
         self.layout = layout
@@ -78,8 +82,19 @@ class ModelRunner:
         # single region to register with the transfer engine. The extra last page is scratch:
         # padded attention reads land there and no request owns it. MLA has one plane and one
         # head (the latent and rope key), the same on every TP rank.
-        self.kv = torch.zeros(local.num_layers, cfg.kv_planes, num_pages + 1, page_size, local.num_kv_heads,
+        self.kv = torch.zeros(len(local.kv_layers), cfg.kv_planes, num_pages + 1, page_size, local.num_kv_heads,
                               cfg.cache_head_dim, dtype=self.dtype, device=self.device)
+        # KDA layers (Kimi-Linear) keep no pages but a state slot per request, with a budget of
+        # its own (`state_slots` requests at a time): row 0 of each tensor is scratch.
+        self.state_pool: StatePool | None = None
+        self.cache: torch.Tensor | HybridCache = self.kv
+        if local.kda is not None:  # this rank's heads of each state
+            k, n = local.kda, len(local.kda.layers)
+            self.state_pool = StatePool(state_slots)
+            self.cache = HybridCache(
+                self.kv,
+                torch.zeros(n, state_slots + 1, k.num_heads, k.head_dim, k.head_dim, device=self.device),
+                torch.zeros(n, state_slots + 1, 3 * k.proj_size, k.conv_size - 1, dtype=self.dtype, device=self.device))
         self.scratch_slot = num_pages * page_size
         # Static steps (decode, verify) replay CUDA graphs on a GPU unless told otherwise; a rank of
         # a parallel model cannot (its collectives and the other ranks' commands are not captured).
@@ -96,17 +111,36 @@ class ModelRunner:
 
     # ---- page management -------------------------------------------------------------------
     def reserve(self, seq: SeqCache, num_tokens: int) -> None:
-        """Make sure seq has pages for `num_tokens` tokens (raises OutOfPages, allocating nothing)."""
-        self.pool.reserve(seq, num_tokens)
+        """Make sure seq has pages for `num_tokens` tokens, and a state slot if the model has KDA
+        layers (raises OutOfPages or its OutOfStateSlots, allocating nothing). The slot is not
+        cleared here: the request's first chunk reads it as zeros (AttnMeta.state_fresh), on
+        every rank."""
+        new_slot = self.state_pool is not None and not seq.state_slot
+        if new_slot:
+            seq.state_slot = self.state_pool.alloc()
+        try:
+            self.pool.reserve(seq, num_tokens)
+        except Exception:
+            if new_slot:
+                self.state_pool.free(seq.state_slot)
+                seq.state_slot = 0
+            raise
 
     def release(self, seq: SeqCache) -> None:
+        """Return seq's pages and state slot; it holds nothing after."""
+        if seq.state_slot:
+            self.state_pool.free(seq.state_slot)
+            seq.state_slot = 0
         self.pool.release(seq)
 
     def truncate(self, seq: SeqCache, length: int) -> None:
         """Forget tokens at positions >= length (their K/V is overwritten later). Pages are
-        kept: the caller reserved them for the request's whole budget."""
+        kept: the caller reserved them for the request's whole budget. A recurrent state cannot
+        forget tokens, so models with KDA layers refuse to cut back."""
         if length > seq.length:
             raise ValueError(f"cannot truncate a cache of {seq.length} tokens to {length}")
+        if self.state_pool is not None and length < seq.length:
+            raise ValueError("a KDA layer's recurrent state cannot be cut back to an earlier length")
         seq.length = length
 
     # ---- forward ---------------------------------------------------------------------------
@@ -121,7 +155,8 @@ class ModelRunner:
         ends = torch.tensor(counts).cumsum(0) - 1
         rows = None if all_logits else ends.tolist() if logits_of is None else ends[logits_of].tolist()
         batch = StepBatch([s.length for s in seqs], counts, [list(s.pages) for s in seqs],
-                          [t for ts in tokens for t in ts], rows)
+                          [t for ts in tokens for t in ts], rows,
+                          [s.state_slot for s in seqs] if self.state_pool is not None else None)
         hidden, captured = self.forward(batch, capture_layers)
         for s, n in zip(seqs, counts):
             s.length += n
@@ -129,23 +164,39 @@ class ModelRunner:
 
     def forward(self, batch: StepBatch, capture_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Final-normed hidden states of the batch's logit rows, and the captured layers."""
-        return self.model(self.token_tensor(batch), self.kv, self.attn_meta(batch), capture_layers)
+        return self.model(self.token_tensor(batch), self.cache, self.attn_meta(batch), capture_layers)
 
     def attn_meta(self, batch: StepBatch) -> AttnMeta:
-        return build_attn_meta(batch.starts, batch.counts, batch.page_tables, self.page_size,
+        meta = build_attn_meta(batch.starts, batch.counts, batch.page_tables, self.page_size,
                                self.scratch_slot, self.device, batch.logit_rows)
+        if batch.state_slots is not None:
+            if 0 in batch.state_slots:
+                raise RuntimeError("a request runs through KDA layers without a state slot (reserve it first)")
+            meta.state_slots = torch.tensor(batch.state_slots, dtype=torch.long, device=self.device)
+            meta.state_counts = batch.counts
+            meta.state_fresh = torch.tensor([s == 0 for s in batch.starts], device=self.device)
+        return meta
 
     def token_tensor(self, batch: StepBatch) -> torch.Tensor:
         return torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
 
     def forward_static(self, token_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
-                       attn: StaticAttn, capture_layers: tuple[int, ...] = ()
-                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                       attn: StaticAttn, capture_layers: tuple[int, ...] = (),
+                       state_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """attn.tokens_per_row new tokens of each row (flattened, row by row), their positions
-        (for RoPE) and cache slots: final-normed hidden states of every token, and the captured
-        layers. Nothing here reads the host: CUDA graphs capture it as it is."""
-        meta = AttnMeta(positions=positions, write_slots=write_slots, logit_rows=None, static=attn)
-        return self.model(token_ids, self.kv, meta, capture_layers)
+        (for RoPE), cache slots and (KDA layers) each row's state slot: final-normed hidden
+        states of every token, and the captured layers. Nothing here reads the host: CUDA graphs
+        capture it as it is."""
+        self.check_static(attn, state_slots)
+        meta = AttnMeta(positions=positions, write_slots=write_slots, logit_rows=None, static=attn,
+                        state_slots=state_slots)
+        return self.model(token_ids, self.cache, meta, capture_layers)
+
+    def check_static(self, attn: StaticAttn, state_slots: torch.Tensor | None) -> None:
+        if self.state_pool is not None and (state_slots is None or attn.tokens_per_row != 1):
+            # A verify block would advance the recurrent state past tokens it may reject
+            # (keeping per-position states is issue 17's DFlash-on-KDA part, not done yet).
+            raise NotImplementedError("static steps of a model with KDA layers: one token per row, with state slots")
 
     @property
     def scratch_page(self) -> int:
@@ -170,6 +221,10 @@ class ModelRunner:
 
     def describe_buffers(self) -> list[PagedKVBuffer]:
         """This process's KV: its layers and KV heads of the model's."""
+        if self.state_pool is not None:
+            # The KV holds only the MLA layers and the state is not described yet (issue 17's
+            # PD part): a plan over this description would address the wrong bytes.
+            raise NotImplementedError("transfer descriptions of models with KDA layers")
         cfg, layers, heads = self.cfg, self.layout.layers(self.cfg), self.layout.kv_heads(self.cfg)
         return [PagedKVBuffer(
             name="kv", base_addr=self.kv.data_ptr(), num_layers=len(layers),

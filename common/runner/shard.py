@@ -13,6 +13,11 @@ every rank, so every rank writes the same latent cache. MoE: the router whole; t
 experts split by width like the dense MLP; of the routed experts a rank keeps only those of its
 expert-parallel group (RankLayout.experts), each split by width over TP / EP ranks. Either way
 each rank's output is a partial sum that the TP all-reduce completes.
+
+KDA (Kimi-Linear) by head (RankLayout.kda_heads): the q/k/v projections and their convolutions,
+the forget gate's f_b_proj, dt_bias and A_log, beta's b_proj and the output gate's g_b_proj by
+output rows, o_proj by input columns; the low-rank inputs f_a_proj and g_a_proj and the per-head
+o_norm whole. Each rank then holds its heads' states, and its o_proj output is a partial sum.
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ def shard_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: Ra
         experts = layout.experts(cfg)
         cols |= _mlp_cols("mlp.experts.", layout.moe_tp_rank, cfg.moe.intermediate_size // layout.moe_tp)
         cols |= _mlp_cols("mlp.shared_experts.", layout.tp_rank, cfg.moe.shared_intermediate_size // layout.tp)
+    kda_layers = set(cfg.kda.layers) if cfg.kda is not None else set()
     out = {}
     for name, t in tensors.items():
         m = _LAYER.fullmatch(name)
@@ -57,6 +63,11 @@ def shard_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: Ra
             continue
         layer, rest = int(m.group(1)), m.group(2)
         if layer not in layers:
+            continue
+        if layer in kda_layers and rest.startswith("self_attn."):
+            if layout.tp > 1:
+                t = _kda_slice(rest, t, layout.kda_heads(cfg), cfg.kda.head_dim)
+            out[f"model.layers.{layer - layers.start}.{rest}"] = t
             continue
         param, _, kind = rest.rpartition(".")
         expert = _EXPERT.search(param)
@@ -70,6 +81,24 @@ def shard_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: Ra
             t = t.narrow(dim, start, stop - start).contiguous()
         out[f"model.layers.{layer - layers.start}.{rest}"] = t
     return out
+
+
+_KDA_BY_ROWS = {f"self_attn.{p}.weight" for p in
+                ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_b_proj", "g_b_proj")}
+
+
+def _kda_slice(name: str, t: torch.Tensor, heads: range, head_dim: int) -> torch.Tensor:
+    """A KDA layer's tensor `name` (under the layer) as the rank holding `heads` keeps it."""
+    channels = (heads.start * head_dim, len(heads) * head_dim)
+    if name in _KDA_BY_ROWS or name == "self_attn.dt_bias":
+        return t.narrow(0, *channels).contiguous()
+    if name == "self_attn.o_proj.weight":
+        return t.narrow(1, *channels).contiguous()
+    if name == "self_attn.b_proj.weight":
+        return t.narrow(0, heads.start, len(heads)).contiguous()
+    if name == "self_attn.A_log":  # one per head, [1, 1, H, 1] as transformers saves it, or [H]
+        return t.flatten()[heads.start:heads.stop].contiguous()
+    return t  # f_a_proj, g_a_proj, o_norm: whole on every rank
 
 
 def _mlp_cols(prefix: str, rank: int, width: int) -> dict[str, tuple[int, int, int]]:

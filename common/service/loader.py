@@ -28,12 +28,13 @@ class ModelOptions:
     tp: int = 1  # tensor-parallel ranks (processes) per pipeline stage
     pp: int = 1  # pipeline stages (prefill instances only)
     ep: int = 1  # expert parallel: the routed experts sharded over each TP group's ranks
+    state_slots: int = 64  # models with KDA layers: requests whose recurrent state fits at a time
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ModelOptions":
         # --tp / --pp / --ep exist only on the services (add_parallel_args)
         return cls(args.model, args.dtype, args.device, args.page_size, args.kv_pages, args.no_cuda_graphs,
-                   getattr(args, "tp", 1), getattr(args, "pp", 1), getattr(args, "ep", 1))
+                   getattr(args, "tp", 1), getattr(args, "pp", 1), getattr(args, "ep", 1), args.state_slots)
 
 
 def add_model_args(p: argparse.ArgumentParser, kv_pages: int = 512) -> None:
@@ -43,6 +44,9 @@ def add_model_args(p: argparse.ArgumentParser, kv_pages: int = 512) -> None:
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
     p.add_argument("--kv-pages", type=int, default=kv_pages, help="KV pages in the pool")
     p.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: decode eagerly, without CUDA graphs")
+    p.add_argument("--state-slots", type=int, default=64,
+                   help="models with KDA layers (kimi_linear): requests whose recurrent state and convolution "
+                        "windows are held at a time, a budget apart from --kv-pages (SGLang: --max-mamba-cache-size)")
 
 
 def add_parallel_args(p: argparse.ArgumentParser, pipeline: bool) -> None:
@@ -106,8 +110,9 @@ def load_model(opts: ModelOptions) -> tuple[ModelRunner, Tokenizer]:
         from common.parallel.driver import ParallelRunner
 
         runner = ParallelRunner(cfg, tensors, tp=opts.tp, pp=opts.pp, ep=opts.ep, dtype=opts.dtype,
-                                device=opts.device, num_pages=opts.kv_pages, page_size=opts.page_size)
+                                device=opts.device, num_pages=opts.kv_pages, page_size=opts.page_size,
+                                state_slots=opts.state_slots)
     else:
-        runner = ModelRunner(cfg, tensors, dtype=opts.dtype, device=opts.device,
-                             num_pages=opts.kv_pages, page_size=opts.page_size, enforce_eager=opts.enforce_eager)
+        runner = ModelRunner(cfg, tensors, dtype=opts.dtype, device=opts.device, num_pages=opts.kv_pages,
+                             page_size=opts.page_size, enforce_eager=opts.enforce_eager, state_slots=opts.state_slots)
     return runner, Tokenizer(src, cfg.eos_token_ids)

@@ -61,6 +61,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--kv-pages", type=int, default=512)
+    p.add_argument("--state-slots", type=int, default=64, help="models with KDA layers: requests whose state fits at a time")
     p.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: decode eagerly, without CUDA graphs")
     p.add_argument("--chunk-size", type=int, default=8192)
     p.add_argument("--deadline", type=float, default=60.0, help="seconds for a room's bootstrap + KV transfer")
@@ -72,7 +73,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--dtype", args.dtype, "--page-size", str(args.page_size), "--kv-pages", str(args.kv_pages)]
+    flags = ["--dtype", args.dtype, "--page-size", str(args.page_size), "--kv-pages", str(args.kv_pages),
+             "--state-slots", str(args.state_slots)]
     if args.model:
         flags += ["--model", args.model]
     if args.device:
