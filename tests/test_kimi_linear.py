@@ -25,11 +25,11 @@ from common.engine.sampling import SamplingParams
 from common.kv.seq_cache import SeqCache
 from common.kv.state_pool import OutOfStateSlots, StatePool
 from common.model.config import ModelConfig
-from common.model.weights import load_weights, resolve_model
+from common.model.weights import resolve_model
 from common.parallel.driver import ParallelRunner
 from common.runner.layout import ParallelConfigError, check_parallel
-from common.runner.model_runner import ModelRunner
 from router_svc.model_info import read_model_info
+from hf_oracle import checkpoint_fixture, hf_greedy, hf_logits, tiny_runner
 
 VOCAB = 256
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -73,26 +73,7 @@ def write_checkpoint(name: str, folder) -> None:
         json.dump(raw, f)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def checkpoint(request, tmp_path_factory):
-    """(name, transformers model read back from the folder, our config, our tensors, folder)"""
-    from transformers import AutoModelForCausalLM
-
-    folder = tmp_path_factory.mktemp(request.param)
-    write_checkpoint(request.param, folder)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    cfg, tensors = load_weights(resolve_model(str(folder)))
-    return request.param, hf, cfg, tensors, folder
-
-
-def _runner(checkpoint, **kw) -> ModelRunner:
-    _, _, cfg, tensors, _ = checkpoint
-    return ModelRunner(cfg, tensors, num_pages=64, page_size=8, **kw)
-
-
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf(torch.tensor([ids])).logits[0]
+checkpoint = checkpoint_fixture(VARIANTS, write_checkpoint)
 
 
 def test_config_reads_both_styles(checkpoint):
@@ -104,7 +85,7 @@ def test_config_reads_both_styles(checkpoint):
     assert cfg.mla.rope is False and cfg.mla.q_lora_rank == hf.config.q_lora_rank
     assert cfg.moe.first_dense_layers == 1 and cfg.moe.routed_scaling_factor == hf.config.routed_scaling_factor
     assert cfg.moe.shared_intermediate_size == 32 * hf.config.n_shared_experts
-    runner = _runner(checkpoint)
+    runner = tiny_runner(checkpoint)
     # Paged KV only for the two MLA layers; per request per KDA layer a [H, D, D] fp32 state
     # and 3 windows of W - 1 inputs.
     assert runner.kv.shape[0] == 2
@@ -122,9 +103,9 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
     """90 prompt tokens through the chunked form (a 64-token chunk and a partial one), then six
     tokens one at a time through the one-step form."""
     _, hf, _, _, _ = checkpoint
-    runner = _runner(checkpoint)
+    runner = tiny_runner(checkpoint)
     ids = PROMPTS[0] + [60, 61, 62, 63, 64, 65]
-    ref = _hf_logits(hf, ids)
+    ref = hf_logits(hf, ids)
     seq = SeqCache()
     runner.reserve(seq, len(ids))
     n = len(PROMPTS[0])
@@ -136,8 +117,8 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
 
 def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):
     _, hf, _, _, _ = checkpoint
-    runner = _runner(checkpoint)
-    refs = [_hf_logits(hf, p) for p in PROMPTS]
+    runner = tiny_runner(checkpoint)
+    refs = [hf_logits(hf, p) for p in PROMPTS]
     seq = SeqCache()
     runner.reserve(seq, len(PROMPTS[0]))
     slot = seq.state_slot
@@ -157,7 +138,7 @@ def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):
     out = runner.extend(seqs, [p[4:] for p in PROMPTS], all_logits=True).logits
     torch.testing.assert_close(out, torch.cat([r[4:] for r in refs]), **TOL)
     step = runner.extend(seqs, [[70], [71], [72]]).logits
-    ref_step = torch.stack([_hf_logits(hf, p + [70 + i])[-1] for i, p in enumerate(PROMPTS)])
+    ref_step = torch.stack([hf_logits(hf, p + [70 + i])[-1] for i, p in enumerate(PROMPTS)])
     torch.testing.assert_close(step, ref_step, **TOL)
     for s in seqs:
         runner.release(s)
@@ -166,16 +147,12 @@ def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):
 def test_greedy_engine_matches_transformers(checkpoint):
     """Chunked prefill in the engine (chunks of 16), then static decode steps of the batch."""
     _, hf, cfg, _, _ = checkpoint
-    runner = _runner(checkpoint)
+    runner = tiny_runner(checkpoint)
     engine = Engine(runner, cfg.eos_token_ids, chunk_size=16)
     reqs = [Request(str(i), p, SamplingParams(max_new_tokens=10, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
     engine.run_all(reqs)
     for r in reqs:
-        x = torch.tensor([r.prompt_ids])
-        with torch.inference_mode():
-            out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=10,
-                              min_new_tokens=10, pad_token_id=0)
-        assert r.output_ids == out[0, len(r.prompt_ids):].tolist()
+        assert r.output_ids == hf_greedy(hf, r.prompt_ids, 10)
     assert runner.pool.num_free == runner.pool.num_pages
     assert runner.state_pool.num_free == runner.state_pool.num_slots
 
@@ -184,11 +161,11 @@ def test_state_slots_are_admitted_held_and_returned(checkpoint):
     """Two slots for three requests: the third waits for one (pages are plentiful), outputs
     equal an engine with room for all; an aborted request's slot returns too."""
     _, _, cfg, _, _ = checkpoint
-    ample = _runner(checkpoint)
+    ample = tiny_runner(checkpoint)
     ref = [Request(str(i), p, SamplingParams(max_new_tokens=5, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
     Engine(ample, cfg.eos_token_ids, chunk_size=32).run_all(ref)
 
-    runner = _runner(checkpoint, state_slots=2)
+    runner = tiny_runner(checkpoint, state_slots=2)
     engine = Engine(runner, cfg.eos_token_ids, chunk_size=32)
     reqs = [Request(str(i), p, SamplingParams(max_new_tokens=5, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
     for r in reqs:
@@ -250,8 +227,8 @@ def test_negative_controls_are_caught(checkpoint):
     again). Both runs reach the same positions as the reference."""
     _, hf, _, _, _ = checkpoint
     ids = PROMPTS[0] + [60, 61]
-    ref = _hf_logits(hf, ids)[-1]
-    runner = _runner(checkpoint)
+    ref = hf_logits(hf, ids)[-1]
+    runner = tiny_runner(checkpoint)
 
     def decode_after(tamper) -> torch.Tensor:
         seq = SeqCache()
@@ -277,7 +254,7 @@ def test_negative_controls_are_caught(checkpoint):
 
 
 def test_recurrent_state_cannot_be_cut_back(checkpoint):
-    runner = _runner(checkpoint)
+    runner = tiny_runner(checkpoint)
     seq = SeqCache()
     runner.reserve(seq, 8)
     runner.extend([seq], [[5, 6, 7]])
@@ -304,9 +281,9 @@ def test_tensor_parallel_equals_transformers(checkpoint):
     process's."""
     _, hf, cfg, tensors, _ = checkpoint
     ids = PROMPTS[0] + [60, 61, 62]
-    ref = _hf_logits(hf, ids)
+    ref = hf_logits(hf, ids)
     single = [Request(str(i), p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
-    Engine(_runner(checkpoint), cfg.eos_token_ids, chunk_size=32).run_all(single)
+    Engine(tiny_runner(checkpoint), cfg.eos_token_ids, chunk_size=32).run_all(single)
     runner = ParallelRunner(cfg, tensors, tp=2, num_pages=64, page_size=8, state_slots=4)
     try:
         seq = SeqCache()

@@ -32,7 +32,7 @@ from common.engine.spec_policy import SpecConfig
 from common.kv.seq_cache import SeqCache
 from common.kv.buffers import RoomBuffers
 from common.model.attention import cache_slot
-from common.model.weights import load_weights, resolve_model
+from common.model.weights import resolve_model
 from common.parallel.driver import ParallelRunner
 from common.runner.layout import ParallelConfigError, RankLayout, check_parallel
 from common.runner.model_runner import ModelRunner
@@ -40,6 +40,7 @@ from common.runner.shard import shard_tensors
 from common.tools.bench import stats
 from common.transfer.plan import TPRank, build_plan, source_ranks
 from router_svc.model_info import read_model_info
+from hf_oracle import checkpoint_fixture, hf_greedy, hf_logits, tiny_runner
 from test_parallel_runner import FP32_TOL, check_parallel_equals_single
 from tiny_models import save_random_drafter
 
@@ -88,26 +89,7 @@ def write_checkpoint(name: str, folder) -> None:
             json.dump(raw, f)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def checkpoint(request, tmp_path_factory):
-    """(name, transformers model read back from the folder, our config, our tensors, folder)"""
-    from transformers import AutoModelForCausalLM
-
-    folder = tmp_path_factory.mktemp(request.param)
-    write_checkpoint(request.param, folder)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    cfg, tensors = load_weights(resolve_model(str(folder)))
-    return request.param, hf, cfg, tensors, folder
-
-
-def _runner(checkpoint, **kw) -> ModelRunner:
-    _, _, cfg, tensors, _ = checkpoint
-    return ModelRunner(cfg, tensors, num_pages=64, page_size=8, **kw)
-
-
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf(torch.tensor([ids])).logits[0]
+checkpoint = checkpoint_fixture(VARIANTS, write_checkpoint)
 
 
 def test_config_and_latent_kv_layout(checkpoint):
@@ -115,7 +97,7 @@ def test_config_and_latent_kv_layout(checkpoint):
     assert cfg.arch == "deepseek_v3" and cfg.mla.q_lora_rank == hf.config.q_lora_rank
     assert (cfg.moe.num_groups, cfg.moe.topk_groups) == (hf.config.n_group, hf.config.topk_group)
     assert cfg.mla.softmax_scale == pytest.approx(hf.model.layers[0].self_attn.scaling)
-    runner = _runner(checkpoint)
+    runner = tiny_runner(checkpoint)
     (buf,) = runner.describe_buffers()
     # One latent "head" of kv_lora_rank + rope dims per token and layer, one plane.
     assert (buf.kv_planes, buf.num_heads, buf.total_heads, buf.head_dim) == (1, 1, 1, 32 + 8)
@@ -128,9 +110,9 @@ def test_config_and_latent_kv_layout(checkpoint):
 
 def test_prefill_and_decode_logits_match_transformers(checkpoint):
     _, hf, _, _, _ = checkpoint
-    runner = _runner(checkpoint)
+    runner = tiny_runner(checkpoint)
     ids = PROMPTS[0] + [60, 61, 62, 63, 64, 65]
-    ref = _hf_logits(hf, ids)
+    ref = hf_logits(hf, ids)
     seq = SeqCache()
     runner.reserve(seq, len(ids))
     n = len(PROMPTS[0])
@@ -142,8 +124,8 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
 
 def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):
     _, hf, _, _, _ = checkpoint
-    runner = _runner(checkpoint)
-    refs = [_hf_logits(hf, p) for p in PROMPTS]
+    runner = tiny_runner(checkpoint)
+    refs = [hf_logits(hf, p) for p in PROMPTS]
     seq = SeqCache()
     runner.reserve(seq, len(PROMPTS[2]))
     chunks = [runner.extend([seq], [PROMPTS[2][i:i + 11]], all_logits=True).logits
@@ -163,16 +145,12 @@ def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):
 
 def test_greedy_engine_matches_transformers(checkpoint):
     _, hf, cfg, _, _ = checkpoint
-    runner = _runner(checkpoint)
+    runner = tiny_runner(checkpoint)
     engine = Engine(runner, cfg.eos_token_ids, chunk_size=16)
     reqs = [Request(str(i), p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
     engine.run_all(reqs)
     for r in reqs:
-        x = torch.tensor([r.prompt_ids])
-        with torch.inference_mode():
-            out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12,
-                              min_new_tokens=12, pad_token_id=0)
-        assert r.output_ids == out[0, len(r.prompt_ids):].tolist()
+        assert r.output_ids == hf_greedy(hf, r.prompt_ids, 12)
     assert runner.pool.num_free == runner.pool.num_pages
 
 
@@ -183,7 +161,7 @@ def test_dflash_greedy_equals_plain(checkpoint, tmp_path):
     seeds are tried until one has drafts accepted (the accept path: kept draft tokens, their
     latent KV and draft KV), each of them lossless."""
     _, _, cfg, _, _ = checkpoint
-    runner = _runner(checkpoint)
+    runner = tiny_runner(checkpoint)
 
     def run(**spec) -> list[Request]:
         reqs = [Request(str(i), p, SamplingParams(max_new_tokens=24, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
@@ -208,8 +186,8 @@ def test_negative_controls_are_caught(checkpoint):
     chooses differently (a perturbed correction bias)."""
     _, hf, cfg, tensors, _ = checkpoint
     ids = PROMPTS[0] + [60]
-    ref = _hf_logits(hf, ids)[-1]
-    runner = _runner(checkpoint)
+    ref = hf_logits(hf, ids)[-1]
+    runner = tiny_runner(checkpoint)
     seq = SeqCache()
     runner.reserve(seq, len(ids))
     runner.extend([seq], [PROMPTS[0]])
@@ -229,7 +207,7 @@ def test_negative_controls_are_caught(checkpoint):
     seq = SeqCache()
     runner.reserve(seq, len(ids))
     got = runner.extend([seq], [ids], all_logits=True).logits
-    assert not torch.allclose(got, _hf_logits(hf, ids), **TOL)
+    assert not torch.allclose(got, hf_logits(hf, ids), **TOL)
 
 
 def test_unsupported_config_is_refused():
@@ -263,7 +241,7 @@ def test_tensor_parallel_equals_one_process(checkpoint, tp, pp, ep):
     experts) gives one process's logits and latent KV."""
     _, _, cfg, tensors, _ = checkpoint
     chunks = [PROMPTS[2][:20], PROMPTS[2][20:31]]
-    want_logits, want_kv = _prefill(_runner(checkpoint), chunks)
+    want_logits, want_kv = _prefill(tiny_runner(checkpoint), chunks)
     runner = ParallelRunner(cfg, tensors, tp=tp, pp=pp, ep=ep, num_pages=16, page_size=8)
     try:
         logits, kv = _prefill(runner, chunks)
@@ -275,7 +253,7 @@ def test_tensor_parallel_equals_one_process(checkpoint, tp, pp, ep):
             reqs = [Request(str(i), p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
             Engine(runner, cfg.eos_token_ids, chunk_size=16).run_all(reqs)
             ref = [Request(str(i), p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
-            Engine(_runner(checkpoint), cfg.eos_token_ids, chunk_size=16).run_all(ref)
+            Engine(tiny_runner(checkpoint), cfg.eos_token_ids, chunk_size=16).run_all(ref)
             assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
     finally:
         runner.close()
@@ -300,7 +278,7 @@ def test_expert_parallel_shards_and_is_not_vacuous(checkpoint):
     assert held == [range(0, 4), range(4, 8)]
     keys = shard_tensors(tensors, cfg, RankLayout(2, 1, 1, ep=2))
     assert {int(k.split(".")[5]) for k in keys if ".mlp.experts." in k} == {4, 5, 6, 7}
-    runner = _runner(checkpoint)
+    runner = tiny_runner(checkpoint)
     chosen = []
     for layer in runner.model.layers[cfg.moe.first_dense_layers:]:
         layer.mlp.register_forward_hook(lambda mod, args, out: chosen.append(mod.route(args[0])[0]))
@@ -356,7 +334,7 @@ def test_pd_plan_sends_whole_latent_pages_from_one_p_rank(checkpoint, tp_p, tp_d
     decodes on exactly as one process does; D pages given in a shifted order are caught."""
     _, _, cfg, tensors, _ = checkpoint
     prompt, more = PROMPTS[2], [60, 61, 62]
-    single = _runner(checkpoint)
+    single = tiny_runner(checkpoint)
     seq = SeqCache()
     single.reserve(seq, len(prompt) + len(more))
     single.extend([seq], [prompt])

@@ -1,0 +1,47 @@
+"""Tiny random-weight Hugging Face checkpoints as oracles: a test module writes one per variant
+into a folder; transformers reads it back (the reference) and so does our loader."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from common.model.weights import load_weights, resolve_model
+from common.runner.model_runner import ModelRunner
+
+
+def checkpoint_fixture(variants, write: Callable[[str, object], None]):
+    """A module-scoped fixture over `variants`: (name, transformers model, our config, our
+    tensors, folder) of the checkpoint that write(name, folder) saves."""
+
+    @pytest.fixture(scope="module", params=list(variants))
+    def checkpoint(request, tmp_path_factory):
+        from transformers import AutoModelForCausalLM
+
+        folder = tmp_path_factory.mktemp(request.param)
+        write(request.param, folder)
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        cfg, tensors = load_weights(resolve_model(str(folder)))
+        return request.param, hf, cfg, tensors, folder
+
+    return checkpoint
+
+
+def tiny_runner(checkpoint, **kw) -> ModelRunner:
+    _, _, cfg, tensors, _ = checkpoint
+    return ModelRunner(cfg, tensors, num_pages=64, page_size=8, **kw)
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of exactly n tokens."""
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
+                          min_new_tokens=n, pad_token_id=0)
+    return out[0, len(ids):].tolist()
