@@ -216,9 +216,9 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _deepseek_v3(cfg: dict, name: str) -> ModelConfig:
-    """DeepSeek-V3 / Kimi-K2 / Moonlight (`DeepseekV3ForCausalLM`). Fields this code does not
-    implement are refused by name rather than silently ignored."""
+def _unsupported_moe_fields(cfg: dict) -> list[str]:
+    """What the DeepSeek-V3 family's configs (Kimi-Linear's too) may ask that this code does not
+    implement: each is refused by name rather than silently ignored."""
     unsupported = []
     if cfg.get("quantization_config"):
         unsupported.append(f"quantization_config ({cfg['quantization_config'].get('quant_method')}): "
@@ -227,11 +227,18 @@ def _deepseek_v3(cfg: dict, name: str) -> ModelConfig:
         unsupported.append("attention_bias: true")
     if cfg.get("moe_layer_freq", 1) != 1:
         unsupported.append(f"moe_layer_freq {cfg['moe_layer_freq']} (only 1: every layer from first_k_dense_replace on is MoE)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act {cfg['hidden_act']!r} (only silu)")
+    return unsupported
+
+
+def _deepseek_v3(cfg: dict, name: str) -> ModelConfig:
+    """DeepSeek-V3 / Kimi-K2 / Moonlight (`DeepseekV3ForCausalLM`). Fields this code does not
+    implement are refused by name rather than silently ignored."""
+    unsupported = _unsupported_moe_fields(cfg)
     if cfg.get("topk_method", "noaux_tc") != "noaux_tc" or cfg.get("scoring_func", "sigmoid") != "sigmoid":
         unsupported.append(f"topk_method {cfg.get('topk_method')!r} / scoring_func {cfg.get('scoring_func')!r} "
                            "(only noaux_tc routing on sigmoid scores)")
-    if cfg.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"hidden_act {cfg['hidden_act']!r} (only silu)")
     if not cfg.get("rope_interleave", True):
         unsupported.append("rope_interleave: false (the weights are read as DeepSeek lays out its rope dims)")
     rs = _rope_params(cfg)
@@ -295,20 +302,11 @@ def _kimi_linear(cfg: dict, name: str) -> ModelConfig:
     `layer_types` over the layer lists. What this code does not implement is refused by name."""
     lin = cfg.get("linear_attn_config") or {}
     n = cfg["num_hidden_layers"]
-    unsupported = []
-    if cfg.get("quantization_config"):
-        unsupported.append(f"quantization_config ({cfg['quantization_config'].get('quant_method')}): "
-                           "give dequantized bf16/fp32 weights")
-    if cfg.get("attention_bias"):
-        unsupported.append("attention_bias: true")
-    if cfg.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"hidden_act {cfg['hidden_act']!r} (only silu)")
+    unsupported = _unsupported_moe_fields(cfg)
     if cfg.get("mla_use_nope", True) is not True:
         unsupported.append("mla_use_nope: false (Kimi-Linear's MLA is NoPE; rotated MLA is deepseek_v3)")
     if cfg.get("moe_router_activation_func", "sigmoid") != "sigmoid":
         unsupported.append(f"moe_router_activation_func {cfg['moe_router_activation_func']!r} (only sigmoid)")
-    if cfg.get("moe_layer_freq", 1) != 1:
-        unsupported.append(f"moe_layer_freq {cfg['moe_layer_freq']} (only 1)")
     # Kimi-K3's extras on the same model_type (a lower-bounded gate, a full-rank output gate).
     for key in ("gate_lower_bound", "lower_bound", "safe_gate", "use_full_rank_gate"):
         if lin.get(key):
