@@ -27,7 +27,7 @@ from common.tools.drafter.objective import (
     make_batch,
     sample_anchors,
 )
-from common.tools.drafter.train import add_args, drafter_config, train
+from common.tools.drafter.train import add_args, drafter_config, repeated, train
 from common.tools.drafter.trainer import Trainer
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "fixtures", "dflash_prompts.jsonl")
@@ -90,6 +90,18 @@ def test_anchors_and_labels():
             for k in range(4):
                 want = int(seq.ids[a + k]) if ok[s, j] and k > 0 and a + k < len(seq.ids) else IGNORE
                 assert labels[s, j, k] == want
+
+
+def test_sources_and_greedy_answers_weighted_up_by_repetition():
+    seqs = [Sequence(src, i, k, 1, torch.arange(3).int().numpy(), temperature=0.0 if k == 0 else 0.8)
+            for src in ("chat", "fewshot") for i in range(2) for k in range(2)]
+    got = repeated(seqs, {"chat": 3}, greedy_repeat=2)
+    count = {(s.source, s.i, s.k): sum(t is s for t in got) for s in seqs}
+    assert count == {("chat", i, 0): 6 for i in range(2)} | {("chat", i, 1): 3 for i in range(2)} | \
+        {("fewshot", i, 0): 2 for i in range(2)} | {("fewshot", i, 1): 1 for i in range(2)}
+    assert repeated(seqs, {}, 1) == seqs
+    with pytest.raises(ValueError, match="source-repeat"):
+        train(parse("--source-repeat", "poetry=2"), None, None)
 
 
 # ---- with the embedded model --------------------------------------------------------------

@@ -64,6 +64,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--gen-time-limit", type=float, default=None,
                    help="stop generating after this many seconds (what finished is kept; run again to go on)")
     d.add_argument("--eval-prompts", type=int, default=0, help="hold out the last N prompts; report their loss/acc")
+    d.add_argument("--source-repeat", default=None,
+                   help="comma-separated SOURCE=N: an epoch sees that source's sequences N times (e.g. chat=2)")
+    d.add_argument("--greedy-repeat", type=int, default=1,
+                   help="an epoch sees each greedy answer this many times (the engine verifies at T=0)")
     m = p.add_argument_group("drafter")
     m.add_argument("--layers", type=int, default=2, help="draft layers")
     m.add_argument("--block-size", type=int, default=16)
@@ -151,6 +155,7 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
     if not train_seqs:
         raise ValueError("no training sequences (every answer is shorter than 2 tokens?)")
     stats = data_stats(train_seqs)
+    train_seqs = repeated(train_seqs, _repeats(args.source_repeat or ""), args.greedy_repeat)
     print(f"data: {data_dir}: {stats['sequences']} training sequences, {stats['response_tokens']:,} response tokens "
           f"({', '.join(f'{k} {v:,}' for k, v in stats['response_tokens_by_source'].items())})", flush=True)
 
@@ -313,6 +318,25 @@ def reproduce_command(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
+def repeated(seqs: list, source_repeat: dict[str, int], greedy_repeat: int) -> list:
+    """The training sequences with some weighted up by repetition: a sequence of source s
+    appears source_repeat[s] times (default 1), times greedy_repeat if it is a greedy answer."""
+    out = []
+    for seq in seqs:
+        out += [seq] * (source_repeat.get(seq.source, 1) * (1 if seq.sampled else greedy_repeat))
+    return out
+
+
+def _repeats(text: str) -> dict[str, int]:
+    repeats = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, n = part.partition("=")
+        if name not in sources.NAMES or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--source-repeat {part!r}: want SOURCE=N with N >= 1, SOURCE one of {', '.join(sources.NAMES)}")
+        repeats[name] = int(n)
+    return repeats
+
+
 def _formats(args) -> tuple[str, ...]:
     return tuple(f.strip() for f in args.formats.split(",") if f.strip())
 
@@ -330,6 +354,9 @@ def _check_args(args) -> None:
         raise ValueError(f"--sample-temperatures must be positive numbers (got {args.sample_temperatures!r})")
     if min(args.self_math, args.self_chat, args.shots) < 0:
         raise ValueError("--self-math, --self-chat and --shots must be >= 0")
+    if args.greedy_repeat < 1:
+        raise ValueError("--greedy-repeat must be at least 1")
+    _repeats(args.source_repeat or "")
     for name in ("batch_size", "anchors", "block_size", "layers", "gen_max_new_tokens", "log_every", "save_every"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
