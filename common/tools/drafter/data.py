@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -34,7 +33,7 @@ from common.engine.request import Request
 from common.engine.sampling import InvalidRequest
 from common.model.tokenizer import IncrementalDecoder, Tokenizer
 from common.runner.model_runner import ModelRunner
-from common.tools.drafter.sources import Source
+from common.tools.drafter.sources import Prompt, Source
 
 SHARD_PROMPTS = 1024
 MIN_WRITTEN_CHARS = 16
@@ -206,22 +205,18 @@ class Job:
     k: int
 
 
-def pending(sources: list[Source], store: DataStore) -> Iterator[Job]:
-    """The missing (source, i, k), shard by shard across the sources (a mix at any point)."""
-    shards = max((-(-s.count // SHARD_PROMPTS) for s in sources), default=0)
-    for shard in range(shards):
-        lo, hi = shard * SHARD_PROMPTS, (shard + 1) * SHARD_PROMPTS
-        for src in sources:
-            for i, k in src.keys:
-                if lo <= i < hi and (src.name, i, k) not in store:
-                    yield Job(src, i, k)
+def pending(sources: list[Source], store: DataStore) -> list[Job]:
+    """The missing (source, i, k), shard by shard across the sources (a mix at any point), each
+    prompt's samples together."""
+    jobs = [Job(src, i, k) for src in sources for i, k in src.keys if (src.name, i, k) not in store]
+    return sorted(jobs, key=lambda job: job.i // SHARD_PROMPTS)  # stable: source order, then (i, k)
 
 
 def generate(runner: ModelRunner, tok: Tokenizer, sources: list[Source], store: DataStore, *, max_running: int,
              time_limit: float | None = None, progress: bool = True) -> dict:
     """Generate every missing sequence of `sources` into `store`: first the sources that write
     prompts, then the rest. Returns stats (tokens/s over the whole run, prefill included)."""
-    stats = {"reused": sum(isinstance(store.records.get((s.name, i, k)), Sequence) for s in sources for i, k in s.keys),
+    stats = {"reused": len(store.sequences(sources)),
              "generated": 0, "skipped": 0, "gen_tokens": 0, "gen_seconds": 0.0, "stopped": "done"}
     start = time.perf_counter()
     sizes = tuple(sorted({*BATCH_SIZES, *(n for n in (128, 256, 512) if n <= max_running)}))
@@ -242,17 +237,18 @@ def _run(engine: Engine, tok: Tokenizer, sources: list[Source], store: DataStore
     """Drive the engine over these sources' missing jobs; False if the deadline stopped it."""
     from tqdm import tqdm
 
-    jobs = pending(sources, store)
-    total = sum(1 for _ in pending(sources, store))
-    if not total:
+    todo = pending(sources, store)
+    if not todo:
         return True
+    jobs = iter(todo)
     s = store.settings
     temps = tuple(s.sample_temperatures)
-    in_flight: dict[str, tuple[Job, float]] = {}
+    in_flight: dict[str, Job] = {}
+    asked: tuple[tuple[str, int], Prompt | None] | None = None  # a prompt's samples come in a row
     refill_below = max(1, engine.max_running * 3 // 4)  # prefill in batches, not one prompt per step
     exhausted, t0 = False, time.perf_counter()
     last_note = t0
-    with tqdm(total=total, desc=f"generate {'+'.join(x.name for x in sources)}", unit="seq",
+    with tqdm(total=len(todo), desc=f"generate {'+'.join(x.name for x in sources)}", unit="seq",
               disable=not progress, mininterval=2) as bar:
         while True:
             if deadline is not None and time.perf_counter() > deadline:
@@ -263,7 +259,9 @@ def _run(engine: Engine, tok: Tokenizer, sources: list[Source], store: DataStore
                     if job is None:
                         exhausted = True
                         break
-                    if not _add(engine, tok, job, store, temps, s, in_flight, stats):
+                    if asked is None or asked[0] != (job.source.name, job.i):
+                        asked = (job.source.name, job.i), job.source.prompt(job.i)  # tokenized once
+                    if not _add(engine, tok, job, asked[1], store, temps, s, in_flight, stats):
                         bar.update(1)
             if not engine.has_work:
                 break
@@ -271,11 +269,10 @@ def _run(engine: Engine, tok: Tokenizer, sources: list[Source], store: DataStore
             for out in engine.step():
                 stats["gen_tokens"] += len(out.new_ids)
                 if out.finished:
-                    job, temperature = in_flight.pop(out.req.rid)
-                    req = out.req
+                    job, req = in_flight.pop(out.req.rid), out.req
                     store.add(Sequence(job.source.name, job.i, job.k, req.prompt_len,
                                        np.asarray(req.prompt_ids + req.output_ids, dtype=np.int32),
-                                       req.finish_reason or "length", temperature))
+                                       req.finish_reason or "length", req.params.temperature))
                     finished += 1
             if finished:
                 store.flush()
@@ -289,16 +286,14 @@ def _run(engine: Engine, tok: Tokenizer, sources: list[Source], store: DataStore
     return True
 
 
-def _add(engine: Engine, tok: Tokenizer, job: Job, store: DataStore, temps: tuple[float, ...], s: GenSettings,
-         in_flight: dict, stats: dict) -> bool:
+def _add(engine: Engine, tok: Tokenizer, job: Job, prompt: Prompt | None, store: DataStore,
+         temps: tuple[float, ...], s: GenSettings, in_flight: dict[str, Job], stats: dict) -> bool:
     """Queue one job; False if it cannot be asked (recorded as skipped, or left for later)."""
     src = job.source
-    prompt = src.prompt(job.i)
     if prompt is None:
-        why = "its written prompt is unusable"
         if (f"{src.name}-q", job.i, 1) not in store:
             return False  # stage 1 did not get there (time limit): ask on a later run
-        store.skip(src.name, job.i, job.k, why)
+        store.skip(src.name, job.i, job.k, "its written prompt is unusable")
         stats["skipped"] += 1
         return False
     params = src.params(job.i, job.k, s.gen_max_new_tokens, temps, s.sample_top_p, s.seed, prompt.stop)
@@ -310,7 +305,7 @@ def _add(engine: Engine, tok: Tokenizer, job: Job, store: DataStore, temps: tupl
         store.skip(src.name, job.i, job.k, str(e))
         stats["skipped"] += 1
         return False
-    in_flight[rid] = (job, params.temperature)
+    in_flight[rid] = job
     return True
 
 

@@ -17,6 +17,7 @@ user gives (the GSM8K train split), and the exemplars are training questions.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     opts = ModelOptions.from_args(args)
     if not opts.kv_pages:  # every request in flight with its longest prompt (few-shot ~900 tokens) and a block
         per = -(-(1200 + args.max_new_tokens + 32) // opts.page_size)
-        opts = ModelOptions(**{**opts.__dict__, "kv_pages": args.concurrency * per + 8})
+        opts = dataclasses.replace(opts, kv_pages=args.concurrency * per + 8)
     runner, tok = load_model(opts)
     prompts = {name: eval_prompts(tok, name, args.num, args.offset, args.shots) for name in sets}
     plain = {} if args.no_compare else {
