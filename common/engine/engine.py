@@ -2,8 +2,9 @@
 
 One step is either a prefill step (chunks of waiting prompts, up to `chunk_size` tokens) or a
 decode step (one token for every running request, or with a proposer a speculative step of
-several: common.engine.decoder). Requests join and leave between steps, each at its own length. Pages for a request's whole budget (prompt + max_new_tokens) are
-reserved at admission, so running requests never stall or get retracted.
+several: common.engine.decoder). Requests join and leave between steps, each at its own
+length. Pages for a request's whole budget (prompt + max_new_tokens) are reserved at
+admission, so running requests never stall or get retracted.
 
 Not thread-safe: one thread calls add/abort/step (see common.service.engine_loop for services).
 """
@@ -83,7 +84,7 @@ class Engine:
         if self.policy is not None and req.spec is None:
             req.spec = SpecStats(self.max_block)
         req.append_token(first_token, self.eos_token_ids)
-        out = StepOutput(req, [first_token], req.take_text(), req.finished)
+        out = self._output(req, 1)
         if req.finished:
             self.release(req)
         else:
