@@ -38,6 +38,19 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0]
 
 
+def prefill_then_decode(runner, ids: list[int], prompt_len: int) -> torch.Tensor:
+    """Logits of every position of `ids`: the first prompt_len tokens in one prefill, the rest
+    one decode step at a time (the request's pages are returned after)."""
+    from common.kv.seq_cache import SeqCache
+
+    seq = SeqCache()
+    runner.reserve(seq, len(ids))
+    got = [runner.extend([seq], [ids[:prompt_len]], all_logits=True).logits]
+    got += [runner.extend([seq], [[t]]).logits for t in ids[prompt_len:]]
+    runner.release(seq)
+    return torch.cat(got)
+
+
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     """transformers' greedy continuation of exactly n tokens."""
     x = torch.tensor([ids])

@@ -29,7 +29,7 @@ from common.model.weights import resolve_model
 from common.parallel.driver import ParallelRunner
 from common.runner.layout import ParallelConfigError, check_parallel
 from router_svc.model_info import read_model_info
-from hf_oracle import checkpoint_fixture, hf_greedy, hf_logits, tiny_runner
+from hf_oracle import checkpoint_fixture, hf_greedy, hf_logits, prefill_then_decode, tiny_runner
 
 VOCAB = 256
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -106,13 +106,7 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
     runner = tiny_runner(checkpoint)
     ids = PROMPTS[0] + [60, 61, 62, 63, 64, 65]
     ref = hf_logits(hf, ids)
-    seq = SeqCache()
-    runner.reserve(seq, len(ids))
-    n = len(PROMPTS[0])
-    got = [runner.extend([seq], [ids[:n]], all_logits=True).logits]
-    got += [runner.extend([seq], [[t]]).logits for t in ids[n:]]
-    torch.testing.assert_close(torch.cat(got), ref, **TOL)
-    runner.release(seq)
+    torch.testing.assert_close(prefill_then_decode(runner, ids, len(PROMPTS[0])), ref, **TOL)
 
 
 def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):
@@ -286,13 +280,7 @@ def test_tensor_parallel_equals_transformers(checkpoint):
     Engine(tiny_runner(checkpoint), cfg.eos_token_ids, chunk_size=32).run_all(single)
     runner = ParallelRunner(cfg, tensors, tp=2, num_pages=64, page_size=8, state_slots=4)
     try:
-        seq = SeqCache()
-        runner.reserve(seq, len(ids))
-        n = len(PROMPTS[0])
-        got = [runner.extend([seq], [ids[:n]], all_logits=True).logits]
-        got += [runner.extend([seq], [[t]]).logits for t in ids[n:]]
-        torch.testing.assert_close(torch.cat(got), ref, **TOL)
-        runner.release(seq)
+        torch.testing.assert_close(prefill_then_decode(runner, ids, len(PROMPTS[0])), ref, **TOL)
         reqs = [Request(str(i), p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
         Engine(runner, cfg.eos_token_ids, chunk_size=32).run_all(reqs)
         assert [r.output_ids for r in reqs] == [r.output_ids for r in single]

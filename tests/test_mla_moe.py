@@ -40,7 +40,7 @@ from common.runner.shard import shard_tensors
 from common.tools.bench import stats
 from common.transfer.plan import TPRank, build_plan, source_ranks
 from router_svc.model_info import read_model_info
-from hf_oracle import checkpoint_fixture, hf_greedy, hf_logits, tiny_runner
+from hf_oracle import checkpoint_fixture, hf_greedy, hf_logits, prefill_then_decode, tiny_runner
 from test_parallel_runner import FP32_TOL, check_parallel_equals_single
 from tiny_models import save_random_drafter
 
@@ -113,13 +113,8 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
     runner = tiny_runner(checkpoint)
     ids = PROMPTS[0] + [60, 61, 62, 63, 64, 65]
     ref = hf_logits(hf, ids)
-    seq = SeqCache()
-    runner.reserve(seq, len(ids))
-    n = len(PROMPTS[0])
-    got = [runner.extend([seq], [ids[:n]], all_logits=True).logits]  # expanded attention
-    got += [runner.extend([seq], [[t]]).logits for t in ids[n:]]  # absorbed, one token at a time
-    torch.testing.assert_close(torch.cat(got), ref, **TOL)
-    runner.release(seq)
+    # The prompt through expanded attention, then absorbed attention one token at a time.
+    torch.testing.assert_close(prefill_then_decode(runner, ids, len(PROMPTS[0])), ref, **TOL)
 
 
 def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):
