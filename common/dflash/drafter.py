@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.model import fused
 from common.model.config import ModelConfig
 from common.model.transformer import MLP, RMSNorm, apply_rope
 
@@ -158,8 +159,9 @@ class Drafter(nn.Module):
             h = layer.input_layernorm(x)
             k, v = a.kv(h, cos, sin)
             out = attend(i, a.q(h, cos, sin), k, v)
-            x = x + a.o_proj(out.reshape(x.shape[0], -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            post = layer.post_attention_layernorm
+            x, h = fused.add_rms_norm(x, a.o_proj(out.reshape(x.shape[0], -1)), post.weight, post.eps)
+            x = x + layer.mlp(h)
         return self.norm(x)
 
     # ---- files -----------------------------------------------------------------------------

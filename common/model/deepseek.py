@@ -6,31 +6,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.model.attention import AttnMeta
 from common.model.config import ModelConfig
 from common.model.mla import MLAttention
 from common.model.moe import MoE
-from common.model.transformer import MLP, Reduce, RMSNorm, Transformer
+from common.model.transformer import MLP, DecoderLayer, Reduce, Transformer
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, reduce: Reduce, layer: int):
-        super().__init__()
-        self.reduce = reduce
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.self_attn = MLAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.mlp = MoE(cfg) if cfg.moe is not None and layer >= cfg.moe.first_dense_layers else MLP(cfg)
-
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
-                meta: AttnMeta) -> torch.Tensor:
-        h = h + self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta))
-        return h + self.reduce(self.mlp(self.post_attention_layernorm(h)))
+def deepseek_layer(cfg: ModelConfig, reduce: Reduce, layer: int) -> DecoderLayer:
+    moe = cfg.moe is not None and layer >= cfg.moe.first_dense_layers
+    return DecoderLayer(cfg, reduce, MLAttention(cfg), MoE(cfg) if moe else MLP(cfg))
 
 
 class DeepseekTransformer(Transformer):
     def make_layer(self, cfg: ModelConfig, reduce: Reduce, layer: int) -> nn.Module:
-        return DeepseekDecoderLayer(cfg, reduce, layer)
+        return deepseek_layer(cfg, reduce, layer)
 
     def layer_hf_weights(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.model import fused
 from common.model.attention import AttnMeta, paged_attention
 from common.model.config import ModelConfig, YarnScaling
 from common.model.rope import yarn_inv_freq
@@ -24,10 +25,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and scale in the input dtype, as the reference implementations do,
-        # so fp32 and bf16 outputs match Hugging Face's. (One fused op instead of six: the
-        # decode step is short enough on CPU that per-op overhead shows.)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(cfg: ModelConfig, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,6 +111,9 @@ class Attention(nn.Module):
             q, k = qkv[:, :cfg.q_size + cfg.kv_size].split([cfg.q_size, cfg.kv_size], dim=-1)
             q = apply_rope_signed(self.q_norm(q.view(T, cfg.num_heads, cfg.head_dim)), cos, sin)
             k = apply_rope_signed(self.k_norm(k.view(T, cfg.num_kv_heads, cfg.head_dim)), cos, sin)
+        elif meta.static is not None and fused.rope_fusable(qkv, cfg.head_dim):  # decode / verify on CUDA
+            q = fused.rope_write_kv(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, kv_layer, meta.write_slots)
+            return linear(meta.static.attend(q, kv_layer).reshape(T, cfg.q_size), self.o_proj.weight)
         else:  # q and k heads side by side in one rotation
             qk = apply_rope_signed(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), cos, sin)
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
@@ -127,8 +128,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight)
+        return linear(fused.silu_mul(linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
 
     @staticmethod
     def hf_weights(tensors: dict[str, torch.Tensor], src: str) -> dict[str, torch.Tensor]:
@@ -145,21 +145,25 @@ def no_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    """With tensor parallelism `cfg` holds this rank's share of the heads and MLP width: q/k/v
+    """Pre-norm attention and feed-forward blocks; other architectures bring their own
+    `attention` and `mlp` (MLA, MoE). With tensor parallelism `cfg` holds this rank's share of the heads and MLP width: q/k/v
     and gate/up are column slices, o_proj and down_proj row slices, so each rank's attention
     and MLP outputs are partial sums that `reduce` (an all-reduce) completes."""
 
-    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce):
+    def __init__(self, cfg: ModelConfig, reduce: Reduce = no_reduce, attention: nn.Module | None = None,
+                 mlp: nn.Module | None = None):
         super().__init__()
         self.reduce = reduce
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg) if attention is None else attention
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if mlp is None else mlp
 
     def forward(self, h, cos, sin, kv_layer, meta):
-        h = h + self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta))
-        return h + self.reduce(self.mlp(self.post_attention_layernorm(h)))
+        a = self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta))
+        post = self.post_attention_layernorm
+        h, x = fused.add_rms_norm(h, a, post.weight, post.eps)
+        return h + self.reduce(self.mlp(x))
 
 
 class Transformer(nn.Module):

@@ -1,11 +1,14 @@
 """Correctness checks of the static (CUDA-graph) path that the GPU check command runs and the
 tests reuse on CPU: the Triton static attention kernel against the torch reference, and the
-static forward (decode and verify shapes) against extend()."""
+static forward (decode and verify shapes) against extend(), with and without the fused kernels."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from common.kv.seq_cache import SeqCache
+from common.model import fused
 from common.model.shapes import SHAPES, random_token_ids, random_weights
 from common.model.static_attention import StaticAttn, static_attention_torch, static_attention_triton
 from common.runner.model_runner import ModelRunner
@@ -46,10 +49,10 @@ def kernel_check(device: str, dtypes: list[torch.dtype]) -> list[dict]:
 
 
 def compare_static_forward(runner: ModelRunner, prompts: list[list[int]], steps: int, T: int = 1,
-                           backend: str | None = None) -> dict:
+                           backend: str | None = None, unfused_reference: bool = False) -> dict:
     """Run the prompts twice in one runner, in different pages, T tokens per row per step:
     through forward_static (page tables padded to the runner's width, as graphs see them) and
-    through extend(). Returns the largest logit difference, whether the greedy tokens stayed
+    through extend() (with `unfused_reference`, without the fused kernels). Returns the largest logit difference, whether the greedy tokens stayed
     equal, and whether each request's pages ended with the same K/V."""
     page, device = runner.page_size, runner.device
     width = runner.max_pages + 1
@@ -66,7 +69,8 @@ def compare_static_forward(runner: ModelRunner, prompts: list[list[int]], steps:
     worst, same_tokens = 0.0, True
     with torch.inference_mode():
         for _ in range(steps):
-            expected = runner.extend(dyn, dyn_tok, all_logits=True).logits
+            with fused.disabled() if unfused_reference else contextlib.nullcontext():
+                expected = runner.extend(dyn, dyn_tok, all_logits=True).logits
             table = torch.full((len(static), width), runner.scratch_page, dtype=torch.long)
             for i, s in enumerate(static):
                 table[i, :len(s.pages)] = torch.tensor(s.pages)
@@ -91,6 +95,16 @@ def compare_static_forward(runner: ModelRunner, prompts: list[list[int]], steps:
         kv_err = max(kv_err, (ka - kb).abs().max().item())
         runner.release(a), runner.release(b)
     return {"max_abs_logit_diff": worst, "same_tokens": same_tokens, "max_abs_kv_diff": kv_err, "T": T}
+
+
+def fused_check(device: str, dtype: str, T: int, shape: str = "embedded") -> dict:
+    """Random weights of `shape`: the static step with the fused kernels against extend()
+    without them, 3 requests at different lengths, 8 steps."""
+    cfg = SHAPES[shape]
+    runner = ModelRunner(cfg, random_weights(cfg, torch.float32, device), dtype=dtype, device=device,
+                         num_pages=24, page_size=64)
+    prompts = [random_token_ids(cfg, n, seed=n) for n in (5, 70, 300)]
+    return compare_static_forward(runner, prompts, steps=8, T=T, unfused_reference=True) | {"dtype": dtype}
 
 
 def tiny_static_check(device: str, dtype: str, backend: str, T: int) -> dict:

@@ -7,6 +7,8 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
              3/4, page sizes 4-64), causal verify blocks and draft blocks (with a window)
   static     static path (forward_static, Triton and torch attention) vs extend() on a tiny
              random model, decode (T = 1) and verify (T = 4): logits, tokens, K/V
+  fused      the static step with the fused kernels (common.model.fused) against extend() without
+             them, embedded shape (random weights), fp32 and bf16, decode (T = 1) and verify (T = 4)
   greedy     the model's greedy tokens for a few prompts, 32 each: CPU fp32 (reference) against
              GPU fp32 graphs, fp32 eager, bf16 graphs, bf16 eager; the first divergence of each
   speculative  --spec dflash (block pinned to 16, CUDA graphs) against plain decoding (graphs)
@@ -45,7 +47,7 @@ from common.engine.spec_policy import SpecConfig
 from common.engine.step_costs import step_times, synthetic_requests
 from common.model.shapes import SHAPES, random_weights
 from common.runner.model_runner import ModelRunner
-from common.tools.gpu.checks import kernel_check, tiny_static_check
+from common.tools.gpu.checks import fused_check, kernel_check, tiny_static_check
 
 TARGET_TOK_S_B1 = 1000.0  # embedded model, batch 1, decode tok/s
 TARGET_X_FLOOR = 1.25  # Llama-3-8B shape, decode step / floor
@@ -219,6 +221,9 @@ def _summary(results: dict) -> list[str]:
     for r in _rows(results, "static"):
         lines.append(f"static   {r['dtype']} {r['backend']:6} T={r['T']:2}: max logit diff "
                      f"{r['max_abs_logit_diff']:.2e}, same tokens {r['same_tokens']}, kv diff {r['max_abs_kv_diff']:.1e}")
+    for r in _rows(results, "fused"):
+        lines.append(f"fused    {r['dtype']} T={r['T']}: max logit diff vs unfused {r['max_abs_logit_diff']:.2e}, "
+                     f"same tokens {r['same_tokens']}, kv diff {r['max_abs_kv_diff']:.1e}")
     g = results.get("greedy")
     if isinstance(g, dict):
         for name, r in g["runs"].items():
@@ -279,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
         "kernel": lambda: kernel_check("cuda", [torch.float32, torch.bfloat16]),
         "static": lambda: [tiny_static_check("cuda", dtype, backend, T) for dtype in ("fp32", "bf16")
                            for backend in ("triton", "torch") for T in (1, 4)],
+        "fused": lambda: [fused_check("cuda", dtype, T) for dtype in ("fp32", "bf16") for T in (1, 4)],
         "greedy": lambda: _greedy(args.model),
         "speculative": lambda: _speculative(args.model),
         "replay": _replay,
