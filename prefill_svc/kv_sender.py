@@ -10,7 +10,8 @@ import grpc
 from common.engine.engine import Engine
 from common.engine.request import Request
 from common.kv.buffers import RankEndpoint, RoomBuffers
-from common.service.grpc_process import PEER_CHANNEL_OPTIONS
+from common.service.grpc_process import peer_channel
+from common.service.tls import Tls
 from common.service.transfer_ranks import TransferRanks
 from common.transfer.plan import TPRank, TransferPlanError, Writes, build_plan
 from common.transfer.wire import ranks_from_bootstrap
@@ -19,10 +20,12 @@ from protos import pdflash_pb2_grpc as pb_grpc
 
 
 class KVSender:
-    def __init__(self, ranks: TransferRanks, engine: Engine, bootstrap_ttl_s: float, verify: bool):
+    def __init__(self, ranks: TransferRanks, engine: Engine, bootstrap_ttl_s: float, verify: bool,
+                 tls: Tls | None = None):
         self.ranks = ranks
         self.engine = engine
         self.verify = verify  # send page checksums so D can verify what it received
+        self.tls = tls  # mutual TLS towards D
         self.bootstrap_ttl_s = bootstrap_ttl_s
         self._boots: dict[str, asyncio.Future] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -42,10 +45,24 @@ class KVSender:
         if not fut.done():
             fut.cancel()
 
-    def bootstrap(self, msg: pb.BootstrapRequest) -> None:
+    def bootstrap(self, msg: pb.BootstrapRequest) -> str:
+        """Hand D's bootstrap to the room; "" or, if the room has already failed or been
+        aborted here, why (D then fails the room at once instead of waiting for its deadline)."""
         fut = self._future(msg.room)
         if not fut.done():
             fut.set_result(msg)
+        elif fut.exception() is not None:
+            return str(fut.exception())
+        return ""
+
+    def take_bootstrap(self, room: str) -> pb.BootstrapRequest | None:
+        """The room's bootstrap if it has arrived and nobody has claimed it (a Prefill that
+        failed before waiting for it must still answer D, with the token it brought)."""
+        fut = self._boots.get(room)
+        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return None
+        del self._boots[room]
+        return fut.result()
 
     def abort(self, room: str, reason: str) -> bool:
         """Fail the room's wait for its bootstrap, now or, if its Prefill has not asked yet, when
@@ -87,13 +104,12 @@ class KVSender:
 
     async def ack(self, decode_addr: str, msg: pb.TransferDoneRequest, timeout: float) -> None:
         if decode_addr not in self._channels:
-            self._channels[decode_addr] = grpc.aio.insecure_channel(decode_addr, options=PEER_CHANNEL_OPTIONS)
+            self._channels[decode_addr] = peer_channel(decode_addr, self.tls)
         stub = pb_grpc.DecodeServiceStub(self._channels[decode_addr])
         # wait_for_ready: a D just restarted (or a channel still backing off) is waited for, up to
         # the timeout, instead of failing the room at once; a dead D's room is cancelled by the router.
-        reply = await stub.TransferDone(msg, timeout=max(timeout, 1.0), wait_for_ready=True)
-        if not reply.ok:
-            raise RuntimeError(f"decode {decode_addr} no longer waits for room {msg.room}")
+        # A D that no longer waits for the room answers NOT_FOUND.
+        await stub.TransferDone(msg, timeout=max(timeout, 1.0), wait_for_ready=True)
 
 
 def plan_writes(room: str, src: list[RankEndpoint], src_tp: int, pages: dict[str, list[int]],
