@@ -19,6 +19,14 @@ from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 
 
+class Aborted(RuntimeError):
+    """The room was aborted here; `boot` is D's bootstrap if it had arrived."""
+
+    def __init__(self, reason: str, boot: pb.BootstrapRequest | None):
+        super().__init__(f"aborted: {reason or 'by request'}")
+        self.boot = boot
+
+
 class KVSender:
     def __init__(self, ranks: TransferRanks, engine: Engine, bootstrap_ttl_s: float, verify: bool,
                  tls: Tls | None = None):
@@ -55,27 +63,30 @@ class KVSender:
             return str(fut.exception())
         return ""
 
-    def take_bootstrap(self, room: str) -> pb.BootstrapRequest | None:
-        """The room's bootstrap if it has arrived and nobody has claimed it (a Prefill that
-        failed before waiting for it must still answer D, with the token it brought)."""
-        fut = self._boots.get(room)
-        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
-            return None
-        del self._boots[room]
-        return fut.result()
-
     def abort(self, room: str, reason: str) -> bool:
         """Fail the room's wait for its bootstrap, now or, if its Prefill has not asked yet, when
         it does (the failed future stays for the TTL): after an Abort, no bootstrap that arrives
         late can make us write into D's pages. True if Prefill was already waiting."""
         fut = self._boots.get(room)
         waiting = fut is not None and not fut.done()
+        boot = self.held_bootstrap(room)  # kept: the failed Prefill still owes D its word
         if not waiting:
             fut = self._boots[room] = asyncio.get_running_loop().create_future()
             asyncio.get_running_loop().call_later(self.bootstrap_ttl_s, self._expire, room, fut)
-        fut.set_exception(RuntimeError(f"aborted: {reason or 'by request'}"))
+        fut.set_exception(Aborted(reason, boot))
         fut.exception()  # retrieved: a tombstone nobody awaits must not log "never retrieved"
         return waiting
+
+    def held_bootstrap(self, room: str) -> pb.BootstrapRequest | None:
+        """The room's bootstrap if it has arrived, claimed or not (a Prefill that failed before
+        waiting for it must still answer D, with the token it brought)."""
+        fut = self._boots.get(room)
+        if fut is None or not fut.done() or fut.cancelled():
+            return None
+        err = fut.exception()
+        if err is None:
+            return fut.result()
+        return err.boot if isinstance(err, Aborted) else None
 
     async def wait_bootstrap(self, room: str, deadline: float) -> pb.BootstrapRequest:
         fut = self._future(room)

@@ -81,7 +81,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             else:
                 error = str(e)
             logger.warning("room %s failed: %s", req.rid, error)
-            boot = boot or self.sender.take_bootstrap(req.rid)
+            boot = boot or self.sender.held_bootstrap(req.rid)
             if boot is not None:
                 await self._nack(boot.decode_addr or request.decode_addr, req.rid, boot.transfer_token, error)
             else:  # D's bootstrap, when it comes, is refused with the error

@@ -131,6 +131,8 @@ def test_openai_client_with_the_key(stack: Stack) -> None:
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key=API_KEY, max_retries=0)
     out = client.completions.create(model="m", prompt="The capital of France is", max_tokens=4, temperature=0)
     assert out.choices[0].text and out.usage.completion_tokens == 4
+    room = out.id.removeprefix("cmpl-")  # 128 random bits, not a counter or a clock
+    assert len(room) == 32 and int(room, 16) >= 0
 
 
 def test_router_grpc_needs_the_key(stack: Stack) -> None:
