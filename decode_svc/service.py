@@ -17,7 +17,7 @@ from common.engine.meta import meta_info
 from common.engine.request import Request
 from common.engine.sampling import InvalidRequest
 from common.model.tokenizer import IncrementalDecoder, Tokenizer
-from common.service.checks import check_address, check_prompt, check_room, deadline_s
+from common.service.checks import check_room_request
 from common.service.engine_loop import EngineFailure, EngineLoop
 from common.service.messages import meta_to_proto, sampling_from_proto
 from decode_svc.kv_receiver import HandoffError, KVReceiver
@@ -40,8 +40,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         params = sampling_from_proto(request.sampling)
         try:
-            deadline = time.monotonic() + self._check(request, params)
-        except InvalidRequest as e:  # before any page is reserved or any P is contacted
+            deadline = time.monotonic() + check_room_request(
+                request.room, list(request.input_ids), params, ("prefill_addr", request.prefill_addr),
+                request.deadline_s, self.default_deadline_s, self.loop.engine.runner.cfg)
+        except InvalidRequest as e:  # a message no router sends: refused before any page is reserved or any P asked
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         req = Request(request.room, list(request.input_ids), params, IncrementalDecoder(self.tokenizer, params.stop))
         outputs = self.loop.open(req.rid)
@@ -73,15 +75,6 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             self.loop.close(req.rid)
             if not req.finished or req.cache.pages:
                 await self.loop.call(lambda e: e.abort(req.rid) or e.release(req))
-
-    def _check(self, request: pb.GenerateRequest, params) -> float:
-        """Raises InvalidRequest for a message no router sends; returns the room's seconds."""
-        check_room(request.room)
-        if request.prefill_addr:
-            check_address(request.prefill_addr, "prefill_addr")
-        cfg = self.loop.engine.runner.cfg
-        check_prompt(list(request.input_ids), params, cfg.vocab_size, cfg.max_position)
-        return deadline_s(request.deadline_s, self.default_deadline_s)
 
     async def _handoff(self, req: Request, prefill_addr: str, deadline: float, context) -> int:
         try:

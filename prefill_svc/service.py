@@ -17,7 +17,7 @@ import grpc
 
 from common.engine.request import Request
 from common.engine.sampling import InvalidRequest
-from common.service.checks import check_address, check_bootstrap, check_prompt, check_room, deadline_s
+from common.service.checks import check_bootstrap, check_room_request
 from common.service.engine_loop import EngineFailure, EngineLoop
 from common.service.messages import sampling_from_proto
 from prefill_svc.kv_sender import KVSender
@@ -44,8 +44,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
         req = Request(request.room, list(request.input_ids), sampling_from_proto(request.sampling))
         try:
-            deadline = time.monotonic() + self._check(request, req)
-        except InvalidRequest as e:  # before anything is queued, and without telling any D
+            deadline = time.monotonic() + check_room_request(
+                request.room, req.prompt_ids, req.params, ("decode_addr", request.decode_addr), request.deadline_s,
+                self.default_deadline_s, self.loop.engine.runner.cfg)
+        except InvalidRequest as e:  # a message no router sends: refused before anything is queued or any D told
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         outputs = self.loop.open(req.rid)
         self._rooms[req.rid] = ""
@@ -95,15 +97,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self._rooms.pop(req.rid, None)
             self._sends.pop(req.rid, None)
             await self.loop.call(lambda e: e.abort(req.rid) or e.release(req))
-
-    def _check(self, request: pb.PrefillRequest, req: Request) -> float:
-        """Raises InvalidRequest for a message no router sends; returns the room's seconds."""
-        check_room(request.room)
-        if request.decode_addr:
-            check_address(request.decode_addr, "decode_addr")
-        cfg = self.loop.engine.runner.cfg
-        check_prompt(req.prompt_ids, req.params, cfg.vocab_size, cfg.max_position)
-        return deadline_s(request.deadline_s, self.default_deadline_s)
 
     def _check_abort(self, room: str) -> None:
         if self._rooms.get(room):

@@ -7,6 +7,7 @@ import math
 
 from common.engine.sampling import InvalidRequest, SamplingParams
 from common.kv.buffers import SlotStateBuffer
+from common.model.config import ModelConfig
 from common.transfer.wire import ranks_from_bootstrap
 from protos import pdflash_pb2 as pb
 
@@ -39,6 +40,17 @@ def check_address(addr: str, what: str) -> None:
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise InvalidRequest(f"{what} must be host:port, got {addr[:100]!r}")
+
+
+def check_room_request(room: str, input_ids: list[int], params: SamplingParams, peer: tuple[str, str],
+                       requested_deadline_s: float, default_deadline_s: float, cfg: ModelConfig) -> float:
+    """A Prefill (P) or Generate (D): `peer` is (field name, address; "" if none). Returns the
+    room's seconds."""
+    check_room(room)
+    if peer[1]:
+        check_address(peer[1], peer[0])
+    check_prompt(input_ids, params, cfg.vocab_size, cfg.max_position)
+    return deadline_s(requested_deadline_s, default_deadline_s)
 
 
 def check_bootstrap(msg: pb.BootstrapRequest) -> None:
