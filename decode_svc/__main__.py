@@ -17,6 +17,7 @@ from common.service.loader import (
     load_proposer,
     spec_config,
 )
+from common.service.tls import Tls, add_tls_args
 from common.service.transfer_ranks import TransferRanks, add_mooncake_args
 from decode_svc.kv_receiver import PEER_ABORT_TIMEOUT_S, KVReceiver
 from decode_svc.service import DecodeServicer
@@ -37,10 +38,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_parallel_args(p, pipeline=False)
     add_spec_args(p)
     add_mooncake_args(p)
+    add_tls_args(p)
     return p.parse_args(argv)
 
 
 async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    tls = Tls.from_args(args)  # before the model load: a bad file fails fast
     log = setup_logging(f"{args.role}:{args.port}")
     runner, tokenizer = load_model(ModelOptions.from_args(args))
     try:
@@ -51,10 +54,10 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
         if args.role == "decode":
             ranks = TransferRanks.start(args, engine)  # P writes each of our ranks' heads to that rank
             receiver = KVReceiver(loop, ranks.mooncake.session_id, f"{args.host}:{args.port}", ranks.endpoints, args.tp,
-                                  args.peer_abort_timeout)
+                                  args.peer_abort_timeout, tls)
         servicer = DecodeServicer(loop, tokenizer, receiver, args.role, runner.cfg.name, args.deadline)
         loop.start()
-        server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_DecodeServiceServicer_to_server(servicer, s))
+        server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_DecodeServiceServicer_to_server(servicer, s), tls)
         log.info("ready on %s:%d (%s, TP %d, EP %d, %d KV pages of %d tokens)", args.host, args.port, args.role,
                  args.tp, args.ep, runner.pool.num_pages, runner.page_size)
         await stop.wait()

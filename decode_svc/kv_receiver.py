@@ -12,8 +12,10 @@ confirms it will not (or P is unreachable), so that no other room gets them and 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -24,7 +26,8 @@ from common.kv.buffers import RankEndpoint, RoomBuffers
 from common.kv.page_pool import OutOfPages
 from common.kv.seq_cache import SeqCache
 from common.service.engine_loop import EngineLoop
-from common.service.grpc_process import PEER_CHANNEL_OPTIONS
+from common.service.grpc_process import peer_channel
+from common.service.tls import Tls
 from common.transfer.wire import ranks_to_protos, room_to_protos
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
@@ -50,9 +53,11 @@ class KVReceiver:
     ranks: list[RankEndpoint] = field(default_factory=list)  # every TP rank's buffers (rank 0 first)
     tp: int = 1
     peer_abort_timeout_s: float = PEER_ABORT_TIMEOUT_S  # one attempt at P's Abort of a room we gave up on
+    tls: Tls | None = None  # mutual TLS towards P
 
     def __post_init__(self) -> None:
         self._acks: dict[str, asyncio.Future] = {}
+        self._waiting: dict[str, tuple[str, int]] = {}  # room -> (its transfer token, prompt tokens)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._parked: set[asyncio.Task] = set()  # releases waiting for P's Abort reply
 
@@ -62,9 +67,11 @@ class KVReceiver:
         await self._reserve(req, deadline)
         ack = asyncio.get_running_loop().create_future()
         self._acks[req.rid] = ack
+        token = secrets.token_hex(16)  # only the P we bootstrap learns it
+        self._waiting[req.rid] = (token, req.prompt_len)
         try:
             try:
-                await self._bootstrap(req, prefill_addr, deadline)
+                await self._bootstrap(req, prefill_addr, token, deadline)
                 done: pb.TransferDoneRequest = await asyncio.wait_for(ack, _left(deadline))
             except asyncio.TimeoutError:
                 raise HandoffError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -80,13 +87,24 @@ class KVReceiver:
             return done.first_token
         finally:
             self._acks.pop(req.rid, None)
+            self._waiting.pop(req.rid, None)
 
-    def transfer_done(self, msg: pb.TransferDoneRequest) -> bool:
+    def transfer_done(self, msg: pb.TransferDoneRequest, vocab_size: int) -> None:
+        """Wake the room's receive with P's word; raises HandoffError (and changes nothing) for a
+        room not waiting (unknown, or already answered), a sender that is not the P we
+        bootstrapped (the token), or an ack that cannot be true."""
         ack = self._acks.get(msg.room)
         if ack is None or ack.done():
-            return False
+            raise HandoffError(grpc.StatusCode.NOT_FOUND, f"room {msg.room[:128]!r} is not waiting for a transfer")
+        token, prompt_tokens = self._waiting[msg.room]
+        if not hmac.compare_digest(msg.transfer_token.encode(), token.encode()):
+            raise HandoffError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"room {msg.room}: TransferDone without the token of the bootstrapped prefill")
+        if msg.ok and not (0 <= msg.first_token < vocab_size and msg.prompt_tokens == prompt_tokens):
+            raise HandoffError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"room {msg.room}: first token {msg.first_token} (vocabulary {vocab_size}) or "
+                               f"prompt tokens {msg.prompt_tokens} (expected {prompt_tokens}) is wrong")
         ack.set_result(msg)
-        return True
 
     def abort(self, room: str, reason: str) -> bool:
         ack = self._acks.get(room)
@@ -117,13 +135,13 @@ class KVReceiver:
                                    f"no free KV pages for {req.budget} tokens before the deadline")
             await asyncio.sleep(0.01)
 
-    async def _bootstrap(self, req: Request, prefill_addr: str, deadline: float) -> None:
+    async def _bootstrap(self, req: Request, prefill_addr: str, token: str, deadline: float) -> None:
         engine = self.loop.engine
         pages = engine.room_pages(req)
         msg = pb.BootstrapRequest(
             room=req.rid, session_id=self.session_id, tp_rank=0, tp_size=self.tp, decode_addr=self.self_addr,
             buffers=room_to_protos(RoomBuffers(engine.describe_buffers(), pages)),
-            ranks=ranks_to_protos(self.ranks, pages))
+            ranks=ranks_to_protos(self.ranks, pages), transfer_token=token)
         stub = pb_grpc.PrefillServiceStub(self._channel(prefill_addr))
         try:
             # wait_for_ready: as for P's TransferDone (a P just restarted is waited for, not refused)
@@ -178,7 +196,7 @@ class KVReceiver:
 
     def _channel(self, addr: str) -> grpc.aio.Channel:
         if addr not in self._channels:
-            self._channels[addr] = grpc.aio.insecure_channel(addr, options=PEER_CHANNEL_OPTIONS)
+            self._channels[addr] = peer_channel(addr, self.tls)
         return self._channels[addr]
 
 

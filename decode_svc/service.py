@@ -17,6 +17,7 @@ from common.engine.meta import meta_info
 from common.engine.request import Request
 from common.engine.sampling import InvalidRequest
 from common.model.tokenizer import IncrementalDecoder, Tokenizer
+from common.service.checks import check_room_request
 from common.service.engine_loop import EngineFailure, EngineLoop
 from common.service.messages import meta_to_proto, sampling_from_proto
 from decode_svc.kv_receiver import HandoffError, KVReceiver
@@ -38,13 +39,19 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         params = sampling_from_proto(request.sampling)
+        try:
+            deadline = time.monotonic() + check_room_request(
+                request.room, list(request.input_ids), params, ("prefill_addr", request.prefill_addr),
+                request.deadline_s, self.default_deadline_s, self.loop.engine.runner.cfg)
+        except InvalidRequest as e:  # a message no router sends: refused before any page is reserved or any P asked
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         req = Request(request.room, list(request.input_ids), params, IncrementalDecoder(self.tokenizer, params.stop))
         outputs = self.loop.open(req.rid)
         try:
             if request.prefill_addr:
                 if self.receiver is None:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this instance has no KV receiver")
-                first = await self._handoff(req, request, context)
+                first = await self._handoff(req, request.prefill_addr, deadline, context)
                 outputs.put_nowait(await self.loop.call(lambda e: e.add_prefilled(req, first)))
             else:
                 try:
@@ -69,14 +76,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             if not req.finished or req.cache.pages:
                 await self.loop.call(lambda e: e.abort(req.rid) or e.release(req))
 
-    async def _handoff(self, req: Request, request: pb.GenerateRequest, context) -> int:
+    async def _handoff(self, req: Request, prefill_addr: str, deadline: float, context) -> int:
         try:
-            req.params.validate(req.prompt_len, self.loop.engine.runner.cfg.max_position)
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        deadline = time.monotonic() + (request.deadline_s or self.default_deadline_s)
-        try:
-            first = await self.receiver.receive(req, request.prefill_addr, deadline)
+            first = await self.receiver.receive(req, prefill_addr, deadline)
         except HandoffError as e:
             logger.warning("room %s: %s", req.rid, e)
             await context.abort(e.code, str(e))
@@ -85,8 +87,14 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         return first
 
     async def TransferDone(self, request: pb.TransferDoneRequest, context) -> pb.TransferDoneReply:
-        ok = self.receiver is not None and self.receiver.transfer_done(request)
-        return pb.TransferDoneReply(ok=ok)
+        if self.receiver is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this instance has no KV receiver")
+        try:
+            self.receiver.transfer_done(request, self.loop.engine.runner.cfg.vocab_size)
+        except HandoffError as e:
+            logger.warning("TransferDone refused: %s", e)
+            await context.abort(e.code, str(e))
+        return pb.TransferDoneReply(ok=True)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:
         found = self.receiver is not None and self.receiver.abort(request.room, request.reason)

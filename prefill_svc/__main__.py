@@ -16,6 +16,7 @@ from common.service.loader import (
     load_proposer,
     spec_config,
 )
+from common.service.tls import Tls, add_tls_args
 from common.service.transfer_ranks import TransferRanks, add_mooncake_args
 from prefill_svc.kv_sender import KVSender
 from prefill_svc.service import PrefillServicer
@@ -33,10 +34,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_parallel_args(p, pipeline=True)
     add_spec_args(p)
     add_mooncake_args(p)
+    add_tls_args(p)
     return p.parse_args(argv)
 
 
 async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    tls = Tls.from_args(args)  # before the model load: a bad file fails fast
     log = setup_logging(f"prefill:{args.port}")
     runner, tokenizer = load_model(ModelOptions.from_args(args))
     try:
@@ -44,10 +47,10 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
                         proposer=load_proposer(args, runner), spec=spec_config(args))
         loop = EngineLoop(engine, asyncio.get_running_loop())
         ranks = TransferRanks.start(args, engine)  # every rank sends its own layers' and heads' KV
-        servicer = PrefillServicer(loop, KVSender(ranks, engine, args.deadline, args.verify_transfer),
+        servicer = PrefillServicer(loop, KVSender(ranks, engine, args.deadline, args.verify_transfer, tls),
                                    runner.cfg.name, args.deadline)
         loop.start()
-        server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_PrefillServiceServicer_to_server(servicer, s))
+        server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_PrefillServiceServicer_to_server(servicer, s), tls)
         log.info("ready on %s:%d (mooncake %s, TP %d x PP %d, EP %d, %d KV pages of %d tokens)", args.host, args.port,
                  ranks.mooncake.session_id, args.tp, args.pp, args.ep, runner.pool.num_pages, runner.page_size)
         await stop.wait()

@@ -10,7 +10,8 @@ import grpc
 from common.engine.engine import Engine
 from common.engine.request import Request
 from common.kv.buffers import RankEndpoint, RoomBuffers
-from common.service.grpc_process import PEER_CHANNEL_OPTIONS
+from common.service.grpc_process import peer_channel
+from common.service.tls import Tls
 from common.service.transfer_ranks import TransferRanks
 from common.transfer.plan import TPRank, TransferPlanError, Writes, build_plan
 from common.transfer.wire import ranks_from_bootstrap
@@ -18,11 +19,21 @@ from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 
 
+class Aborted(RuntimeError):
+    """The room was aborted here; `boot` is D's bootstrap if it had arrived."""
+
+    def __init__(self, reason: str, boot: pb.BootstrapRequest | None):
+        super().__init__(f"aborted: {reason or 'by request'}")
+        self.boot = boot
+
+
 class KVSender:
-    def __init__(self, ranks: TransferRanks, engine: Engine, bootstrap_ttl_s: float, verify: bool):
+    def __init__(self, ranks: TransferRanks, engine: Engine, bootstrap_ttl_s: float, verify: bool,
+                 tls: Tls | None = None):
         self.ranks = ranks
         self.engine = engine
         self.verify = verify  # send page checksums so D can verify what it received
+        self.tls = tls  # mutual TLS towards D
         self.bootstrap_ttl_s = bootstrap_ttl_s
         self._boots: dict[str, asyncio.Future] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -42,10 +53,15 @@ class KVSender:
         if not fut.done():
             fut.cancel()
 
-    def bootstrap(self, msg: pb.BootstrapRequest) -> None:
+    def bootstrap(self, msg: pb.BootstrapRequest) -> str:
+        """Hand D's bootstrap to the room; "" or, if the room has already failed or been
+        aborted here, why (D then fails the room at once instead of waiting for its deadline)."""
         fut = self._future(msg.room)
         if not fut.done():
             fut.set_result(msg)
+        elif fut.exception() is not None:
+            return str(fut.exception())
+        return ""
 
     def abort(self, room: str, reason: str) -> bool:
         """Fail the room's wait for its bootstrap, now or, if its Prefill has not asked yet, when
@@ -53,12 +69,24 @@ class KVSender:
         late can make us write into D's pages. True if Prefill was already waiting."""
         fut = self._boots.get(room)
         waiting = fut is not None and not fut.done()
+        boot = self.held_bootstrap(room)  # kept: the failed Prefill still owes D its word
         if not waiting:
             fut = self._boots[room] = asyncio.get_running_loop().create_future()
             asyncio.get_running_loop().call_later(self.bootstrap_ttl_s, self._expire, room, fut)
-        fut.set_exception(RuntimeError(f"aborted: {reason or 'by request'}"))
+        fut.set_exception(Aborted(reason, boot))
         fut.exception()  # retrieved: a tombstone nobody awaits must not log "never retrieved"
         return waiting
+
+    def held_bootstrap(self, room: str) -> pb.BootstrapRequest | None:
+        """The room's bootstrap if it has arrived, claimed or not (a Prefill that failed before
+        waiting for it must still answer D, with the token it brought)."""
+        fut = self._boots.get(room)
+        if fut is None or not fut.done() or fut.cancelled():
+            return None
+        err = fut.exception()
+        if err is None:
+            return fut.result()
+        return err.boot if isinstance(err, Aborted) else None
 
     async def wait_bootstrap(self, room: str, deadline: float) -> pb.BootstrapRequest:
         fut = self._future(room)
@@ -87,13 +115,12 @@ class KVSender:
 
     async def ack(self, decode_addr: str, msg: pb.TransferDoneRequest, timeout: float) -> None:
         if decode_addr not in self._channels:
-            self._channels[decode_addr] = grpc.aio.insecure_channel(decode_addr, options=PEER_CHANNEL_OPTIONS)
+            self._channels[decode_addr] = peer_channel(decode_addr, self.tls)
         stub = pb_grpc.DecodeServiceStub(self._channels[decode_addr])
         # wait_for_ready: a D just restarted (or a channel still backing off) is waited for, up to
         # the timeout, instead of failing the room at once; a dead D's room is cancelled by the router.
-        reply = await stub.TransferDone(msg, timeout=max(timeout, 1.0), wait_for_ready=True)
-        if not reply.ok:
-            raise RuntimeError(f"decode {decode_addr} no longer waits for room {msg.room}")
+        # A D that no longer waits for the room answers NOT_FOUND.
+        await stub.TransferDone(msg, timeout=max(timeout, 1.0), wait_for_ready=True)
 
 
 def plan_writes(room: str, src: list[RankEndpoint], src_tp: int, pages: dict[str, list[int]],

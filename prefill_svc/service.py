@@ -16,6 +16,8 @@ import time
 import grpc
 
 from common.engine.request import Request
+from common.engine.sampling import InvalidRequest
+from common.service.checks import check_bootstrap, check_room_request
 from common.service.engine_loop import EngineFailure, EngineLoop
 from common.service.messages import sampling_from_proto
 from prefill_svc.kv_sender import KVSender
@@ -40,11 +42,16 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self._background: set[asyncio.Task] = set()
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
-        deadline = time.monotonic() + (request.deadline_s or self.default_deadline_s)
         req = Request(request.room, list(request.input_ids), sampling_from_proto(request.sampling))
+        try:
+            deadline = time.monotonic() + check_room_request(
+                request.room, req.prompt_ids, req.params, ("decode_addr", request.decode_addr), request.deadline_s,
+                self.default_deadline_s, self.loop.engine.runner.cfg)
+        except InvalidRequest as e:  # a message no router sends: refused before anything is queued or any D told
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         outputs = self.loop.open(req.rid)
         self._rooms[req.rid] = ""
-        send = None
+        send = boot = None
         try:
             await self.loop.call(lambda e: e.add(req))
             out = await asyncio.wait_for(outputs.get(), deadline - time.monotonic())
@@ -62,7 +69,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self._check_abort(req.rid)
             done = pb.TransferDoneRequest(room=req.rid, ok=True, first_token=out.new_ids[0],
                                           prompt_tokens=req.prompt_len, bytes=nbytes,
-                                          page_checksums=await self.sender.checksums(req))
+                                          page_checksums=await self.sender.checksums(req),
+                                          transfer_token=boot.transfer_token)
             await self.sender.ack(boot.decode_addr or request.decode_addr, done, deadline - time.monotonic())
             self.bytes_sent += nbytes
             return pb.PrefillReply(ok=True)
@@ -75,7 +83,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             else:
                 error = str(e)
             logger.warning("room %s failed: %s", req.rid, error)
-            await self._nack(request.decode_addr, req.rid, error)
+            boot = boot or self.sender.held_bootstrap(req.rid)
+            if boot is not None:
+                await self._nack(boot.decode_addr or request.decode_addr, req.rid, boot.transfer_token, error)
+            else:  # D's bootstrap, when it comes, is refused with the error
+                self.sender.abort(req.rid, error)
             return pb.PrefillReply(ok=False, error=error)
         finally:
             self.loop.close(req.rid)
@@ -90,17 +102,22 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         if self._rooms.get(room):
             raise RuntimeError(f"room {room} aborted: {self._rooms[room]}")
 
-    async def _nack(self, decode_addr: str, room: str, error: str) -> None:
+    async def _nack(self, decode_addr: str, room: str, token: str, error: str) -> None:
         if not decode_addr:
             return
         try:
-            await self.sender.ack(decode_addr, pb.TransferDoneRequest(room=room, ok=False, error=error), 2.0)
+            await self.sender.ack(decode_addr, pb.TransferDoneRequest(room=room, ok=False, error=error,
+                                                                      transfer_token=token), 2.0)
         except Exception:  # D may be the one that is gone; the router fails the request anyway
             pass
 
     async def Bootstrap(self, request: pb.BootstrapRequest, context) -> pb.BootstrapReply:
-        self.sender.bootstrap(request)
-        return pb.BootstrapReply(ok=True)
+        try:
+            check_bootstrap(request)
+        except InvalidRequest as e:  # never stored: no write is ever planned from it
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        refused = self.sender.bootstrap(request)
+        return pb.BootstrapReply(ok=not refused, error=refused)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:
         """Stop the room wherever it is. Answers once no write of its KV into D's pages is in flight

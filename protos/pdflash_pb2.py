@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdflash.proto\x12\x07pdflash\"\xb1\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xc6\x02\n\nBufferInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x11\n\tnum_pages\x18\x06 \x01(\r\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x11\n\tnum_heads\x18\x08 \x01(\r\x12\x12\n\nhead_start\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0e\n\x06layout\x18\x0c \x01(\t\x12\x16\n\x0e\x62ytes_per_page\x18\r \x01(\x04\x12\x0f\n\x07indices\x18\x0e \x03(\r\x12\x13\n\x0btotal_heads\x18\x0f \x01(\r\x12\x13\n\x0blayer_start\x18\x10 \x01(\r\x12\x14\n\x0ctotal_layers\x18\x11 \x01(\r\"\x85\x01\n\x0ePrefillRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.pdflash.SamplingParams\x12\x13\n\x0b\x64\x65\x63ode_addr\x18\x04 \x01(\t\x12\x12\n\ndeadline_s\x18\x05 \x01(\x01\")\n\x0cPrefillReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"X\n\x0bRankBuffers\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12$\n\x07\x62uffers\x18\x03 \x03(\x0b\x32\x13.pdflash.BufferInfo\"\xb6\x01\n\x10\x42ootstrapRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12$\n\x07\x62uffers\x18\x05 \x03(\x0b\x32\x13.pdflash.BufferInfo\x12\x13\n\x0b\x64\x65\x63ode_addr\x18\x06 \x01(\t\x12#\n\x05ranks\x18\x07 \x03(\x0b\x32\x14.pdflash.RankBuffers\"+\n\x0e\x42ootstrapReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\",\n\x0c\x41\x62ortRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x8a\x01\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\x18\n\x10mooncake_session\x18\x07 \x01(\t\"\x87\x01\n\x0fGenerateRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.pdflash.SamplingParams\x12\x14\n\x0cprefill_addr\x18\x04 \x01(\t\x12\x12\n\ndeadline_s\x18\x05 \x01(\x01\"\xf0\x02\n\x08MetaInfo\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0b\x65\x32\x65_latency\x18\x05 \x01(\x01\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\x12\x16\n\x0espec_verify_ct\x18\x07 \x01(\r\x12\x1d\n\x15spec_accept_histogram\x18\x08 \x03(\r\x12\x1c\n\x14spec_accepted_drafts\x18\t \x01(\r\x12\x1c\n\x14spec_proposed_drafts\x18\n \x01(\r\x12\x16\n\x0everified_pages\x18\x0b \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x0c \x01(\x04\x12\x1c\n\x14spec_block_histogram\x18\r \x03(\r\x12\x18\n\x10spec_plain_steps\x18\x0e \x01(\r\"q\n\rGenerateChunk\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x1f\n\x04meta\x18\x05 \x01(\x0b\x32\x11.pdflash.MetaInfo\"\x91\x01\n\x13TransferDoneRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x16\n\x0epage_checksums\x18\x07 \x03(\r\"\x1f\n\x11TransferDoneReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"c\n\x15RouterGenerateRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.pdflash.SamplingParams2\xf9\x01\n\x0ePrefillService\x12\x39\n\x07Prefill\x12\x17.pdflash.PrefillRequest\x1a\x15.pdflash.PrefillReply\x12?\n\tBootstrap\x12\x19.pdflash.BootstrapRequest\x1a\x17.pdflash.BootstrapReply\x12\x33\n\x05\x41\x62ort\x12\x15.pdflash.AbortRequest\x1a\x13.pdflash.AbortReply\x12\x36\n\x06Health\x12\x16.pdflash.HealthRequest\x1a\x14.pdflash.HealthReply2\x86\x02\n\rDecodeService\x12>\n\x08Generate\x12\x18.pdflash.GenerateRequest\x1a\x16.pdflash.GenerateChunk0\x01\x12H\n\x0cTransferDone\x12\x1c.pdflash.TransferDoneRequest\x1a\x1a.pdflash.TransferDoneReply\x12\x33\n\x05\x41\x62ort\x12\x15.pdflash.AbortRequest\x1a\x13.pdflash.AbortReply\x12\x36\n\x06Health\x12\x16.pdflash.HealthRequest\x1a\x14.pdflash.HealthReply2U\n\rRouterService\x12\x44\n\x08Generate\x12\x1e.pdflash.RouterGenerateRequest\x1a\x16.pdflash.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdflash.proto\x12\x07pdflash\"\xb1\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xc6\x02\n\nBufferInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x11\n\tnum_pages\x18\x06 \x01(\r\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x11\n\tnum_heads\x18\x08 \x01(\r\x12\x12\n\nhead_start\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0e\n\x06layout\x18\x0c \x01(\t\x12\x16\n\x0e\x62ytes_per_page\x18\r \x01(\x04\x12\x0f\n\x07indices\x18\x0e \x03(\r\x12\x13\n\x0btotal_heads\x18\x0f \x01(\r\x12\x13\n\x0blayer_start\x18\x10 \x01(\r\x12\x14\n\x0ctotal_layers\x18\x11 \x01(\r\"\x85\x01\n\x0ePrefillRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.pdflash.SamplingParams\x12\x13\n\x0b\x64\x65\x63ode_addr\x18\x04 \x01(\t\x12\x12\n\ndeadline_s\x18\x05 \x01(\x01\")\n\x0cPrefillReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"X\n\x0bRankBuffers\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12$\n\x07\x62uffers\x18\x03 \x03(\x0b\x32\x13.pdflash.BufferInfo\"\xce\x01\n\x10\x42ootstrapRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12$\n\x07\x62uffers\x18\x05 \x03(\x0b\x32\x13.pdflash.BufferInfo\x12\x13\n\x0b\x64\x65\x63ode_addr\x18\x06 \x01(\t\x12#\n\x05ranks\x18\x07 \x03(\x0b\x32\x14.pdflash.RankBuffers\x12\x16\n\x0etransfer_token\x18\x08 \x01(\t\"+\n\x0e\x42ootstrapReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\",\n\x0c\x41\x62ortRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x8a\x01\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\x18\n\x10mooncake_session\x18\x07 \x01(\t\"\x87\x01\n\x0fGenerateRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.pdflash.SamplingParams\x12\x14\n\x0cprefill_addr\x18\x04 \x01(\t\x12\x12\n\ndeadline_s\x18\x05 \x01(\x01\"\xf0\x02\n\x08MetaInfo\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0b\x65\x32\x65_latency\x18\x05 \x01(\x01\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\x12\x16\n\x0espec_verify_ct\x18\x07 \x01(\r\x12\x1d\n\x15spec_accept_histogram\x18\x08 \x03(\r\x12\x1c\n\x14spec_accepted_drafts\x18\t \x01(\r\x12\x1c\n\x14spec_proposed_drafts\x18\n \x01(\r\x12\x16\n\x0everified_pages\x18\x0b \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x0c \x01(\x04\x12\x1c\n\x14spec_block_histogram\x18\r \x03(\r\x12\x18\n\x10spec_plain_steps\x18\x0e \x01(\r\"q\n\rGenerateChunk\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x1f\n\x04meta\x18\x05 \x01(\x0b\x32\x11.pdflash.MetaInfo\"\xa9\x01\n\x13TransferDoneRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x16\n\x0epage_checksums\x18\x07 \x03(\r\x12\x16\n\x0etransfer_token\x18\x08 \x01(\t\"\x1f\n\x11TransferDoneReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"c\n\x15RouterGenerateRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.pdflash.SamplingParams2\xf9\x01\n\x0ePrefillService\x12\x39\n\x07Prefill\x12\x17.pdflash.PrefillRequest\x1a\x15.pdflash.PrefillReply\x12?\n\tBootstrap\x12\x19.pdflash.BootstrapRequest\x1a\x17.pdflash.BootstrapReply\x12\x33\n\x05\x41\x62ort\x12\x15.pdflash.AbortRequest\x1a\x13.pdflash.AbortReply\x12\x36\n\x06Health\x12\x16.pdflash.HealthRequest\x1a\x14.pdflash.HealthReply2\x86\x02\n\rDecodeService\x12>\n\x08Generate\x12\x18.pdflash.GenerateRequest\x1a\x16.pdflash.GenerateChunk0\x01\x12H\n\x0cTransferDone\x12\x1c.pdflash.TransferDoneRequest\x1a\x1a.pdflash.TransferDoneReply\x12\x33\n\x05\x41\x62ort\x12\x15.pdflash.AbortRequest\x1a\x13.pdflash.AbortReply\x12\x36\n\x06Health\x12\x16.pdflash.HealthRequest\x1a\x14.pdflash.HealthReply2U\n\rRouterService\x12\x44\n\x08Generate\x12\x1e.pdflash.RouterGenerateRequest\x1a\x16.pdflash.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,33 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RANKBUFFERS']._serialized_start=721
   _globals['_RANKBUFFERS']._serialized_end=809
   _globals['_BOOTSTRAPREQUEST']._serialized_start=812
-  _globals['_BOOTSTRAPREQUEST']._serialized_end=994
-  _globals['_BOOTSTRAPREPLY']._serialized_start=996
-  _globals['_BOOTSTRAPREPLY']._serialized_end=1039
-  _globals['_ABORTREQUEST']._serialized_start=1041
-  _globals['_ABORTREQUEST']._serialized_end=1085
-  _globals['_ABORTREPLY']._serialized_start=1087
-  _globals['_ABORTREPLY']._serialized_end=1114
-  _globals['_HEALTHREQUEST']._serialized_start=1116
-  _globals['_HEALTHREQUEST']._serialized_end=1131
-  _globals['_HEALTHREPLY']._serialized_start=1134
-  _globals['_HEALTHREPLY']._serialized_end=1272
-  _globals['_GENERATEREQUEST']._serialized_start=1275
-  _globals['_GENERATEREQUEST']._serialized_end=1410
-  _globals['_METAINFO']._serialized_start=1413
-  _globals['_METAINFO']._serialized_end=1781
-  _globals['_GENERATECHUNK']._serialized_start=1783
-  _globals['_GENERATECHUNK']._serialized_end=1896
-  _globals['_TRANSFERDONEREQUEST']._serialized_start=1899
-  _globals['_TRANSFERDONEREQUEST']._serialized_end=2044
-  _globals['_TRANSFERDONEREPLY']._serialized_start=2046
-  _globals['_TRANSFERDONEREPLY']._serialized_end=2077
-  _globals['_ROUTERGENERATEREQUEST']._serialized_start=2079
-  _globals['_ROUTERGENERATEREQUEST']._serialized_end=2178
-  _globals['_PREFILLSERVICE']._serialized_start=2181
-  _globals['_PREFILLSERVICE']._serialized_end=2430
-  _globals['_DECODESERVICE']._serialized_start=2433
-  _globals['_DECODESERVICE']._serialized_end=2695
-  _globals['_ROUTERSERVICE']._serialized_start=2697
-  _globals['_ROUTERSERVICE']._serialized_end=2782
+  _globals['_BOOTSTRAPREQUEST']._serialized_end=1018
+  _globals['_BOOTSTRAPREPLY']._serialized_start=1020
+  _globals['_BOOTSTRAPREPLY']._serialized_end=1063
+  _globals['_ABORTREQUEST']._serialized_start=1065
+  _globals['_ABORTREQUEST']._serialized_end=1109
+  _globals['_ABORTREPLY']._serialized_start=1111
+  _globals['_ABORTREPLY']._serialized_end=1138
+  _globals['_HEALTHREQUEST']._serialized_start=1140
+  _globals['_HEALTHREQUEST']._serialized_end=1155
+  _globals['_HEALTHREPLY']._serialized_start=1158
+  _globals['_HEALTHREPLY']._serialized_end=1296
+  _globals['_GENERATEREQUEST']._serialized_start=1299
+  _globals['_GENERATEREQUEST']._serialized_end=1434
+  _globals['_METAINFO']._serialized_start=1437
+  _globals['_METAINFO']._serialized_end=1805
+  _globals['_GENERATECHUNK']._serialized_start=1807
+  _globals['_GENERATECHUNK']._serialized_end=1920
+  _globals['_TRANSFERDONEREQUEST']._serialized_start=1923
+  _globals['_TRANSFERDONEREQUEST']._serialized_end=2092
+  _globals['_TRANSFERDONEREPLY']._serialized_start=2094
+  _globals['_TRANSFERDONEREPLY']._serialized_end=2125
+  _globals['_ROUTERGENERATEREQUEST']._serialized_start=2127
+  _globals['_ROUTERGENERATEREQUEST']._serialized_end=2226
+  _globals['_PREFILLSERVICE']._serialized_start=2229
+  _globals['_PREFILLSERVICE']._serialized_end=2478
+  _globals['_DECODESERVICE']._serialized_start=2481
+  _globals['_DECODESERVICE']._serialized_end=2743
+  _globals['_ROUTERSERVICE']._serialized_start=2745
+  _globals['_ROUTERSERVICE']._serialized_end=2830
 # @@protoc_insertion_point(module_scope)

@@ -97,7 +97,7 @@ class RankBuffers(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., session_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ...) -> None: ...
 
 class BootstrapRequest(_message.Message):
-    __slots__ = ("room", "session_id", "tp_rank", "tp_size", "buffers", "decode_addr", "ranks")
+    __slots__ = ("room", "session_id", "tp_rank", "tp_size", "buffers", "decode_addr", "ranks", "transfer_token")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class BootstrapRequest(_message.Message):
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDR_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     room: str
     session_id: str
     tp_rank: int
@@ -112,7 +113,8 @@ class BootstrapRequest(_message.Message):
     buffers: _containers.RepeatedCompositeFieldContainer[BufferInfo]
     decode_addr: str
     ranks: _containers.RepeatedCompositeFieldContainer[RankBuffers]
-    def __init__(self, room: _Optional[str] = ..., session_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., decode_addr: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankBuffers, _Mapping]]] = ...) -> None: ...
+    transfer_token: str
+    def __init__(self, room: _Optional[str] = ..., session_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., decode_addr: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankBuffers, _Mapping]]] = ..., transfer_token: _Optional[str] = ...) -> None: ...
 
 class BootstrapReply(_message.Message):
     __slots__ = ("ok", "error")
@@ -219,7 +221,7 @@ class GenerateChunk(_message.Message):
     def __init__(self, room: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., meta: _Optional[_Union[MetaInfo, _Mapping]] = ...) -> None: ...
 
 class TransferDoneRequest(_message.Message):
-    __slots__ = ("room", "ok", "first_token", "prompt_tokens", "error", "bytes", "page_checksums")
+    __slots__ = ("room", "ok", "first_token", "prompt_tokens", "error", "bytes", "page_checksums", "transfer_token")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +229,7 @@ class TransferDoneRequest(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     room: str
     ok: bool
     first_token: int
@@ -234,7 +237,8 @@ class TransferDoneRequest(_message.Message):
     error: str
     bytes: int
     page_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, room: _Optional[str] = ..., ok: _Optional[bool] = ..., first_token: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., page_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    transfer_token: str
+    def __init__(self, room: _Optional[str] = ..., ok: _Optional[bool] = ..., first_token: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., page_checksums: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ...) -> None: ...
 
 class TransferDoneReply(_message.Message):
     __slots__ = ("ok",)

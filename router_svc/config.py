@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
+
+from common.service.tls import Tls, add_tls_args
 
 POLICIES = ("pd", "round_robin")
 
@@ -18,6 +21,8 @@ class RouterConfig:
     model: str | None  # None: the embedded default model
     request_timeout: float  # a whole request, from arrival to the last token
     transfer_deadline: float  # deadline_s given to P and D: bootstrap + KV transfer
+    api_key: str | None  # clients must send `Authorization: Bearer <api_key>` (all but /health)
+    tls: Tls | None  # mutual TLS towards P and D
 
     @property
     def roles(self) -> list[tuple[str, str]]:
@@ -29,7 +34,8 @@ class RouterConfig:
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p = argparse.ArgumentParser(prog="python -m router_svc",
                                 description="pdflash router: HTTP (SGLang + OpenAI) and gRPC in front of P/D")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to serve HTTP and gRPC on (0.0.0.0 or a node address to serve other hosts)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--grpc-port", type=int, help="RouterService port (default: --port + 1)")
     p.add_argument("--policy", choices=POLICIES, default="pd",
@@ -41,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request, end to end")
     p.add_argument("--transfer-deadline", type=float, default=60.0,
                    help="seconds P and D get for a room's bootstrap + KV transfer (the deadline_s they are sent)")
+    p.add_argument("--api-key", default=os.environ.get("PDFLASH_API_KEY") or None,
+                   help="require `Authorization: Bearer KEY` on every route but /health (default: $PDFLASH_API_KEY)")
+    add_tls_args(p)
     a = p.parse_args(argv)
     if a.policy == "pd" and (not a.prefill or not a.decode or a.replicas):
         p.error("--policy pd needs --prefill and --decode (and no --replicas)")
@@ -51,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     return RouterConfig(
         host=a.host, port=a.port, grpc_port=a.grpc_port or a.port + 1, policy=a.policy,
         prefill=a.prefill, decode=a.decode or a.replicas, model=a.model, request_timeout=a.request_timeout,
-        transfer_deadline=a.transfer_deadline,
+        transfer_deadline=a.transfer_deadline, api_key=a.api_key, tls=Tls.from_args(a),
     )
 
 

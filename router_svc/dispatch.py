@@ -18,7 +18,8 @@ from typing import Any
 import grpc
 
 from common.engine.sampling import SamplingParams
-from common.service.grpc_process import PEER_CHANNEL_OPTIONS
+from common.service.grpc_process import peer_channel
+from common.service.tls import Tls
 from common.service.messages import sampling_to_proto
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
@@ -49,8 +50,8 @@ class Backend:
     stub: Any  # PrefillServiceStub or DecodeServiceStub; both have Health and Abort
 
     @classmethod
-    def connect(cls, role: str, addr: str) -> Backend:
-        channel = grpc.aio.insecure_channel(addr, options=PEER_CHANNEL_OPTIONS)  # connects lazily, so backends may start later
+    def connect(cls, role: str, addr: str, tls: Tls | None = None) -> Backend:
+        channel = peer_channel(addr, tls)  # connects lazily, so backends may start later
         stub = pb_grpc.PrefillServiceStub(channel) if role == "prefill" else pb_grpc.DecodeServiceStub(channel)
         return cls(role, addr, channel, stub)
 

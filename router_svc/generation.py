@@ -1,8 +1,8 @@
 """One dispatched request as the router sees it: what went out and what has come back."""
 from __future__ import annotations
 
+import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from common.engine.sampling import SamplingParams
@@ -16,7 +16,8 @@ class Generation:
     endpoint: str
     input_ids: list[int]
     sampling: SamplingParams
-    room: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Unguessable (128 random bits): a room id is all a late Abort or TransferDone names.
+    room: str = field(default_factory=lambda: secrets.token_hex(16))
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     chunks: int = 0

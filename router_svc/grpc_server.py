@@ -13,6 +13,7 @@ from common.engine.sampling import InvalidRequest
 from common.service.messages import sampling_from_proto
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
+from router_svc.auth import GrpcAuth
 from router_svc.errors import ApiError, internal
 from router_svc.frontend import Frontend, Job
 
@@ -45,8 +46,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             await context.abort(err.grpc_code, err.message)
 
 
-async def start(frontend: Frontend, host: str, port: int) -> grpc.aio.Server:
-    server = grpc.aio.server()
+async def start(frontend: Frontend, host: str, port: int, api_key: str | None = None) -> grpc.aio.Server:
+    server = grpc.aio.server(interceptors=[GrpcAuth(api_key)] if api_key else None)
     pb_grpc.add_RouterServiceServicer_to_server(RouterServicer(frontend), server)
     checks = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)

@@ -13,7 +13,7 @@ from google.protobuf.json_format import MessageToDict
 
 from common.engine.sampling import InvalidRequest
 from protos import pdflash_pb2 as pb
-from router_svc import openai_api, sglang_api, sse
+from router_svc import auth, openai_api, sglang_api, sse
 from router_svc.errors import INVALID, ApiError, internal, invalid
 from router_svc.frontend import Frontend, Job
 from router_svc.generation import Generation
@@ -29,15 +29,17 @@ FormatEvents = Callable[[Generation, pb.GenerateChunk], list[dict]]  # the SSE e
 
 
 class HttpApi:
-    def __init__(self, frontend: Frontend, info: dict[str, Any]):
+    def __init__(self, frontend: Frontend, info: dict[str, Any], api_key: str | None = None):
         self.frontend = frontend
+        self.api_key = api_key
         self.info = info  # static facts for /server_info (policy, ports, backends)
         self.model = frontend.model.name
         self.created = int(time.time())
         frontend.metrics.track_routes(frontend.dispatcher)  # per-backend figures in /metrics, /server_info
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
+        checks = [auth.http_middleware(self.api_key)] if self.api_key else []  # the key first, before any work
+        app = web.Application(middlewares=[*checks, self._errors], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/generate", self.generate, name="generate")
         app.router.add_post("/v1/completions", self.completions, name="completions")
         app.router.add_post("/v1/chat/completions", self.chat, name="chat")

@@ -31,7 +31,7 @@ async def serve(cfg: RouterConfig) -> None:
     src = resolve_model(cfg.model)
     model = read_model_info(src)
     tokenizer = Tokenizer(src)  # the slow step (~5 s); weights are never loaded here
-    backends = [Backend.connect(role, addr) for role, addr in cfg.roles]
+    backends = [Backend.connect(role, addr, cfg.tls) for role, addr in cfg.roles]
     dispatcher = Dispatcher([b for b in backends if b.role == "prefill"],
                             [b for b in backends if b.role != "prefill"], cfg.request_timeout,
                             cfg.transfer_deadline)
@@ -41,11 +41,11 @@ async def serve(cfg: RouterConfig) -> None:
             "transfer_deadline": cfg.transfer_deadline,
             "prefill": list(cfg.prefill), "decode" if cfg.policy == "pd" else "replicas": list(cfg.decode)}
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its room.
-    runner = web.AppRunner(HttpApi(frontend, info).app(), handler_cancellation=True, access_log=None,
+    runner = web.AppRunner(HttpApi(frontend, info, cfg.api_key).app(), handler_cancellation=True, access_log=None,
                            shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.port).start()
-    grpc_srv = await grpc_server.start(frontend, cfg.host, cfg.grpc_port)
+    grpc_srv = await grpc_server.start(frontend, cfg.host, cfg.grpc_port, cfg.api_key)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -13,6 +13,7 @@ import grpc
 import psutil
 import requests
 
+from common.service.tls import Tls, blocking_channel
 from common.tools.bench.stack import Stack as UpStack
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
@@ -25,6 +26,7 @@ UP_TIMEOUT_S = 420  # each service loads the model; the machine may be busy with
 class Worker:
     role: str  # "prefill", "decode" or "replica"
     addr: str  # gRPC host:port
+    tls: Tls | None = None  # the stack's --tls-* files: our certificate, to get through mutual TLS
 
     @property
     def port(self) -> int:
@@ -34,7 +36,7 @@ class Worker:
         return pb_grpc.PrefillServiceStub(channel) if self.role == "prefill" else pb_grpc.DecodeServiceStub(channel)
 
     def health(self, timeout: float = 10) -> pb.HealthReply:
-        with grpc.insecure_channel(self.addr) as channel:
+        with blocking_channel(self.addr, self.tls) as channel:
             return self.stub(channel).Health(pb.HealthRequest(), timeout=timeout)
 
 
@@ -43,10 +45,17 @@ class Stack(UpStack):
 
     def __init__(self, *args: str, timeout: float = UP_TIMEOUT_S):
         super().__init__(args, timeout=timeout)
+        # With --api-key every route but /health needs it; with --tls-* every worker wants a certificate.
+        self.headers = {"Authorization": f"Bearer {self.flag('--api-key')}"} if "--api-key" in args else {}
+        tls = Tls(*(open(self.flag(f), "rb").read() for f in ("--tls-cert", "--tls-key", "--tls-ca"))) \
+            if "--tls-ca" in args else None
         self.start()
-        info = requests.get(self.url + "/server_info", timeout=30).json()
+        info = requests.get(self.url + "/server_info", headers=self.headers, timeout=30).json()
         self.policy = info["policy"]  # "pd" or "round_robin"
-        self.workers = [Worker(b["role"], b["addr"]) for b in info["backends"]]
+        self.workers = [Worker(b["role"], b["addr"], tls) for b in info["backends"]]
+
+    def flag(self, name: str) -> str:
+        return self.args[self.args.index(name) + 1]
 
     def assert_clean_log(self) -> None:
         """No service logged a traceback or an unretrieved asyncio exception."""
@@ -106,7 +115,7 @@ class Stack(UpStack):
 
     # ---- requests ------------------------------------------------------------------------------
     def generate(self, input_ids: list[int], max_new_tokens: int = 8, timeout: float = 300, **params) -> dict:
-        resp = requests.post(self.url + "/generate", timeout=timeout, json={
+        resp = requests.post(self.url + "/generate", headers=self.headers, timeout=timeout, json={
             "input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, **params}})
         assert resp.status_code == 200, resp.text
         return resp.json()

@@ -139,10 +139,10 @@ def test_services_refuse_bad_input(stack: Stack, ids: list[int], sampling: pb.Sa
         list(pb_grpc.DecodeServiceStub(ch).Generate(pb.GenerateRequest(
             room=uuid.uuid4().hex, input_ids=ids, sampling=sampling, prefill_addr=p.addr, deadline_s=10), timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in info.value.details()
-    with grpc.insecure_channel(p.addr) as ch:
-        reply = pb_grpc.PrefillServiceStub(ch).Prefill(pb.PrefillRequest(
+    with grpc.insecure_channel(p.addr) as ch, pytest.raises(grpc.RpcError) as info:
+        pb_grpc.PrefillServiceStub(ch).Prefill(pb.PrefillRequest(
             room=uuid.uuid4().hex, input_ids=ids, sampling=sampling, decode_addr=d.addr, deadline_s=10), timeout=30)
-    assert not reply.ok and says in reply.error
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in info.value.details()
     stack.wait_all_pages_free()
 
 

@@ -12,11 +12,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.runner.layout import ParallelConfigError
+from common.service.tls import Tls
 
 # Channels between our own services (router -> P/D, D -> P, P -> D). gRPC's default reconnect
 # backoff grows to 120 s, so a peer restarted by `pdflash up` would be refused for tens of seconds
 # after it is back; between our processes, retrying every second at most is cheap.
 PEER_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+def peer_channel(addr: str, tls: Tls | None) -> grpc.aio.Channel:
+    """An asyncio channel to another of our services (connects lazily); mutual TLS if given."""
+    if tls is None:
+        return grpc.aio.insecure_channel(addr, options=PEER_CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(addr, tls.channel_credentials(), options=PEER_CHANNEL_OPTIONS)
 
 
 def setup_logging(role: str) -> logging.Logger:
@@ -26,14 +34,17 @@ def setup_logging(role: str) -> logging.Logger:
     return logging.getLogger(role)
 
 
-async def serve_grpc(host: str, port: int, add_servicers) -> grpc.aio.Server:
-    """Start a grpc.aio server with our servicers and the standard health service (SERVING)."""
+async def serve_grpc(host: str, port: int, add_servicers, tls: Tls | None = None) -> grpc.aio.Server:
+    """Start a grpc.aio server with our servicers and the standard health service (SERVING);
+    with `tls`, only peers with a certificate signed by its CA get through the handshake."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20),
                                       ("grpc.max_send_message_length", 256 << 20)])
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = (server.add_insecure_port(address) if tls is None
+             else server.add_secure_port(address, tls.server_credentials()))
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()

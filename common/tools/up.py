@@ -14,13 +14,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.parallel.ports import free_port
 from common.service.loader import add_spec_args, spec_flags
+from common.service.tls import Tls, add_tls_args, blocking_channel, tls_flags
 
 STARTUP_TIMEOUT_S = 300.0
 
@@ -34,11 +35,12 @@ class Child:
     addr: str
     module: str
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # on top of ours (secrets stay out of argv)
     proc: subprocess.Popen | None = None
     restarts: int = 0
 
     def start(self) -> "Child":
-        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.argv], env=child_env())
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.argv], env=child_env() | self.env)
         return self
 
 
@@ -54,7 +56,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="expert parallel (MoE models): routed experts sharded over each prefill stage's TP ranks")
     p.add_argument("--decode-ep", type=int, default=1,
                    help="expert parallel (MoE models): routed experts sharded over the decode TP ranks")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address every service listens on; another host's address serves that network (docs/DEPLOY.md)")
     p.add_argument("--port", type=int, default=30000, help="router HTTP port (gRPC on port+1)")
     p.add_argument("--model", default=None, help="Hugging Face folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
@@ -69,7 +72,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="decode: seconds per attempt at prefill's Abort of a room it gave up on")
     p.add_argument("--request-timeout", type=float, default=600.0, help="router: seconds per request")
     p.add_argument("--verify-transfer", action="store_true", help="checksum every KV page P sends and D receives")
+    p.add_argument("--api-key", default=os.environ.get("PDFLASH_API_KEY") or None,
+                   help="router: require `Authorization: Bearer KEY` on all but /health (default: $PDFLASH_API_KEY)")
     add_spec_args(p)
+    add_tls_args(p)
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
@@ -91,10 +97,10 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def wait_grpc_healthy(children: list[Child], timeout: float) -> None:
+def wait_grpc_healthy(children: list[Child], timeout: float, tls: Tls | None) -> None:
     deadline = time.monotonic() + timeout
     for c in children:
-        with grpc.insecure_channel(c.addr) as ch:
+        with blocking_channel(c.addr, tls) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             while True:
                 if c.proc.poll() is not None:
@@ -161,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         workers = start_workers(args, children)
         router_args = ["--host", args.host, "--port", str(args.port), "--request-timeout", str(args.request_timeout),
-                       "--transfer-deadline", str(args.deadline)]
+                       "--transfer-deadline", str(args.deadline), *tls_flags(args)]
         if args.model:
             router_args += ["--model", args.model]
         if args.mode == "pd":
@@ -170,12 +176,14 @@ def run(args: argparse.Namespace) -> int:
             router_args += ["--policy", "pd", "--prefill", prefills, "--decode", decodes]
         else:
             router_args += ["--policy", "round_robin", "--replicas", ",".join(c.addr for c in workers)]
-        router = Child("router", f"{args.host}:{args.port}", "router_svc", router_args).start()
+        key = {"PDFLASH_API_KEY": args.api_key} if args.api_key else {}
+        router = Child("router", f"{args.host}:{args.port}", "router_svc", router_args, env=key).start()
         children.append(router)
         url = f"http://{args.host}:{args.port}"
         wait_http_healthy(router, url + "/health", STARTUP_TIMEOUT_S)
+        auth = " -H 'Authorization: Bearer $PDFLASH_API_KEY'" if args.api_key else ""
         print(f"\npdflash is up ({args.mode}): {url}  (OpenAI API at {url}/v1, gRPC router at "
-              f"{args.host}:{args.port + 1})\n  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"{args.host}:{args.port + 1})\n  try: curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' "
               "-d '{\"model\": \"default\", \"messages\": [{\"role\": \"user\", \"content\": \"What is 2+3?\"}]}'\n"
               "Ctrl-C stops everything.", flush=True)
         supervise(children, router)
@@ -206,8 +214,8 @@ def supervise(children: list[Child], router: Child) -> None:
 
 
 def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child]:
-    common = model_flags(args) + spec_flags(args) + ["--host", args.host, "--chunk-size", str(args.chunk_size),
-                                  "--deadline", str(args.deadline)]
+    common = model_flags(args) + spec_flags(args) + tls_flags(args) + [
+        "--host", args.host, "--chunk-size", str(args.chunk_size), "--deadline", str(args.deadline)]
     prefill_par = ["--tp", str(args.prefill_tp), "--pp", str(args.prefill_pp), "--ep", str(args.prefill_ep)]
     decode_par = ["--tp", str(args.decode_tp), "--ep", str(args.decode_ep)]
     if args.mode == "pd":
@@ -225,6 +233,6 @@ def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child
             c = Child(f"{kind}{i}", f"{args.host}:{port}", module, ["--port", str(port), *common, *extra]).start()
             children.append(c)
             group.append(c)
-        wait_grpc_healthy(group, STARTUP_TIMEOUT_S)
+        wait_grpc_healthy(group, STARTUP_TIMEOUT_S, Tls.from_args(args))
         workers += group
     return workers
