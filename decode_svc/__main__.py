@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from grpc_health.v1 import health
+
 from common.engine.engine import Engine
 from common.service.engine_loop import EngineLoop
 from common.service.grpc_process import run_service, serve_grpc, setup_logging
@@ -15,8 +17,10 @@ from common.service.loader import (
     add_spec_args,
     load_model,
     load_proposer,
+    parse_nodes,
     spec_config,
 )
+from common.service.nodes import serve_node, watch_nodes
 from common.service.transfer_ranks import TransferRanks, add_mooncake_args
 from decode_svc.kv_receiver import PEER_ABORT_TIMEOUT_S, KVReceiver
 from decode_svc.service import DecodeServicer
@@ -37,11 +41,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_parallel_args(p, pipeline=False)
     add_spec_args(p)
     add_mooncake_args(p)
-    return p.parse_args(argv)
+    return parse_nodes(p, p.parse_args(argv))
 
 
 async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
     log = setup_logging(f"{args.role}:{args.port}")
+    if not args.nodes.head:
+        return await serve_node(args, args.role, log, stop)
     runner, tokenizer = load_model(ModelOptions.from_args(args))
     try:
         engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, max_running=args.max_running,
@@ -54,7 +60,10 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
                                   args.peer_abort_timeout)
         servicer = DecodeServicer(loop, tokenizer, receiver, args.role, runner.cfg.name, args.deadline)
         loop.start()
-        server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_DecodeServiceServicer_to_server(servicer, s))
+        checks = health.aio.HealthServicer()
+        watch_nodes(runner, loop, checks)
+        server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_DecodeServiceServicer_to_server(servicer, s),
+                                  health_servicer=checks)
         log.info("ready on %s:%d (%s, TP %d, EP %d, %d KV pages of %d tokens)", args.host, args.port, args.role,
                  args.tp, args.ep, runner.pool.num_pages, runner.page_size)
         await stop.wait()
