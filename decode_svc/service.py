@@ -103,6 +103,6 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     async def Health(self, request, context) -> pb.HealthReply:
         pool = self.loop.engine.runner.pool
-        return pb.HealthReply(ok=True, role=self.role, free_pages=pool.num_free, total_pages=pool.num_pages,
-                              running=len(self.loop.engine.running), model=self.model_name,
+        return pb.HealthReply(ok=self.loop.out_of_service is None, role=self.role, free_pages=pool.num_free,
+                              total_pages=pool.num_pages, running=len(self.loop.engine.running), model=self.model_name,
                               mooncake_session=self.receiver.session_id if self.receiver else "")

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from grpc_health.v1 import health
+
 from common.engine.engine import Engine
 from common.service.engine_loop import EngineLoop
 from common.service.grpc_process import run_service, serve_grpc, setup_logging
@@ -14,8 +16,10 @@ from common.service.loader import (
     add_spec_args,
     load_model,
     load_proposer,
+    parse_nodes,
     spec_config,
 )
+from common.service.nodes import serve_node, watch_nodes
 from common.service.tls import Tls, add_tls_args
 from common.service.transfer_ranks import TransferRanks, add_mooncake_args
 from prefill_svc.kv_sender import KVSender
@@ -35,12 +39,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_spec_args(p)
     add_mooncake_args(p)
     add_tls_args(p)
-    return p.parse_args(argv)
+    return parse_nodes(p, p.parse_args(argv))
 
 
 async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
     tls = Tls.from_args(args)  # before the model load: a bad file fails fast
     log = setup_logging(f"prefill:{args.port}")
+    if not args.nodes.head:
+        return await serve_node(args, "prefill", log, stop)
     runner, tokenizer = load_model(ModelOptions.from_args(args))
     try:
         engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, prefill_only=True,
@@ -50,7 +56,10 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
         servicer = PrefillServicer(loop, KVSender(ranks, engine, args.deadline, args.verify_transfer, tls),
                                    runner.cfg.name, args.deadline)
         loop.start()
-        server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_PrefillServiceServicer_to_server(servicer, s), tls)
+        checks = health.aio.HealthServicer()
+        watch_nodes(runner, loop, checks)
+        server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_PrefillServiceServicer_to_server(servicer, s),
+                                  tls, checks)
         log.info("ready on %s:%d (mooncake %s, TP %d x PP %d, EP %d, %d KV pages of %d tokens)", args.host, args.port,
                  ranks.mooncake.session_id, args.tp, args.pp, args.ep, runner.pool.num_pages, runner.page_size)
         await stop.wait()

@@ -138,6 +138,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
     async def Health(self, request, context) -> pb.HealthReply:
         pool = self.loop.engine.runner.pool
-        return pb.HealthReply(ok=True, role="prefill", free_pages=pool.num_free, total_pages=pool.num_pages,
+        return pb.HealthReply(ok=self.loop.out_of_service is None, role="prefill", free_pages=pool.num_free, total_pages=pool.num_pages,
                               running=len(self.loop.engine.prefilling), model=self.model_name,
                               mooncake_session=self.sender.ranks.mooncake.session_id)

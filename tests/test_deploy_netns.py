@@ -52,29 +52,34 @@ def sh(*cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
 
 
 class Namespaces:
-    """P, D and R namespaces; R holds the bridge that joins P's and D's veth pairs."""
+    """P hosts, D hosts and R, each a namespace; R holds the bridge that joins the others' veth
+    pairs (P's interface is `vp`, D's `vd`, in each host)."""
 
-    def __init__(self):
+    def __init__(self, prefill: int = 1, decode: int = 1):
         tag = uuid.uuid4().hex[:6]
-        self.p, self.d, self.r = f"pdf{tag}p", f"pdf{tag}d", f"pdf{tag}r"
-        self.ip = {self.p: f"{SUBNET}.1", self.d: f"{SUBNET}.2", self.r: f"{SUBNET}.3"}
+        self.prefill = [f"pdf{tag}p{i or ''}" for i in range(prefill)]
+        self.decode = [f"pdf{tag}d{i or ''}" for i in range(decode)]
+        self.p, self.d, self.r = self.prefill[0], self.decode[0], f"pdf{tag}r"
+        hosts = self.prefill + self.decode + [self.r]
+        self.ip = {ns: f"{SUBNET}.{i + 1}" for i, ns in enumerate(hosts)}
 
     def create(self) -> None:
-        for ns in (self.p, self.d, self.r):
+        for ns in self.ip:
             sh("ip", "netns", "add", ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
         sh("ip", "-n", self.r, "link", "add", "br0", "type", "bridge")
-        for ns, dev in ((self.p, "vp"), (self.d, "vd")):
+        hosts = [(ns, "vp") for ns in self.prefill] + [(ns, "vd") for ns in self.decode]
+        for i, (ns, dev) in enumerate(hosts):
             # Both ends are created inside the namespaces: the host's interfaces are untouched.
-            sh("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", f"{dev}br", "netns", self.r)
-            sh("ip", "-n", self.r, "link", "set", f"{dev}br", "master", "br0", "up")
+            sh("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", f"v{i}br", "netns", self.r)
+            sh("ip", "-n", self.r, "link", "set", f"v{i}br", "master", "br0", "up")
             sh("ip", "-n", ns, "addr", "add", f"{self.ip[ns]}/24", "dev", dev)
             sh("ip", "-n", ns, "link", "set", dev, "up")
         sh("ip", "-n", self.r, "addr", "add", f"{self.ip[self.r]}/24", "dev", "br0")
         sh("ip", "-n", self.r, "link", "set", "br0", "up")
 
     def delete(self) -> None:
-        for ns in (self.p, self.d, self.r):
+        for ns in self.ip:
             sh("ip", "netns", "del", ns, check=False)
 
     def tx_bytes(self) -> int:
@@ -84,12 +89,11 @@ class Namespaces:
         return sh("ip", "netns", "exec", ns, *cmd, check=False, timeout=timeout, cwd=REPO)
 
 
-@pytest.fixture
-def namespaces():
+def _namespaces(**hosts):
     why = _netns_available()
     if why:
         pytest.skip(why)
-    ns = Namespaces()
+    ns = Namespaces(**hosts)
     try:
         ns.create()
         yield ns
@@ -97,16 +101,29 @@ def namespaces():
         ns.delete()
 
 
-def write_profile(path: Path, ns: Namespaces, results: Path) -> None:
+@pytest.fixture
+def namespaces():
+    yield from _namespaces()
+
+
+@pytest.fixture
+def cluster_namespaces():
+    """P over two hosts, D over three (the embedded model's heads split over TP 3, not 2)."""
+    yield from _namespaces(prefill=2, decode=3)
+
+
+def write_profile(path: Path, ns: Namespaces, results: Path, *extra: str) -> None:
+    nodes = lambda hosts: ",".join(f"netns:{h}={ns.ip[h]}" for h in hosts)
     path.write_text("\n".join([
         "PROFILE_NAME=netns-test", "MODE=pd", "LAUNCHER=process", f"PYTHON={sys.executable}",
-        f"PREFILL_NODES=netns:{ns.p}={ns.ip[ns.p]}", f"DECODE_NODES=netns:{ns.d}={ns.ip[ns.d]}",
+        f"PREFILL_NODES={nodes(ns.prefill)}", f"DECODE_NODES={nodes(ns.decode)}",
+        f"PREFILL_NODES_PER_INSTANCE={len(ns.prefill)}", f"DECODE_NODES_PER_INSTANCE={len(ns.decode)}",
         f"ROUTER_NODE=netns:{ns.r}={ns.ip[ns.r]}", f"RESULTS_DIR={results}",
         "DTYPE=fp32", "DEVICE=cpu", "KV_PAGES=64", "CHUNK_SIZE=512", f"DEADLINE={DEADLINE_S}", f"REQUEST_TIMEOUT={DEADLINE_S}",
         "MOONCAKE_PROTOCOL=tcp", "MC_TRANSFER_TIMEOUT=5", "COMPOSE_OVERLAYS=",
         "START_TIMEOUT=300", "STOP_TIMEOUT=15", "POLL_INTERVAL=1",
         f"SMOKE_PROMPT={PROMPT}", f"SMOKE_MAX_NEW_TOKENS={NEW_TOKENS}",
-        "BENCH_TOOL=builtin", "BENCH_INPUT_LEN=64", "BENCH_OUTPUT_LEN=4", "BENCH_CONCURRENCY=2", "BENCH_NUM=2", "",
+        "BENCH_TOOL=builtin", "BENCH_INPUT_LEN=64", "BENCH_OUTPUT_LEN=4", "BENCH_CONCURRENCY=2", "BENCH_NUM=2", *extra, "",
     ]))
 
 
@@ -126,11 +143,13 @@ def client(ns: Namespaces, *args: str, timeout: float = 120) -> tuple[int, dict,
         raise AssertionError(f"client printed no JSON (rc {r.returncode}): {r.stdout}\n{r.stderr}")
 
 
-def pools_free(ns: Namespaces) -> list[tuple[int, int]]:
-    """(free, total) KV pages of P and D, asked from the router's namespace."""
+def pools_free(ns: Namespaces, prefill: bool = True) -> list[tuple[int, int]]:
+    """(free, total) KV pages of P (unless not `prefill`) and D, asked from the router's namespace."""
+    targets = ([f"('{ns.ip[ns.p]}:31000', g.PrefillServiceStub)"] if prefill else []) \
+        + [f"('{ns.ip[ns.d]}:32000', g.DecodeServiceStub)"]
     code = (
         "import sys; import grpc; from protos import pdflash_pb2 as pb, pdflash_pb2_grpc as g\n"
-        f"for addr, stub in (('{ns.ip[ns.p]}:31000', g.PrefillServiceStub), ('{ns.ip[ns.d]}:32000', g.DecodeServiceStub)):\n"
+        f"for addr, stub in ({', '.join(targets)},):\n"
         "    r = stub(grpc.insecure_channel(addr)).Health(pb.HealthRequest(), timeout=5)\n"
         "    print(r.free_pages, r.total_pages)\n")
     out = ns.run_in(ns.r, sys.executable, "-c", code).stdout.split()
@@ -202,3 +221,81 @@ def test_pd_across_namespaces_survives_a_cut_link(namespaces, tmp_path):
     for f in (results / "netns-test" / "metadata").glob("after-stop-*.txt"):
         assert f.read_text().strip() == "", f"{f.name}: {f.read_text()}"
     assert not list((results / "netns-test" / "pids").glob("*.pid"))
+
+
+def test_instances_spanning_hosts_lose_a_node(cluster_namespaces, tmp_path):
+    """P with PP 2 over two hosts, D with TP 3 over three (--nnodes), router in a sixth, DFlash:
+    1. a greedy request equals `pdflash generate` (DFlash is lossless: the plain reference)
+    2. the link between the two P hosts is cut while a prompt's activations cross it: the client
+       gets an HTTP 5xx within the deadline, the router sees P down, P's nodes exit (the documented
+       recovery restarts them), D's pages are all back
+    3. the link is restored: D is still healthy
+    """
+    ns = cluster_namespaces
+    results = tmp_path / "results"
+    profile = tmp_path / "netns.env"
+    write_profile(profile, ns, results, "PREFILL_PP=2", "DECODE_TP=3", "SPEC=dflash", "SPEC_BLOCK=8", "CHUNK_SIZE=64")
+    ref_proc = subprocess.Popen([sys.executable, "-m", "common.tools.cli", "generate", "--prompt", PROMPT, "--max-new-tokens",
+                                 str(NEW_TOKENS), "--json", "--device", "cpu"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    p0, p1 = ns.prefill
+    try:
+        started = pd("start", profile)
+        assert started.returncode == 0, started.stdout + started.stderr
+        for rank in range(1, 3):  # every node of D runs its own share of the ranks
+            assert f"decode0-rank{rank} on netns:{ns.decode[rank]}" in started.stdout
+        ref = json.loads(ref_proc.communicate(timeout=300)[0])
+        url = f"http://{ns.ip[ns.r]}:30000"
+
+        # 1. P's stages and D's TP ranks on different hosts answer like the in-process engine
+        rc, got, _ = client(ns, "smoke", "--url", url, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS))
+        assert rc == 0 and got["output_ids"] == ref["output_ids"], (got, ref)
+
+        # 2. cut P0 <-> P1 (routes to nothing, both ways: packets vanish, nothing is reset) once a
+        # long prompt's activations are crossing it
+        long_prompt = " ".join(f"item {i}," for i in range(150))
+        base = ns.tx_bytes()
+        t0 = time.monotonic()
+        req = subprocess.Popen(["ip", "netns", "exec", ns.r, sys.executable, "deploy/tools/client.py", "smoke",
+                                "--url", url, "--prompt", long_prompt, "--max-new-tokens", "4", "--timeout", "60"],
+                               stdout=subprocess.PIPE, text=True, cwd=REPO)
+        while ns.tx_bytes() - base < 300_000:  # a chunk's activations are ~150 KB
+            assert req.poll() is None, "the request ended before the link was cut"
+            assert time.monotonic() - t0 < 60, "the prefill never started"
+            time.sleep(0.02)
+        cut = time.monotonic()
+        sh("ip", "-n", p0, "route", "add", "blackhole", f"{ns.ip[p1]}/32")
+        sh("ip", "-n", p1, "route", "add", "blackhole", f"{ns.ip[p0]}/32")
+        failed = json.loads(req.communicate(timeout=90)[0])
+        took = time.monotonic() - cut
+        assert req.returncode == 1 and failed["error"].startswith("HTTP 5"), failed
+        assert took < DEADLINE_S, f"the error came {took:.1f} s after the cut (deadline {DEADLINE_S} s)"
+        health = ns.run_in(ns.r, "curl", "-s", f"{url}/health").stdout
+        assert f"{ns.ip[p0]}:31000" in health and "unhealthy" in health, health
+        logs = results / "netns-test" / "logs"
+        deadline = time.monotonic() + 20
+        while (alive := [n for n in ("prefill0-rank0", "prefill0-rank1") if pd_alive(results, n)]):
+            assert time.monotonic() < deadline, f"{alive} still running 20 s after the cut"
+            time.sleep(0.5)
+        head_log = (logs / "prefill0-rank0.log").read_text()
+        assert "no word for" in head_log and "out of service" in head_log, head_log[-3000:]
+        assert "stopping this node's ranks" in (logs / "prefill0-rank1.log").read_text()
+        deadline = time.monotonic() + 30
+        while (pools := pools_free(ns, prefill=False)) and any(free != total for free, total in pools):
+            assert time.monotonic() < deadline, f"D's KV pages still held after the failed room: {pools}"
+            time.sleep(1)
+
+        # 3. the link back: D answers health (P's nodes are restarted by the operator: docs/DEPLOY.md)
+        sh("ip", "-n", p0, "route", "del", "blackhole", f"{ns.ip[p1]}/32")
+        sh("ip", "-n", p1, "route", "del", "blackhole", f"{ns.ip[p0]}/32")
+        assert pools_free(ns, prefill=False)
+    finally:
+        if ref_proc.poll() is None:
+            ref_proc.kill()
+        stopped = pd("stop", profile)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert not list((results / "netns-test" / "pids").glob("*.pid"))
+
+
+def pd_alive(results: Path, name: str) -> bool:
+    pid = results / "netns-test" / "pids" / f"{name}.pid"
+    return pid.exists() and subprocess.run(["kill", "-0", pid.read_text().strip()], capture_output=True).returncode == 0

@@ -7,26 +7,34 @@ the final hidden states back from the last stage, where it computes the logits i
 LM head is replicated). Activations move between stages and all-reduces run within a stage
 over torch.distributed (gloo on CPU, NCCL on GPU).
 
+Across hosts (common.parallel.cluster) the driver starts only node 0's ranks; every other node's
+agent (common.parallel.node_agent) starts its own, and the driver reaches them over that node's
+control link (common.parallel.node_link): the same commands, writes and replies.
+
 A worker that dies leaves the model incomplete: the driver logs which rank and how it ended,
-and exits non-zero, so that `pdflash up` restarts the whole instance (its gRPC health goes with it).
+and exits non-zero, so that `pdflash up` restarts the whole instance (its gRPC health goes with it). A node that
+is lost (dead, or its link cut) does the same, after failing what waited on it (_node_lost).
 """
 from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing.connection
 import os
 import threading
+import time
 from concurrent.futures import Future
+from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from common.dflash.drafter import Drafter
 from common.kv.buffers import RankEndpoint
 from common.model.config import ModelConfig
 from common.model.static_attention import StaticAttn
+from common.parallel.cluster import STARTUP_TIMEOUT_S, Nodes, local_device
+from common.parallel.local_ranks import LocalRanks
+from common.parallel.node_link import LOST_GRACE_S, Link, RemoteWrite, accept_nodes, instance_key
 from common.parallel.ports import free_port
 from common.parallel.stage import init_ranks, recv, stage_forward
 from common.parallel.worker import (
@@ -40,7 +48,6 @@ from common.parallel.worker import (
     Stop,
     WorkerSpec,
     WriteJob,
-    worker_main,
 )
 from common.runner.layout import RankLayout, check_parallel
 from common.runner.model_runner import ModelRunner, StepBatch
@@ -49,7 +56,7 @@ from common.transfer.plan import Writes
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 600.0
+EXIT_GRACE_S = 2.0  # a lost node's failed requests reach D and the router before the instance exits
 
 
 class WorkerError(RuntimeError):
@@ -59,43 +66,38 @@ class WorkerError(RuntimeError):
 class ParallelRunner(ModelRunner):
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, tp: int = 1, pp: int = 1,
                  ep: int = 1, dtype: str = "fp32", device: str = "cpu", num_pages: int = 512, page_size: int = 64,
-                 state_slots: int = 64):
+                 state_slots: int = 64, nodes: Nodes = Nodes(), startup_timeout_s: float = STARTUP_TIMEOUT_S):
         check_parallel(cfg, tp, pp, ep)  # before any process starts
         layout = RankLayout(tp, pp, 0, ep)
+        nodes.check(layout.world)
         backend = "nccl" if device.startswith("cuda") else "gloo"
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        # forkserver: one clean process imports torch and this package once, and every worker
-        # forks from it (a fresh interpreter per worker costs seconds each on a small machine).
-        # torch._dynamo: building a model on the meta device imports it, 1-2 s per process.
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["common.parallel.worker", "torch._dynamo"])
-        self._replies = ctx.SimpleQueue()
+        init_method = nodes.init_method if nodes.multi else f"tcp://127.0.0.1:{free_port()}"
+        self.nodes = nodes
+        self.on_lost: Callable[[str], None] | None = None  # the service: out of service, why
         self._pending: dict[tuple, Future] = {}
         self._lock = threading.Lock()
         self._closing = False
         self._sent = 0  # commands broadcast so far (WriteJob.after)
         self._jobs = itertools.count()
-        self._procs, self._commands, self._writes = [], [], []
         ready = [self._expect(("ready", r)) for r in range(1, layout.world)]
+        self._links: dict[int, Link] = {}  # node rank -> link, nodes other than this one
+        if nodes.multi:  # before our own ranks start: a node that does not fit fails the start at once
+            for node, (conn, ip) in accept_nodes(nodes, instance_key(nodes, layout, cfg.name), startup_timeout_s).items():
+                self._links[node] = Link(conn, f"node {node} ({ip})", self._deliver, self._node_lost)
+                self._links[node].start()  # heartbeats from now on: the start-up below takes a while
         packed = PackedTensors.pack(tensors)
-        for r in range(1, layout.world):
-            rank = layout.with_rank(r)
-            spec = WorkerSpec(rank, cfg, packed, dtype, _rank_device(device, r),
-                              num_pages, page_size, init_method, backend, state_slots)
-            commands, writes = ctx.SimpleQueue(), ctx.SimpleQueue()
-            proc = ctx.Process(target=worker_main, args=(spec, commands, writes, self._replies),
-                               name=f"pdflash-rank{r}", daemon=True)
-            proc.start()
-            self._procs.append(proc)
-            self._commands.append(commands)
-            self._writes.append(writes)
+        self._local = LocalRanks([
+            WorkerSpec(layout.with_rank(r), cfg, packed, dtype, local_device(device, r - nodes.ranks(layout.world).start), num_pages, page_size,
+                       init_method, backend, state_slots, nodes.host_ip)
+            for r in nodes.ranks(layout.world) if r])
         threading.Thread(target=self._read_replies, name="rank-replies", daemon=True).start()
-        threading.Thread(target=self._watch_workers, name="rank-watch", daemon=True).start()
-        reduce = init_ranks(layout, init_method, backend, _rank_device(device, 0))
-        super().__init__(cfg, tensors, dtype=dtype, device=_rank_device(device, 0), num_pages=num_pages,
+        if self._local.procs:
+            threading.Thread(target=self._watch_workers, name="rank-watch", daemon=True).start()
+        reduce = init_ranks(layout, init_method, backend, local_device(device, 0))
+        super().__init__(cfg, tensors, dtype=dtype, device=local_device(device, 0), num_pages=num_pages,
                          page_size=page_size, layout=layout, reduce=reduce, state_slots=state_slots)
         for f in ready:
-            f.result(STARTUP_TIMEOUT_S)
+            f.result(startup_timeout_s)
         self.drafter = None  # pipeline-parallel DFlash: this stage's share of the fused context
 
     # ---- forward -----------------------------------------------------------------------------
@@ -116,7 +118,7 @@ class ParallelRunner(ModelRunner):
             # The workers are inside this forward's collectives; a next step's would pair up with
             # them (wrong results or a hang). Same policy as a dead worker: stop, let `pdflash up` restart.
             # A worker that just died is usually why: give its exit a moment to be seen, to name it.
-            multiprocessing.connection.wait([p.sentinel for p in self._procs], timeout=1.0)
+            self._local.wait_exit(timeout=1.0)
             self._stop_instance("rank 0 failed in the middle of a forward; the ranks are out of step", exc_info=True)
         # The captured states stay on their stages; their share of the draft context went down
         # the pipeline and waits on the last stage for PipelineProposer.append_context.
@@ -176,28 +178,33 @@ class ParallelRunner(ModelRunner):
         job = next(self._jobs)
         fut = self._expect(("write", job, rank))
         with self._lock:  # after every command sent so far, e.g. the draft KV of this room
-            self._writes[rank - 1].put(WriteJob(job, writes, self._sent))
+            cmd = WriteJob(job, writes, self._sent)
+            if rank in self._local.ranks:
+                self._local.write(rank, cmd)
+            else:
+                self._links[self.nodes.node_of(self.layout.world, rank)].send(RemoteWrite(rank, cmd))
         return fut
 
     # ---- lifetime ------------------------------------------------------------------------------
     @property
     def worker_pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        """This host's worker processes."""
+        return [p.pid for p in self._local.procs]
 
     def close(self) -> None:
         self._closing = True
         self._broadcast(Stop())
         dist.destroy_process_group()
-        for p in self._procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+        self._local.join(30)
+        for link in self._links.values():
+            link.close()
 
     # ---- plumbing ------------------------------------------------------------------------------
     def _broadcast(self, cmd) -> None:
         with self._lock:
-            for q in self._commands:
-                q.put(cmd)
+            self._local.put(cmd)
+            for link in self._links.values():
+                link.send(cmd)
             self._sent += 1
 
     def _call_all(self, key, cmd) -> list[Future]:
@@ -213,34 +220,49 @@ class ParallelRunner(ModelRunner):
 
     def _read_replies(self) -> None:
         while True:
-            reply: Reply = self._replies.get()
-            with self._lock:
-                fut = self._pending.pop(reply.key, None)
-            if fut is None:
-                continue
-            if reply.error is not None:
-                fut.set_exception(WorkerError(reply.error))
-            else:
-                fut.set_result(reply.value)
+            self._deliver(self._local.get_reply())
+
+    def _deliver(self, reply: Reply) -> None:
+        with self._lock:
+            fut = self._pending.pop(reply.key, None)
+        if fut is None:
+            return
+        if reply.error is not None:
+            fut.set_exception(WorkerError(reply.error))
+        else:
+            fut.set_result(reply.value)
 
     def _watch_workers(self) -> None:
-        multiprocessing.connection.wait([p.sentinel for p in self._procs])
+        self._local.wait_exit()
         if self._closing:
             return
         self._stop_instance("a worker exited")
 
+    def _node_lost(self, why: str) -> None:
+        """Another node is gone: the model is incomplete and the ranks left may be stuck in a
+        collective with it, for good. Out of service at once (the service's on_lost); after the
+        grace, in which the lost node's ranks stop themselves, fail whatever waited on it (KV writes
+        in flight: D may then reuse those pages); then exit, so that the instance restarts whole."""
+        if self._closing:
+            return
+        logger.critical("%s; this instance is out of service", why)
+        if self.on_lost is not None:
+            self.on_lost(why)
+        time.sleep(LOST_GRACE_S)
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            fut.set_exception(WorkerError(why))
+        time.sleep(EXIT_GRACE_S)  # for the failures to reach D and the router
+        self._stop_instance(why)
+
     def _stop_instance(self, why: str, exc_info: bool = False) -> None:
         """Exit non-zero (so `pdflash up` restarts the instance), naming a dead worker if any:
         its death is the cause whatever failed on rank 0 because of it."""
-        dead = [p for p in self._procs if not p.is_alive()]
+        dead = self._local.dead()
         if dead:
             why, exc_info = f"worker {dead[0].name} exited with code {dead[0].exitcode}; the model is incomplete", False
         logger.critical("%s, stopping this instance", why, exc_info=exc_info)
-        for p in self._procs:
-            p.kill()
+        self._local.kill()
         os._exit(1)
-
-
-def _rank_device(device: str, rank: int) -> str:
-    return f"cuda:{rank}" if device in ("cuda", "cuda:0") else device
 

@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -67,6 +67,7 @@ class WorkerSpec:
     init_method: str  # torch.distributed rendezvous
     backend: str  # "gloo" (CPU) or "nccl" (GPU)
     state_slots: int  # KDA state slots, as many as the driver's: the batch names them by index
+    host: str  # this host's address for peers: its Mooncake segments
 
 
 @dataclass
@@ -101,7 +102,7 @@ class ReadPages:
 
 @dataclass
 class StartTransfer:
-    config: MooncakeConfig
+    config: MooncakeConfig  # every rank the same, but for local_hostname: its own host's (WorkerSpec.host)
 
 
 @dataclass
@@ -170,7 +171,7 @@ def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
             drafter, draft = _load_drafter(cmd, runner)
             replies.put(Reply(("drafter", layout.rank)))
         elif isinstance(cmd, StartTransfer):
-            mooncake = MooncakeEngine(cmd.config)
+            mooncake = MooncakeEngine(replace(cmd.config, local_hostname=spec.host))
             mooncake.start()
             buffers = runner.describe_buffers() + (draft.describe_buffers() if draft is not None else [])
             mooncake.register_buffers(buffers)

@@ -28,6 +28,7 @@ class EngineLoop:
         self._calls: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future]] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._stop = threading.Event()
+        self.out_of_service: str | None = None  # why this instance cannot serve any more
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -58,6 +59,17 @@ class EngineLoop:
             return req is not None
 
         return await self.call(abort)
+
+    def take_out_of_service(self, why: str, grace_s: float) -> None:
+        """From any thread: the instance cannot serve any more (a node of it is lost). Health says
+        so at once; after grace_s every request in flight fails with `why`, from here: the engine
+        thread may be stuck in a step that never returns."""
+        self.out_of_service = why
+        self._loop.call_soon_threadsafe(self._loop.call_later, grace_s, self._fail_streams, EngineFailure(why))
+
+    def _fail_streams(self, error: Exception) -> None:
+        for q in self._streams.values():
+            q.put_nowait(error)
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         fut = self._loop.create_future()

@@ -34,13 +34,15 @@ def setup_logging(role: str) -> logging.Logger:
     return logging.getLogger(role)
 
 
-async def serve_grpc(host: str, port: int, add_servicers, tls: Tls | None = None) -> grpc.aio.Server:
-    """Start a grpc.aio server with our servicers and the standard health service (SERVING);
-    with `tls`, only peers with a certificate signed by its CA get through the handshake."""
+async def serve_grpc(host: str, port: int, add_servicers, tls: Tls | None = None,
+                     health_servicer: health.aio.HealthServicer | None = None) -> grpc.aio.Server:
+    """Start a grpc.aio server with our servicers and the standard health service (SERVING
+    unless `health_servicer` says otherwise); with `tls`, only peers with a certificate signed
+    by its CA get through the handshake."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20),
                                       ("grpc.max_send_message_length", 256 << 20)])
     add_servicers(server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{host}:{port}"
     bound = (server.add_insecure_port(address) if tls is None

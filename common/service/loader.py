@@ -10,6 +10,8 @@ import torch
 from common.engine.spec_policy import SpecConfig
 from common.model.tokenizer import Tokenizer
 from common.model.weights import load_weights, resolve_model
+from common.parallel.cluster import STARTUP_TIMEOUT_S, Nodes, make_nodes, pin_collective_interface
+from common.parallel.node_agent import NodeAgent
 from common.runner.layout import check_parallel
 from common.runner.model_runner import ModelRunner
 
@@ -29,12 +31,15 @@ class ModelOptions:
     pp: int = 1  # pipeline stages (prefill instances only)
     ep: int = 1  # expert parallel: the routed experts sharded over each TP group's ranks
     state_slots: int = 64  # models with KDA layers: requests whose recurrent state fits at a time
+    nodes: Nodes = Nodes()  # the hosts the TP x PP ranks are spread over
+    dist_timeout_s: float = STARTUP_TIMEOUT_S  # for every node (and rank) of the instance to join
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ModelOptions":
-        # --tp / --pp / --ep exist only on the services (add_parallel_args)
+        # --tp / --pp / --ep and the node options exist only on the services (add_parallel_args)
         return cls(args.model, args.dtype, args.device, args.page_size, args.kv_pages, args.no_cuda_graphs,
-                   getattr(args, "tp", 1), getattr(args, "pp", 1), getattr(args, "ep", 1), args.state_slots)
+                   getattr(args, "tp", 1), getattr(args, "pp", 1), getattr(args, "ep", 1), args.state_slots,
+                   getattr(args, "nodes", Nodes()), getattr(args, "dist_timeout", STARTUP_TIMEOUT_S))
 
 
 def add_model_args(p: argparse.ArgumentParser, kv_pages: int = 512) -> None:
@@ -56,6 +61,25 @@ def add_parallel_args(p: argparse.ArgumentParser, pipeline: bool) -> None:
     p.add_argument("--ep", type=int, default=1,
                    help="expert parallel (MoE models): the routed experts sharded over the --tp ranks; must divide "
                         "--tp and the number of experts")
+    p.add_argument("--nnodes", type=int, default=1, help="hosts the instance's TP x PP ranks are spread over, evenly")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this host's place among them; node 0 serves the instance's gRPC, the others only run ranks")
+    p.add_argument("--dist-init-addr", default=None,
+                   help="node 0's HOST:PORT: torch.distributed's rendezvous on PORT, the nodes' control link on PORT+1")
+    p.add_argument("--dist-timeout", type=float, default=STARTUP_TIMEOUT_S,
+                   help="seconds every node and rank has to join, whichever starts first")
+    p.add_argument("--host-ip", "--mooncake-host", dest="host_ip", default=None,
+                   help="this host's address on the compute network, which its peers reach its Mooncake segments and "
+                        "collectives on (default: with --nnodes > 1 the address toward --dist-init-addr, else 127.0.0.1)")
+
+
+def parse_nodes(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """args.nodes from the node options (add_parallel_args); a bad combination is a usage error."""
+    try:
+        args.nodes = make_nodes(args.nnodes, args.node_rank, args.dist_init_addr, args.host_ip)
+    except (ValueError, OSError) as e:
+        p.error(str(e))
+    return args
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -102,6 +126,15 @@ def load_proposer(args: argparse.Namespace, runner: ModelRunner):
     return DFlashProposer(drafter, runner, runner.pool.num_pages)
 
 
+def start_node(opts: ModelOptions) -> NodeAgent:
+    """A node other than node 0 of a multi-node instance: this host's ranks, joined to node 0."""
+    cfg, tensors = load_weights(resolve_model(opts.model))
+    pin_collective_interface(opts.nodes)  # before any rank process starts: they inherit it
+    return NodeAgent(cfg, tensors, tp=opts.tp, pp=opts.pp, ep=opts.ep, dtype=opts.dtype, device=opts.device,
+                     num_pages=opts.kv_pages, page_size=opts.page_size, state_slots=opts.state_slots,
+                     nodes=opts.nodes, startup_timeout_s=opts.dist_timeout_s)
+
+
 def load_model(opts: ModelOptions) -> tuple[ModelRunner, Tokenizer]:
     src = resolve_model(opts.model)
     cfg, tensors = load_weights(src)
@@ -109,9 +142,10 @@ def load_model(opts: ModelOptions) -> tuple[ModelRunner, Tokenizer]:
     if opts.tp * opts.pp > 1:
         from common.parallel.driver import ParallelRunner
 
+        pin_collective_interface(opts.nodes)  # before any rank process starts: they inherit it
         runner = ParallelRunner(cfg, tensors, tp=opts.tp, pp=opts.pp, ep=opts.ep, dtype=opts.dtype,
                                 device=opts.device, num_pages=opts.kv_pages, page_size=opts.page_size,
-                                state_slots=opts.state_slots)
+                                state_slots=opts.state_slots, nodes=opts.nodes, startup_timeout_s=opts.dist_timeout_s)
     else:
         runner = ModelRunner(cfg, tensors, dtype=opts.dtype, device=opts.device, num_pages=opts.kv_pages,
                              page_size=opts.page_size, enforce_eager=opts.enforce_eager, state_slots=opts.state_slots)

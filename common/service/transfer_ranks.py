@@ -9,21 +9,19 @@ from dataclasses import dataclass
 from common.engine.engine import Engine
 from common.kv.buffers import RankEndpoint
 from common.parallel.driver import ParallelRunner
-from common.runner.layout import ParallelConfigError
 from common.runner.model_runner import ModelRunner
-from common.transfer.mooncake import P2P_HANDSHAKE, MooncakeConfig, MooncakeEngine, TransferError
+from common.transfer.mooncake import MooncakeConfig, MooncakeEngine, TransferError
 from common.transfer.plan import Writes
 
 
 def add_mooncake_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mooncake-host", default="127.0.0.1", help="address peers reach this host's transfer engine on")
     p.add_argument("--mooncake-metadata", default="P2PHANDSHAKE", help="P2PHANDSHAKE or an http/etcd metadata URL")
     p.add_argument("--mooncake-protocol", default="tcp", choices=["tcp", "rdma"])
     p.add_argument("--mooncake-devices", default="", help="RDMA devices, e.g. mlx5_0,mlx5_1")
 
 
 def start_mooncake(args: argparse.Namespace) -> MooncakeEngine:
-    eng = MooncakeEngine(MooncakeConfig(args.mooncake_host, args.mooncake_metadata,
+    eng = MooncakeEngine(MooncakeConfig(args.nodes.host_ip, args.mooncake_metadata,
                                         args.mooncake_protocol, args.mooncake_devices))
     eng.start()
     return eng
@@ -43,13 +41,7 @@ class TransferRanks:
         mooncake.register_buffers(buffers)
         endpoints = [RankEndpoint(0, mooncake.session_id, buffers)]
         runner = engine.runner
-        if isinstance(runner, ParallelRunner):
-            if mooncake.config.metadata_server != P2P_HANDSHAKE:
-                # With a metadata server a Mooncake segment is named by its host alone, so the
-                # ranks of one host would all register under one name and receive each other's writes.
-                raise ParallelConfigError("TP/PP instances need Mooncake's P2P handshake for now "
-                                          "(drop --mooncake-metadata): with a metadata server every rank "
-                                          "of a host would share one segment name")
+        if isinstance(runner, ParallelRunner):  # each rank its own segment, on its own host
             endpoints += runner.start_transfer(mooncake.config)
         return cls(mooncake, endpoints, runner.layout.tp, runner)
 

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import socket
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -99,6 +100,8 @@ class MooncakeEngine:
         self._engine: Any = None
         self._registered: dict[int, int] = {}  # addr -> length
         self._timeout_s = _timeout_s(config)
+        self._segment = ""  # with a metadata server: the name this engine registered under
+        self._name_port: socket.socket | None = None
 
     def start(self) -> None:
         check_allocator_env()
@@ -115,26 +118,32 @@ class MooncakeEngine:
         if cfg.protocol == "rdma" and not _has_rdma_device(engine.get_local_topology(cfg.device_name or None)):
             # Mooncake would fall back to TCP without a word; RDMA was asked for.
             raise TransferError(f"protocol 'rdma' requested but no RDMA device found (filter {cfg.device_name!r})")
-        rc = engine.initialize(cfg.local_hostname, cfg.metadata_server, cfg.protocol, cfg.device_name)
+        name = cfg.local_hostname
+        if cfg.metadata_server != P2P_HANDSHAKE:
+            # A metadata server names a segment by what initialize() is given. The ranks of a
+            # parallel instance each run an engine, several on one host: each takes host:port
+            # with a port it keeps bound while it lives, so no other engine of the host takes it.
+            self._name_port = socket.socket()
+            self._name_port.bind(("", 0))
+            name = f"{_bracketed(cfg.local_hostname)}:{self._name_port.getsockname()[1]}"
+        rc = engine.initialize(name, cfg.metadata_server, cfg.protocol, cfg.device_name)
         if rc != 0:
             raise TransferError(
-                f"Mooncake initialize failed (rc={rc}) for host {cfg.local_hostname}, "
+                f"Mooncake initialize failed (rc={rc}) for {name}, "
                 f"metadata {cfg.metadata_server}, protocol {cfg.protocol}"
             )
         self._engine = engine
+        self._segment = name
         logger.info("mooncake engine up: session %s, protocol %s", self.session_id, cfg.protocol)
 
     @property
     def session_id(self) -> str:
         """The name peers pass to `write`: with P2P handshake "host:rpc_port", otherwise the
-        segment name this engine registered under the metadata server (its local hostname)."""
+        segment name this engine registered under the metadata server ("host:port", see start)."""
         engine = self._started()
         if self.config.metadata_server != P2P_HANDSHAKE:
-            return self.config.local_hostname
-        host = self.config.local_hostname
-        if ":" in host and not host.startswith("["):  # IPv6, as Mooncake names it
-            host = f"[{host}]"
-        return f"{host}:{engine.get_rpc_port()}"
+            return self._segment
+        return f"{_bracketed(self.config.local_hostname)}:{engine.get_rpc_port()}"
 
     def register(self, addr: int, length: int) -> None:
         rc = self._started().register_memory(addr, length)
@@ -216,11 +225,18 @@ class MooncakeEngine:
         for addr in list(self._registered):
             self.unregister(addr)
         self._engine = None  # the binding tears the engine down when it is collected
+        if self._name_port is not None:
+            self._name_port.close()
 
     def _started(self) -> Any:
         if self._engine is None:
             raise TransferError("Mooncake engine not started; call start() first")
         return self._engine
+
+
+def _bracketed(host: str) -> str:
+    """IPv6 addresses in brackets, as Mooncake names them."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _timeout_s(config: MooncakeConfig) -> int:

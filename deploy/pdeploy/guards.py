@@ -23,7 +23,6 @@ def check(cfg: Config, topo: Topology) -> list[str]:
         errors.append("MOONCAKE_PROTOCOL=rdma but MC_FORCE_TCP is set: Mooncake would use TCP. "
                       "Set MOONCAKE_PROTOCOL=tcp, or empty MC_FORCE_TCP.")
     errors += _memory_fractions(cfg)
-    errors += _interfaces(cfg)
     errors += _shapes(cfg)
     if cfg["LAUNCHER"] not in ("compose", "process"):
         errors.append(f"LAUNCHER={cfg['LAUNCHER']!r}: expected compose or process.")
@@ -86,17 +85,6 @@ def _fraction(value: str) -> bool:
         return 0.0 < float(value) < 1.0
     except ValueError:
         return False
-
-
-def _interfaces(cfg: Config) -> list[str]:
-    roles = ("PREFILL", "DECODE") if cfg["MODE"] == "pd" else ("REPLICA",)
-    spanning = [r for r in roles if cfg[f"{r}_NODES_PER_INSTANCE"] not in ("", "1")]
-    missing = [k for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if not cfg[k]]
-    if spanning and missing:
-        return [f"{' and '.join(missing)} not set while {', '.join(r + '_NODES_PER_INSTANCE' for r in spanning)} > 1: "
-                "NCCL and Gloo must use the compute network interface, not the management one "
-                "(e.g. NCCL_SOCKET_IFNAME=bond0)."]
-    return []
 
 
 def _shapes(cfg: Config) -> list[str]:

@@ -1,0 +1,174 @@
+"""The control link between node 0 (the driver) and each other node of a multi-node instance:
+commands, KV write jobs and replies, pickled over one TCP connection per node
+(multiprocessing.connection), with a heartbeat both ways.
+
+Either side that has heard nothing for SILENCE_S (a dead process, a cut link, a frozen host)
+declares the other lost, once. A node that loses the driver stops its ranks at once; the driver
+gives it LOST_GRACE_S more before it fails what waited on that node, so that by then none of its
+ranks still writes into decode's pages (see ParallelRunner._node_lost).
+
+The link trusts its network as torch.distributed's rendezvous does: keep PORT and PORT + 1 of
+--dist-init-addr on the cluster's own network.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection as mpc
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+BEAT_S = 0.5
+SILENCE_S = 3.0
+LOST_GRACE_S = SILENCE_S + 1.0
+_AUTHKEY = b"pdflash-node-link"  # tells our links from strangers, not a secret
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A node's first message: who it is and what instance it thinks it joins."""
+    node_rank: int
+    host_ip: str
+    instance: tuple  # (nnodes, tp, pp, ep, model name): must equal the driver's
+
+
+@dataclass(frozen=True)
+class Welcome:
+    error: str = ""  # empty: joined
+
+
+@dataclass(frozen=True)
+class RemoteWrite:
+    """Driver -> node: a KV write job for one of that node's ranks."""
+    rank: int
+    job: Any  # common.parallel.worker.WriteJob
+
+
+def instance_key(nodes, layout, model_name: str) -> tuple:
+    return nodes.nnodes, layout.tp, layout.pp, layout.ep, model_name
+
+
+@dataclass(frozen=True)
+class _Beat:
+    pass
+
+
+class Link:
+    def __init__(self, conn: mpc.Connection, peer: str, on_message: Callable[[Any], None],
+                 on_lost: Callable[[str], None]):
+        self.peer = peer  # for messages: "node 1 (10.0.0.2)"
+        self._conn = conn
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._send_lock = threading.Lock()
+        self._heard = time.monotonic()
+        self._done = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._read, name=f"link-read {self.peer}", daemon=True).start()
+        threading.Thread(target=self._beat, name=f"link-beat {self.peer}", daemon=True).start()
+
+    def send(self, msg: Any) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+        except OSError as e:
+            self._lose(f"{self.peer}: link broken ({e})")
+
+    def close(self) -> None:
+        self._done.set()  # a link closed on purpose is not lost
+        self._conn.close()
+
+    def _read(self) -> None:
+        while not self._done.is_set():
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError) as e:
+                self._lose(f"{self.peer}: link closed ({type(e).__name__})")
+                return
+            self._heard = time.monotonic()
+            if not isinstance(msg, _Beat):
+                self._on_message(msg)
+
+    def _beat(self) -> None:
+        # Silence is judged here, not in _read: a message cut off half-way blocks recv for good.
+        while not self._done.wait(BEAT_S):
+            self.send(_Beat())
+            quiet = time.monotonic() - self._heard
+            if quiet > SILENCE_S:
+                self._lose(f"{self.peer}: no word for {quiet:.1f} s (dead, or its link is cut)")
+
+    def _lose(self, why: str) -> None:
+        if self._done.is_set():
+            return
+        self._done.set()
+        self._on_lost(why)
+
+
+def accept_nodes(nodes, instance: tuple, deadline_s: float) -> dict[int, tuple[mpc.Connection, str]]:
+    """Node 0: wait for every other node's Hello; {node rank: (connection, its host ip)}.
+    Raises TimeoutError naming the nodes that did not come, ValueError for one that does not fit."""
+    host, port = nodes.control_addr
+    listener = mpc.Listener((host, port), authkey=_AUTHKEY)
+    joined: dict[int, tuple[mpc.Connection, str]] = {}
+    errors: list[str] = []
+
+    def accept() -> None:
+        while len(joined) < nodes.nnodes - 1:
+            try:
+                conn = listener.accept()
+                hello: Hello = conn.recv()
+            except (OSError, EOFError, mpc.AuthenticationError) as e:
+                logger.warning("a connection to %s:%d that is not one of our nodes: %s", host, port, e)
+                continue
+            error = ""
+            if hello.instance != instance:
+                error = f"node {hello.node_rank} ({hello.host_ip}) was started for {hello.instance}, node 0 for {instance} " \
+                        "(nnodes, tp, pp, ep, model)"
+            elif hello.node_rank in joined or not 0 < hello.node_rank < nodes.nnodes:
+                error = f"node rank {hello.node_rank} ({hello.host_ip}) is taken or out of range"
+            conn.send(Welcome(error))
+            if error:
+                errors.append(error)
+                return
+            joined[hello.node_rank] = (conn, hello.host_ip)
+            logger.info("node %d of %d joined from %s", hello.node_rank, nodes.nnodes, hello.host_ip)
+
+    logger.info("waiting up to %.0f s for nodes 1-%d to join on %s:%d", deadline_s, nodes.nnodes - 1, host, port)
+    t = threading.Thread(target=accept, name="accept-nodes", daemon=True)
+    t.start()
+    t.join(deadline_s)
+    listener.close()
+    if errors:
+        raise ValueError(errors[0])
+    if len(joined) < nodes.nnodes - 1:
+        missing = sorted(set(range(1, nodes.nnodes)) - set(joined))
+        raise TimeoutError(f"node(s) {missing} of {nodes.nnodes} did not join within {deadline_s:.0f} s "
+                           f"(they connect to {host}:{port}, PORT + 1 of --dist-init-addr)")
+    return joined
+
+
+def connect_head(nodes, instance: tuple, deadline_s: float) -> mpc.Connection:
+    """Another node: connect to node 0, retrying until it is up or the deadline passes."""
+    host, port = nodes.control_addr
+    deadline = time.monotonic() + deadline_s
+    next_note = 0.0
+    while True:
+        try:
+            conn = mpc.Client((host, port), authkey=_AUTHKEY)
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node 0 did not answer on {host}:{port} within {deadline_s:.0f} s ({e})") from None
+            if time.monotonic() > next_note:
+                logger.info("waiting for node 0 on %s:%d (%s)", host, port, e)
+                next_note = time.monotonic() + 10
+            time.sleep(0.5)
+    conn.send(Hello(nodes.node_rank, nodes.host_ip, instance))
+    welcome: Welcome = conn.recv()
+    if welcome.error:
+        raise ValueError(f"node 0 refused this node: {welcome.error}")
+    return conn
