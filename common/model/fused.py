@@ -95,7 +95,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, num_heads: int,
                   num_kv_heads: int, kv_layer: torch.Tensor, write_slots: torch.Tensor) -> torch.Tensor:
     """qkv [T, (Hq + 2 Hkv) * d] (q, k, v heads side by side), cos / sin_signed [T, d] at the
-    tokens' positions (common.model.transformer.apply_rope_signed's tables). Writes the rotated
+    tokens' positions (common.model.transformer.rope_cos_sin's tables). Writes the rotated
     K and V of token t into slot write_slots[t] of kv_layer [2, pages, page_size, Hkv, d] and
     returns the rotated q [T, Hq, d]. CUDA only, and d a power of two (callers check
     rope_fusable())."""

@@ -22,7 +22,7 @@ from torch import nn
 
 from common.model.attention import AttnMeta, attend_cached
 from common.model.config import ModelConfig
-from common.model.transformer import RMSNorm, apply_rope_signed, linear
+from common.model.transformer import RMSNorm, apply_rope, linear
 
 # The reference code normalises q_a and the latent with nn.RMSNorm's default epsilon, not the
 # config's rms_norm_eps.
@@ -64,8 +64,8 @@ class MLAttention(nn.Module):
             q = linear(self.q_a_layernorm(q), self.q_b_proj.weight)
         q_nope, q_rope = q.view(T, H, self.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
         if m.rope:  # NoPE models (Kimi-Linear) pass no tables: the slice stays as projected
-            q_rope = apply_rope_signed(q_rope, cos, sin)
-            k_rope = apply_rope_signed(k_rope.view(T, 1, m.qk_rope_head_dim), cos, sin)[:, 0]
+            q_rope = apply_rope(q_rope, cos, sin)
+            k_rope = apply_rope(k_rope.view(T, 1, m.qk_rope_head_dim), cos, sin)[:, 0]
         latent = self.kv_a_layernorm(latent)
         kv_layer[0].view(-1, m.kv_lora_rank + m.qk_rope_head_dim).index_copy_(
             0, meta.write_slots, torch.cat([latent, k_rope], -1))

@@ -29,7 +29,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(cfg: ModelConfig, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_position, rope_dim] in fp32 for rotate-half RoPE."""
+    """cos and sin tables [max_position, rope_dim] in fp32 for rotate-half RoPE, the sign of
+    rotate-half folded into the sin table (its first half negated; see apply_rope)."""
     d = cfg.rope_dim
     attention_factor = 1.0
     if isinstance(cfg.rope_scaling, YarnScaling):
@@ -41,7 +42,8 @@ def rope_cos_sin(cfg: ModelConfig, device: torch.device | str = "cpu") -> tuple[
     t = torch.arange(cfg.max_position, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return (emb.cos() * attention_factor).to(device), (emb.sin() * attention_factor).to(device)
+    sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+    return (emb.cos() * attention_factor).to(device), (sin * attention_factor).to(device)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -56,14 +58,9 @@ def _llama3_scale(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; cos/sin [T, d] already gathered at the tokens' positions."""
-    half = x.shape[-1] // 2
-    return apply_rope_signed(x, cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
-
-
-def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """apply_rope with the sign of rotate-half folded into the sin table (first half negated):
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, heads, d]; cos / sin_signed [T, d] are rope_cos_sin's tables
+    gathered at the tokens' positions. With the sign folded into the table,
     rotate_half(x) * sin == roll(x, d/2) * sin_signed, exactly, in fewer ops."""
     return (x * cos.unsqueeze(1) + x.roll(x.shape[-1] // 2, -1) * sin_signed.unsqueeze(1)).to(x.dtype)
 
@@ -109,13 +106,13 @@ class Attention(nn.Module):
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = qkv[:, :cfg.q_size + cfg.kv_size].split([cfg.q_size, cfg.kv_size], dim=-1)
-            q = apply_rope_signed(self.q_norm(q.view(T, cfg.num_heads, cfg.head_dim)), cos, sin)
-            k = apply_rope_signed(self.k_norm(k.view(T, cfg.num_kv_heads, cfg.head_dim)), cos, sin)
+            q = apply_rope(self.q_norm(q.view(T, cfg.num_heads, cfg.head_dim)), cos, sin)
+            k = apply_rope(self.k_norm(k.view(T, cfg.num_kv_heads, cfg.head_dim)), cos, sin)
         elif meta.static is not None and fused.rope_fusable(qkv, cfg.head_dim):  # decode / verify on CUDA
             q = fused.rope_write_kv(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, kv_layer, meta.write_slots)
             return linear(meta.static.attend(q, kv_layer).reshape(T, cfg.q_size), self.o_proj.weight)
         else:  # q and k heads side by side in one rotation
-            qk = apply_rope_signed(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), cos, sin)
+            qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), cos, sin)
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         out = paged_attention(q, k, v, kv_layer, meta)
         return linear(out.reshape(T, cfg.q_size), self.o_proj.weight)
@@ -190,9 +187,7 @@ class Transformer(nn.Module):
         return DecoderLayer(cfg, reduce)
 
     def init_rope(self, device: torch.device) -> None:
-        self.rope_cos, sin = rope_cos_sin(self.cfg, device)
-        half = self.cfg.rope_dim // 2
-        self.rope_sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        self.rope_cos, self.rope_sin_signed = rope_cos_sin(self.cfg, device)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
