@@ -8,10 +8,10 @@ runner's, step for step, in fp32. Negative controls: a zeroed state, a state sen
 last chunk, the hand-off token applied twice and P's head slice shifted by one head each make
 that comparison fail.
 
-Through the PD stack (`pdflash up --mode pd`, real processes, gRPC, Mooncake): P and D at TP 2
-(each rank its KDA head of every state, whole latent pages from one P rank per D rank), and P
-at PP 2 (each stage sends its layers' pages and states) into D at TP 2; greedy tokens equal the
-single-process engine's.
+Through the PD stack (`pdflash up --mode pd`, real processes, gRPC, Mooncake): P at TP 2 x PP 2
+(each stage sends its layers' pages and states, each TP rank its KDA head of every state, whole
+latent pages from one P rank per D rank) into D at TP 2; greedy tokens equal the single-process
+engine's, for a batch of prompts prefilled in chunks.
 """
 from __future__ import annotations
 
@@ -123,14 +123,15 @@ def folder(checkpoint, embedded_source, embedded_tokenizer) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prefill", [("--prefill-tp", "2"), ("--prefill-pp", "2")], ids=["p_tp2", "p_pp2"])
-def test_pd_stack_equals_one_process(checkpoint, folder, prefill) -> None:
+def test_pd_stack_equals_one_process(checkpoint, folder) -> None:
+    """One stack serves both layouts the brief names: P at TP 2 on each of 2 pipeline stages
+    (stage 0: KDA, KDA, MLA; stage 1: KDA, MLA), D at TP 2."""
     _, _, cfg, tensors, _ = checkpoint
     reqs = [Request(str(i), ids, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)) for i, ids in enumerate(PROMPTS)]
     Engine(ModelRunner(cfg, tensors, num_pages=64, page_size=PAGE), cfg.eos_token_ids).run_all(reqs)
     stack = Stack("--mode", "pd", "--model", folder, "--page-size", str(PAGE), "--kv-pages", "64",
                   "--state-slots", "8", "--chunk-size", "32", "--deadline", "240", "--request-timeout", "600",
-                  *prefill, "--decode-tp", "2")
+                  "--prefill-tp", "2", "--prefill-pp", "2", "--decode-tp", "2")
     try:
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched, chunked prefill
             results = list(pool.map(lambda ids: stack.generate(ids, MAX_NEW, ignore_eos=True), PROMPTS))
