@@ -100,7 +100,15 @@ class KVSender:
     async def send(self, req: Request, boot: pb.BootstrapRequest) -> int:
         """Copy the prompt's KV from each of our ranks into the pages D reserved on each of its
         ranks. Plan errors (bounds, layouts) are raised before any byte moves; a failed
-        Mooncake write raises TransferError once none of its entries is in flight."""
+        Mooncake write raises TransferError once none of its entries is in flight.
+
+        The hand-off convention (D's side: Engine.add_prefilled): P has consumed every prompt
+        token, so the KDA state and convolution windows sent cover the whole prompt (they are
+        taken after the last prefill chunk, never between chunks); D starts from the first
+        sampled token, which no state sent here has seen."""
+        if req.cache.length != req.prompt_len:
+            raise TransferPlanError(f"room {req.rid}: {req.cache.length} of {req.prompt_len} prompt tokens "
+                                    "prefilled; the cache and state go to decode only after the last chunk")
         # Planned off the event loop: with differing head splits a long prompt's plan has an
         # entry per token, layer and K/V, and other rooms' RPCs must not wait for it.
         jobs = await asyncio.to_thread(plan_writes, req.rid, self.ranks.endpoints, self.ranks.tp,

@@ -27,7 +27,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class BufferInfo(_message.Message):
-    __slots__ = ("name", "kind", "base_addr", "length", "num_layers", "num_pages", "page_size", "num_heads", "head_start", "head_dim", "dtype", "layout", "bytes_per_page", "indices", "total_heads", "layer_start", "total_layers")
+    __slots__ = ("name", "kind", "base_addr", "length", "num_layers", "num_pages", "page_size", "num_heads", "head_start", "head_dim", "dtype", "layout", "bytes_per_page", "indices", "total_heads", "layer_start", "total_layers", "parts")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class BufferInfo(_message.Message):
     TOTAL_HEADS_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     TOTAL_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     base_addr: int
@@ -62,7 +63,8 @@ class BufferInfo(_message.Message):
     total_heads: int
     layer_start: int
     total_layers: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., base_addr: _Optional[int] = ..., length: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_start: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., bytes_per_page: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., total_heads: _Optional[int] = ..., layer_start: _Optional[int] = ..., total_layers: _Optional[int] = ...) -> None: ...
+    parts: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., base_addr: _Optional[int] = ..., length: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_start: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., bytes_per_page: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., total_heads: _Optional[int] = ..., layer_start: _Optional[int] = ..., total_layers: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("room", "input_ids", "sampling", "decode_addr", "deadline_s")

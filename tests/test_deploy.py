@@ -263,7 +263,7 @@ def _one_per_role(profile: str, **sets: str):
 def test_compose_files_validate_for_every_profile(tmp_path):
     cases = [c for p in PROFILES if p != "cpu-local" for c in _one_per_role(p)]
     cases += _one_per_role("cpu-local", LAUNCHER="compose", PYTHON="python", METADATA_NODE="local=127.0.0.1")
-    assert len(cases) == 15  # every (role, head or not) of every profile
+    assert len(cases) == 20  # every (role, head or not) of every profile
 
     def check(i_case):
         i, (cfg, s) = i_case

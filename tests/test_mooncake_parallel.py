@@ -3,7 +3,7 @@ processes on 127.0.0.1: one P process hosting every P rank's buffers (each regis
 own, as each rank's process would) and one D process hosting every D rank's. Per layout, P
 builds every (P rank, D rank) plan from the D ranks' BufferInfo (as Bootstrap carries them)
 and writes the bytes; each D rank's caches must then equal its heads' slices of the model's KV
-(tests/parallel_kv.py), with every other byte unchanged and no byte sent twice. The two
+and, for Kimi-Linear's layout, of the room's KDA state slots (tests/parallel_kv.py), with every other byte unchanged and no byte sent twice. The two
 processes serve every layout, so the grid costs little more than its transfers.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from common.transfer.wire import room_from_protos, room_to_protos  # noqa: E402
 from protos import pdflash_pb2 as pb  # noqa: E402
 
 from parallel_kv import KVSpec, Split, d_rooms, expected_d_caches, p_rooms  # noqa: E402
+from test_transfer_plan_kda import KDA_SPECS  # noqa: E402
 from peer_process import Peer, serve  # noqa: E402
 
 
@@ -98,6 +99,9 @@ SPLITS = (
     + [Split(tp_p, tp_d, _specs(2)) for tp_p in (1, 2, 4, 8) for tp_d in (4, 8)]  # fewer KV heads than TP_d
     + [Split(2, 4, _specs(8, layers=4), pp=2), Split(4, 2, _specs(8, layers=3), pp=3)]
     + [Split(2, 4, (KVSpec("kv", 2, 0, 16),))]  # latent KV
+    # Kimi-Linear: latent KV and KDA state slots sliced by head (windows per q, k, v part)
+    + [Split(tp_p, tp_d, KDA_SPECS) for tp_p, tp_d in ((1, 4), (4, 1), (2, 4), (4, 2))]
+    + [Split(2, 1, KDA_SPECS, pp=3)]
 )
 
 
@@ -110,7 +114,8 @@ def _setup(peers, split: Split) -> tuple[str, dict[tuple[int, str], np.ndarray]]
 
 def _id(split: Split) -> str:
     heads = split.specs[0].heads
-    return f"pp{split.pp}-tp{split.tp_p}-to-tp{split.tp_d}-" + (f"{heads}heads" if heads else "latent")
+    kind = "kda" if split.specs == KDA_SPECS else f"{heads}heads" if heads else "latent"
+    return f"pp{split.pp}-tp{split.tp_p}-to-tp{split.tp_d}-{kind}"
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=_id)

@@ -7,6 +7,7 @@ with numpy slicing, not with the plan's arithmetic)."""
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -236,14 +237,25 @@ def test_rank_and_layout_must_agree():
         build_plan("r", room_s, room_d, 2, src_tp=TPRank(1, 2))
 
 
-def test_slot_state_moves_only_between_equal_ranks_of_equal_splits():
-    s = SlotStateBuffer("state", 0x1000_0000, 2, 4, 64, "float32")
-    d = SlotStateBuffer("state", 0x2000_0000, 2, 4, 64, "float32")
-    room_s, room_d = RoomBuffers([s], {"state": [1]}), RoomBuffers([d], {"state": [2]})
-    assert len(build_plan("r", room_s, room_d, 1, src_tp=TPRank(1, 2), dst_tp=TPRank(1, 2)).entries) == 2
-    assert build_plan("r", room_s, room_d, 1, src_tp=TPRank(0, 2), dst_tp=TPRank(1, 2)).entries == []
-    with pytest.raises(TransferPlanError, match="between TP 2 and TP 4"):
-        build_plan("r", room_s, room_d, 1, src_tp=TPRank(0, 2), dst_tp=TPRank(0, 4))
+def test_state_slot_sends_the_head_intersection_of_each_part():
+    """KDA convolution windows, 4 heads of 12 bytes per part, 3 parts (q, k, v): P TP 2 rank 1
+    (heads 2-3) to D TP 4 rank 2 (head 2) is one 12-byte run per layer and part, written out by
+    hand; D rank 0 (head 0) gets nothing from it. Slots are [part, head, bytes]."""
+    s = SlotStateBuffer("kda_conv", 0x1000_0000, 2, 4, 3 * 2 * 12, "float32", parts=3, num_heads=2, head_start=2,
+                        total_heads=4)
+    d = SlotStateBuffer("kda_conv", 0x2000_0000, 2, 5, 3 * 1 * 12, "float32", parts=3, num_heads=1, head_start=2,
+                        total_heads=4)
+    room_s, room_d = RoomBuffers([s], {"kda_conv": [1]}), RoomBuffers([d], {"kda_conv": [3]})
+    plan = build_plan("r", room_s, room_d, 1, src_tp=TPRank(1, 2), dst_tp=TPRank(2, 4))
+    assert [(e.src_addr, e.dst_addr, e.length) for e in plan.entries] == [
+        (0x1000_0000 + (layer * 4 + 1) * 72 + part * 24, 0x2000_0000 + (layer * 5 + 3) * 36 + part * 12, 12)
+        for layer in range(2) for part in range(3)]
+    d0 = dataclasses.replace(d, head_start=0)
+    assert build_plan("r", room_s, RoomBuffers([d0], {"kda_conv": [3]}), 1,
+                      src_tp=TPRank(1, 2), dst_tp=TPRank(0, 4)).entries == []
+    with pytest.raises(TransferPlanError, match="parts differs"):
+        build_plan("r", room_s, RoomBuffers([dataclasses.replace(d, parts=1, bytes_per_slot=12)], {"kda_conv": [3]}),
+                   1, src_tp=TPRank(1, 2), dst_tp=TPRank(2, 4))
 
 
 def test_sender_heads_rule():

@@ -80,7 +80,14 @@ class Engine:
         self.waiting.append(req)
 
     def add_prefilled(self, req: Request, first_token: int) -> StepOutput:
-        """Join the decode batch with a prompt whose KV is already in req.cache (sent by P)."""
+        """Join the decode batch with a prompt whose KV is already in req.cache (sent by P).
+        The hand-off convention (P's side: prefill_svc.kv_sender): the cache, KDA state
+        included, has consumed every prompt token and nothing more; the first sampled token
+        goes through the model once, as the input of this request's first decode step."""
+        if req.cache.length != req.prompt_len or req.output_ids:
+            raise RuntimeError(f"room {req.rid}: a hand-off starts from a cache of exactly the prompt "
+                               f"({req.cache.length} tokens cached, {req.prompt_len} in the prompt, "
+                               f"{len(req.output_ids)} already generated)")
         if self.policy is not None and req.spec is None:
             req.spec = SpecStats(self.max_block)
         req.append_token(first_token, self.eos_token_ids)
@@ -120,7 +127,7 @@ class Engine:
         return room_checksums(kv, {name: list(range(t.shape[2])) for name, t in kv.items()}, req.prompt_len)
 
     def room_pages(self, req: Request) -> dict[str, list[int]]:
-        pages = {"kv": list(req.cache.pages)}
+        pages = self.runner.room_indices(req.cache)
         if self.proposer is not None:
             pages["draft_kv"] = list(req.draft_cache.pages)
         return pages

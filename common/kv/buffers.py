@@ -61,8 +61,13 @@ class PagedKVBuffer:
 
 @dataclass(frozen=True)
 class SlotStateBuffer:
-    """Per-request fixed-size state (e.g. a linear-attention recurrent matrix), one slot per
-    request per layer, stored as [layer, slot, bytes_per_slot]."""
+    """Per-request fixed-size state, one slot per request per layer, stored as
+    [layer, slot, part, head, head bytes]: each slot is `parts` blocks (a KDA recurrent state is
+    one, its convolution windows three: q, k and v), each split by head over TP like the
+    layer's heads. `num_heads` heads starting at global head `head_start` of `total_heads` are
+    held here, so a TP rank's slot is its slice of every part. Layers as PagedKVBuffer's:
+    `num_layers` from `layer_start` of `total_layers` (0: num_layers), counted among the
+    model's layers of this kind. The defaults describe a slot held whole by every rank."""
 
     name: str
     base_addr: int
@@ -70,6 +75,24 @@ class SlotStateBuffer:
     num_slots: int
     bytes_per_slot: int
     dtype: str
+    parts: int = 1
+    num_heads: int = 1
+    head_start: int = 0
+    total_heads: int = 1
+    layer_start: int = 0
+    total_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.total_layers == 0:
+            object.__setattr__(self, "total_layers", self.num_layers)
+        if self.parts <= 0 or self.num_heads <= 0 or self.bytes_per_slot % (self.parts * self.num_heads):
+            raise ValueError(f"buffer {self.name}: {self.bytes_per_slot} bytes per slot do not split into "
+                             f"{self.parts} parts of {self.num_heads} heads")
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head of one part of one slot."""
+        return self.bytes_per_slot // (self.parts * self.num_heads)
 
     @property
     def length(self) -> int:

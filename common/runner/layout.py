@@ -79,9 +79,6 @@ def check_parallel(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -> N
             problems.append(f"PP {pp} exceeds the {cfg.num_layers} layers")
         if cfg.kda is not None and cfg.kda.num_heads % tp:
             problems.append(f"{cfg.kda.num_heads} KDA heads do not split over TP {tp}")
-        if cfg.kda is not None and pp > 1:
-            # Not built yet: each stage owning its layers' states (and its share of the KV layers).
-            problems.append("KDA layers (kimi_linear) do not run under PP yet")
     if problems:
         raise ParallelConfigError(f"cannot run {cfg.name} with TP {tp} x PP {pp} (EP {ep}): " + "; ".join(problems))
 
@@ -123,6 +120,15 @@ class RankLayout:
     def layers(self, cfg: ModelConfig) -> range:
         return layer_range(self.stage, self.pp, cfg.num_layers)
 
+    def kv_layers(self, cfg: ModelConfig) -> range:
+        """This stage's layers that keep paged KV (all but KDA layers), numbered among the
+        model's KV layers: a stage's layers are consecutive, so are those of each kind."""
+        return _among(cfg.kv_layers, self.layers(cfg))
+
+    def kda_layers(self, cfg: ModelConfig) -> range:
+        """This stage's KDA layers (each a state slot per request), numbered among the model's."""
+        return _among(cfg.kda.layers if cfg.kda is not None else (), self.layers(cfg))
+
     def kv_heads(self, cfg: ModelConfig) -> range:
         return kv_head_range(self.tp_rank, self.tp, cfg.num_kv_heads)
 
@@ -161,3 +167,9 @@ class RankLayout:
         return replace(cfg, num_layers=len(self.layers(cfg)), num_heads=len(self.q_heads(cfg)),
                        num_kv_heads=len(self.kv_heads(cfg)), intermediate_size=cfg.intermediate_size // self.tp,
                        moe=moe, kda=cfg.kda and replace(cfg.kda, num_heads=len(self.kda_heads(cfg))))
+
+
+def _among(kind: tuple[int, ...], layers: range) -> range:
+    """Positions in `kind` (sorted layer numbers) of the layers in `layers`."""
+    first = sum(layer < layers.start for layer in kind)
+    return range(first, first + sum(layer in layers for layer in kind))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kv.buffers import PagedKVBuffer
+from common.kv.buffers import PagedKVBuffer, SlotStateBuffer
 from common.kv.page_pool import PagePool
 from common.kv.seq_cache import SeqCache
 from common.kv.state_pool import StatePool
@@ -24,6 +24,7 @@ from common.model.kimi_linear import HybridCache
 from common.model.static_attention import StaticAttn, default_backend
 from common.model.architectures import model_class
 from common.model.transformer import Reduce, no_reduce
+from common.runner.describe import KDA_STATE_PARTS, CacheAddrs, describe_rank
 from common.runner.layout import RankLayout
 from common.runner.shard import shard_tensors
 
@@ -82,14 +83,14 @@ class ModelRunner:
         # single region to register with the transfer engine. The extra last page is scratch:
         # padded attention reads land there and no request owns it. MLA has one plane and one
         # head (the latent and rope key), the same on every TP rank.
-        self.kv = torch.zeros(len(local.kv_layers), cfg.kv_planes, num_pages + 1, page_size, local.num_kv_heads,
+        self.kv = torch.zeros(len(layout.kv_layers(cfg)), cfg.kv_planes, num_pages + 1, page_size, local.num_kv_heads,
                               cfg.cache_head_dim, dtype=self.dtype, device=self.device)
         # KDA layers (Kimi-Linear) keep no pages but a state slot per request, with a budget of
         # its own (`state_slots` requests at a time): row 0 of each tensor is scratch.
         self.state_pool: StatePool | None = None
         self.cache: torch.Tensor | HybridCache = self.kv
         if local.kda is not None:  # this rank's heads of each state
-            k, n = local.kda, len(local.kda.layers)
+            k, n = local.kda, len(layout.kda_layers(cfg))
             self.state_pool = StatePool(state_slots)
             self.cache = HybridCache(
                 self.kv,
@@ -142,6 +143,14 @@ class ModelRunner:
         if self.state_pool is not None and length < seq.length:
             raise ValueError("a KDA layer's recurrent state cannot be cut back to an earlier length")
         seq.length = length
+
+    def room_indices(self, seq: SeqCache) -> dict[str, list[int]]:
+        """Buffer name -> what of it seq holds (describe_buffers' names): its pages, and its
+        state slot in each KDA state buffer."""
+        indices = {"kv": list(seq.pages)}
+        if self.state_pool is not None:
+            indices |= {name: [seq.state_slot] for name in KDA_STATE_PARTS}
+        return indices
 
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -219,16 +228,11 @@ class ModelRunner:
         """A copy of these pages of the KV, [layer, k/v (or latent), page, token, head, dim] (CPU)."""
         return self.kv[:, :, pages].cpu()
 
-    def describe_buffers(self) -> list[PagedKVBuffer]:
-        """This process's KV: its layers and KV heads of the model's."""
-        if self.state_pool is not None:
-            # The KV holds only the MLA layers and the state is not described yet (issue 17's
-            # PD part): a plan over this description would address the wrong bytes.
-            raise NotImplementedError("transfer descriptions of models with KDA layers")
-        cfg, layers, heads = self.cfg, self.layout.layers(self.cfg), self.layout.kv_heads(self.cfg)
-        return [PagedKVBuffer(
-            name="kv", base_addr=self.kv.data_ptr(), num_layers=len(layers),
-            num_pages=self.kv.shape[2], page_size=self.page_size, num_heads=len(heads),
-            head_start=heads.start, total_heads=cfg.num_kv_heads, head_dim=cfg.cache_head_dim,
-            dtype=str(self.dtype).removeprefix("torch."), kv_planes=cfg.kv_planes, layer_start=layers.start,
-            total_layers=cfg.num_layers)]
+    def describe_buffers(self) -> list[PagedKVBuffer | SlotStateBuffer]:
+        """This process's KV and KDA state slots, as common.runner.describe lays them out."""
+        addrs = CacheAddrs(self.kv.data_ptr())
+        if isinstance(self.cache, HybridCache):
+            addrs = CacheAddrs(self.kv.data_ptr(), self.cache.recurrent.data_ptr(), self.cache.conv.data_ptr())
+        return describe_rank(self.cfg, self.layout, addrs, num_pages=self.kv.shape[2], page_size=self.page_size,
+                             state_slots=self.state_pool.num_slots if self.state_pool else 0,
+                             dtype=str(self.dtype).removeprefix("torch."))

@@ -21,8 +21,10 @@ Rules:
 - paged KV sends the pages covering `num_tokens` (the last page whole) when the heads sent
   are exactly the heads both sides hold (or latent KV); otherwise it sends the head range
   token by token, with each side's own strides;
-- slot state sends each (layer, slot) pair; with TP ranks given, only between equal ranks of
-  equal TP sizes (a slot is an opaque per-rank shard);
+- slot state (a KDA layer's recurrent state or convolution windows) sends, for each layer
+  both sides hold and each reserved slot, the heads this P rank sends this D rank (the same
+  head rule as paged KV, over the state's own heads) of each of the slot's parts: a slot is
+  [part, head, bytes], so a head range is one run per part (q, k and v of a window apart);
 - entries contiguous on both sides are merged (small scattered entries are slow over TCP);
 - every entry is checked against both sides' buffers before anything is returned;
 - batches hold at most MAX_BATCH_ENTRIES entries (over ~2048 in flight per peer, TCP fails).
@@ -182,9 +184,7 @@ def _paged(
     n_pages = -(-num_tokens // s.page_size)
     s_pages = _checked_indices(where, "source", s_idx, n_pages, s.num_pages)
     d_pages = _checked_indices(where, "destination", d_idx, n_pages, d.num_pages)
-    layers = range(max(s.layer_start, d.layer_start),
-                   min(s.layer_start + s.num_layers, d.layer_start + d.num_layers))
-    heads = _sent_heads(where, s, d, ranks)
+    layers, heads = _common_layers(s, d), _sent_heads(where, s, d, ranks)
     if not layers or not heads:  # this P rank holds nothing this D rank takes from it
         return _nothing()
     plane = np.arange(s.kv_planes, dtype=np.int64)
@@ -220,6 +220,10 @@ def _check_geometry(where: str, s: PagedKVBuffer, d: PagedKVBuffer) -> None:
         raise TransferPlanError(f"{where}: layout {s.layout} is not supported (only {SUPPORTED_LAYOUT})")
     if (s.num_heads == 0) != (d.num_heads == 0):
         raise TransferPlanError(f"{where}: latent KV (num_heads 0) on one side only")
+    _check_ranges(where, s, d)
+
+
+def _check_ranges(where: str, s: Buffer, d: Buffer) -> None:
     for side, b in (("source", s), ("destination", d)):
         if b.head_start + b.num_heads > b.total_heads:
             raise TransferPlanError(
@@ -233,11 +237,16 @@ def _check_geometry(where: str, s: PagedKVBuffer, d: PagedKVBuffer) -> None:
             )
 
 
-def _held(b: PagedKVBuffer) -> range:
+def _held(b: Buffer) -> range:
     return range(b.head_start, b.head_start + b.num_heads)
 
 
-def _sent_heads(where: str, s: PagedKVBuffer, d: PagedKVBuffer, ranks: tuple[TPRank, TPRank] | None) -> range:
+def _common_layers(s: Buffer, d: Buffer) -> range:
+    """Global layers both sides hold (each side's are a pipeline stage's range, or all)."""
+    return range(max(s.layer_start, d.layer_start), min(s.layer_start + s.num_layers, d.layer_start + d.num_layers))
+
+
+def _sent_heads(where: str, s: Buffer, d: Buffer, ranks: tuple[TPRank, TPRank] | None) -> range:
     """Global heads this P rank sends this D rank; latent KV counts as the one head 0."""
     latent = s.num_heads == 0
     if ranks is None:
@@ -261,24 +270,26 @@ def _slots(
     ranks: tuple[TPRank, TPRank] | None,
 ) -> Arrays:
     where = f"room {room}, buffer {s.name}"
-    for field in ("num_layers", "bytes_per_slot", "dtype"):
+    for field in ("total_layers", "parts", "total_heads", "head_bytes", "dtype"):
         if getattr(s, field) != getattr(d, field):
             raise TransferPlanError(f"{where}: {field} differs ({getattr(s, field)} vs {getattr(d, field)})")
+    _check_ranges(where, s, d)
     if len(s_idx) != len(d_idx):
         raise TransferPlanError(f"{where}: {len(s_idx)} source slots vs {len(d_idx)} destination slots")
     s_slots = _checked_indices(where, "source", s_idx, len(s_idx), s.num_slots)
     d_slots = _checked_indices(where, "destination", d_idx, len(d_idx), d.num_slots)
-    if ranks is not None:
-        # A slot is one rank's opaque shard: it can only go to the same rank of an equal split.
-        src_tp, dst_tp = ranks
-        if src_tp.size != dst_tp.size:
-            raise TransferPlanError(f"{where}: slot state cannot move between TP {src_tp.size} and TP {dst_tp.size}")
-        if src_tp.rank != dst_tp.rank:
-            return _nothing()
-    layer = np.arange(s.num_layers, dtype=np.int64)[:, None]
-    src = s.base_addr + (layer * s.num_slots + s_slots) * s.bytes_per_slot
-    dst = d.base_addr + (layer * d.num_slots + d_slots) * d.bytes_per_slot
-    return src.ravel(), dst.ravel(), np.full(src.size, s.bytes_per_slot, dtype=np.int64)
+    layers, heads = _common_layers(s, d), _sent_heads(where, s, d, ranks)
+    if not layers or not heads:
+        return _nothing()
+    global_layer = np.arange(layers.start, layers.stop, dtype=np.int64)[:, None, None]
+    part = np.arange(s.parts, dtype=np.int64)[None, None, :]
+
+    def addrs(b: SlotStateBuffer, slots: np.ndarray) -> np.ndarray:  # [layer, slot, part] -> first sent head
+        slot_addr = b.base_addr + ((global_layer - b.layer_start) * b.num_slots + slots[None, :, None]) * b.bytes_per_slot
+        return (slot_addr + (part * b.num_heads + heads.start - b.head_start) * b.head_bytes).ravel()
+
+    src, dst = addrs(s, s_slots), addrs(d, d_slots)
+    return src, dst, np.full(src.size, len(heads) * s.head_bytes, dtype=np.int64)
 
 
 def _nothing() -> Arrays:
@@ -322,8 +333,9 @@ def _checked_indices(where: str, side: str, indices: list[int], needed: int, lim
 def _check_names(room: str, src: dict[str, Buffer], dst: dict[str, Buffer]) -> None:
     only_src = sorted(src.keys() - dst.keys())
     only_dst = sorted(dst.keys() - src.keys())
-    # A pipeline stage lacks the buffers another stage computes (e.g. the drafter's KV).
-    stage = any(isinstance(b, PagedKVBuffer) and b.num_layers < b.total_layers for b in src.values())
+    # A pipeline stage lacks the buffers another stage computes (e.g. the drafter's KV, or the
+    # KV of MLA layers when the stage holds only KDA layers).
+    stage = any(b.num_layers < b.total_layers for b in src.values())
     if only_src or (only_dst and not stage):
         raise TransferPlanError(
             f"room {room}: buffers differ between sides (only on source: {only_src}, only on destination: {only_dst})"

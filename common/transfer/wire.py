@@ -23,7 +23,9 @@ def buffer_to_proto(buf: PagedKVBuffer | SlotStateBuffer, indices: Iterable[int]
     return pb.BufferInfo(
         name=buf.name, kind=SLOT_STATE, base_addr=buf.base_addr, length=buf.length,
         num_layers=buf.num_layers, num_pages=buf.num_slots, bytes_per_page=buf.bytes_per_slot,
-        dtype=buf.dtype, indices=list(indices),
+        dtype=buf.dtype, indices=list(indices), parts=buf.parts, num_heads=buf.num_heads,
+        head_start=buf.head_start, total_heads=buf.total_heads, layer_start=buf.layer_start,
+        total_layers=buf.total_layers,
     )
 
 
@@ -33,6 +35,8 @@ def buffer_from_proto(info: pb.BufferInfo) -> tuple[PagedKVBuffer | SlotStateBuf
         buf = SlotStateBuffer(
             name=info.name, base_addr=info.base_addr, num_layers=info.num_layers,
             num_slots=info.num_pages, bytes_per_slot=info.bytes_per_page, dtype=info.dtype,
+            parts=info.parts or 1, num_heads=info.num_heads or 1, head_start=info.head_start,
+            total_heads=info.total_heads or 1, layer_start=info.layer_start, total_layers=info.total_layers,
         )
     elif info.kind == PAGED_KV:
         buf = PagedKVBuffer(

@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+# common/tools/bench/report.py -> the repository root: `pdflash up` started from there runs
+# this checkout's services, not whatever copy an installed package points at.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
