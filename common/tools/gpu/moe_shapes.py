@@ -21,7 +21,10 @@ from __future__ import annotations
 import gc
 import json
 import os
+import sys
+import traceback
 import uuid
+from collections.abc import Callable
 
 import torch
 
@@ -110,18 +113,29 @@ def floor_rows(out_dir: str, device: str, shape: str, small: bool) -> dict:
 
 def moe_shapes(out_dir: str, small: bool = False) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "small": small}
-    print(f"moe-shapes: grouped experts against the loop on {device}", flush=True)
-    result["experts"] = experts_check(device)
-    result["graphs"] = []
+    result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "small": small,
+                    "experts": [], "graphs": [], "floor": {}, "errors": []}
+
+    def attempt(what: str, fn: Callable[[], object]) -> object | None:
+        """fn's result; a failure is recorded and the next piece goes on."""
+        print(f"moe-shapes: {what}", flush=True)
+        try:
+            return fn()
+        except Exception:
+            result["errors"].append(f"{what}: {traceback.format_exc()[-1500:]}")
+            print(result["errors"][-1], file=sys.stderr, flush=True)
+            return None
+
+    result["experts"] = attempt(f"grouped experts against the loop on {device}", lambda: experts_check(device)) or []
     for shape in ("deepseek-small", "kimi-linear-small"):
         for dtype in ("fp32", "bf16"):
-            print(f"moe-shapes: graphs against eager, {shape} {dtype}", flush=True)
-            result["graphs"].append(graphs_check(device, shape, dtype))
-    result["floor"] = {}
+            row = attempt(f"graphs against eager, {shape} {dtype}", lambda: graphs_check(device, shape, dtype))
+            result["graphs"] += [row] if row else []
     for shape in ("deepseek-v2-lite", "kimi-linear-48b"):
-        print(f"moe-shapes: floor of {SMALL[shape] if small else shape}", flush=True)
-        result["floor"][shape] = floor_rows(out_dir, device, shape, small)
+        name = SMALL[shape] if small else shape
+        rows = attempt(f"floor of {name}", lambda: floor_rows(out_dir, device, shape, small))
+        if rows:
+            result["floor"][name] = rows
     result["memory"] = {shape: request_memory(SHAPES[shape], DTYPES["bf16"].itemsize, MEMORY_TOKENS).lines()
                         for shape in ("deepseek-v2-lite", "kimi-linear-48b")}
     result["lines"] = summary_lines(result)
@@ -147,6 +161,7 @@ def summary_lines(result: dict) -> list[str]:
                          f"{r['floor_ms']:.3f} ms, x{r['x_floor']:.2f} ({r['layers']} of {r['model_layers']} layers, "
                          f"graphs {'on' if r['cuda_graphs'] else 'off'})")
         lines += [f"floor    {shape} retried: {e}" for e in f.get("retries", [])]
+    lines += [f"ERROR    {e.strip().splitlines()[0]} ... {e.strip().splitlines()[-1]}" for e in result["errors"]]
     return lines
 
 
@@ -165,6 +180,8 @@ def markdown(result: dict) -> str:
         parts += [f"## Decode step against its floor: {shape}", "",
                   f"Memory bandwidth {f['memory_bandwidth_gbs']:.0f} GB/s.", "", floor_table(rows), ""]
         parts += [f"Retried: {e}" for e in f.get("retries", [])]
+    for e in result["errors"]:
+        parts += ["Failed:", "```", e.strip(), "```", ""]
     parts += ["## Memory (bf16)", ""]
     for lines in result["memory"].values():
         parts += ["```", *lines, "```", ""]
