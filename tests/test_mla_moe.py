@@ -232,6 +232,19 @@ def test_grouped_experts_equal_the_loop(dtype, tol):
     torch.testing.assert_close(halves[0] + halves[1], whole, **tol)
 
 
+def test_grouped_experts_read_nothing_on_the_host():
+    """On the meta device no value exists, so an op that would read one on the host (and break a
+    CUDA graph's capture) fails: the grouped path runs there, the loop does not."""
+    cfg = SHAPES["deepseek-small"]
+    with torch.device("meta"):
+        moe = MoE(cfg).to(torch.bfloat16)
+        x = torch.randn(5, cfg.hidden_size, dtype=torch.bfloat16)
+    experts, weights = moe.route(x)
+    assert moe.run_grouped(x, experts, weights).shape == x.shape
+    with pytest.raises(NotImplementedError):
+        moe.run_loop(x, experts, weights)
+
+
 def test_unsupported_config_is_refused():
     from common.model.config import ModelConfig
 
