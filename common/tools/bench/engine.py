@@ -278,6 +278,7 @@ def _floor(args: argparse.Namespace, shape: str, batches: list[int], context: in
     dtype = args.dtype or "bf16"
     new = args.new_tokens
     pages = -(-max(batches) * (context + new) // args.page_size) + max(batches)
+    print("\n".join(request_memory(cfg, DTYPES[dtype].itemsize, args.memory_tokens).lines()))
     print(f"{shape}: drawing random {dtype} weights on {args.device} ({cfg.num_layers} of {whole.num_layers} layers)",
           flush=True)
     runner = ModelRunner(cfg, RandomWeights(), dtype=dtype, device=args.device, num_pages=pages,

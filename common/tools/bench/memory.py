@@ -36,8 +36,8 @@ class RequestMemory:
     def lines(self) -> list[str]:
         gb = lambda n: f"{n / 1e9:.2f} GB"
         mib = lambda n: f"{n / 2 ** 20:.2f} MiB"
-        return [f"{self.model}: {self.params / 1e9:.2f}B parameters ({gb(self.params * self.dtype_bytes)} at "
-                f"{self.dtype_bytes} bytes each), {self.active_params / 1e9:.2f}B active per token",
+        return [f"{self.model}: {self.params / 1e9:.3g}B parameters ({gb(self.params * self.dtype_bytes)} at "
+                f"{self.dtype_bytes} bytes each), {self.active_params / 1e9:.3g}B active per token",
                 f"  KV per token:      {self.kv_bytes_per_token} bytes",
                 f"  state per request: {self.state_bytes_per_request} bytes ({mib(self.state_bytes_per_request)})",
                 f"  a {self.prompt_tokens}-token prompt: KV {mib(self.prompt_kv_bytes)} + state "
