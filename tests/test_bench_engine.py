@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 
-from common.model.shapes import SHAPES
+import pytest
+
+from common.model.shapes import SHAPES, first_layers
+from common.tools.bench.memory import request_memory
 from common.tools import cli
 from common.tools.bench import engine as bench_engine
 
@@ -45,3 +48,44 @@ def test_compare_on_random_weights(tmp_path, monkeypatch, capsys):
     assert rows[0]["ours_step_ms"] is None
     assert all(r["ours_step_ms"] > 0 and r["floor_ms"] > 0 for r in rows[1:])
     assert "no model file" in capsys.readouterr().out
+
+
+def test_memory_only_numbers_of_kimi_linear_48b(tmp_path, capsys):
+    """--memory-only times nothing: Kimi-Linear-48B's KV per token (7 MLA layers of a 512 + 64
+    latent) and state per request (20 KDA layers of a 32 x 128 x 128 fp32 state and the q, k, v
+    convolution windows), in bf16, by hand against the command."""
+    out = tmp_path / "memory.json"
+    assert cli.main(["bench", "engine", "--shape", "kimi-linear-48b", "--memory-only", "--out", str(out)]) == 0
+    m = json.loads(out.read_text())
+    assert m["kv_bytes_per_token"] == 7 * 576 * 2
+    assert m["state_bytes_per_request"] == 20 * (32 * 128 * 128 * 4 + 3 * 4096 * 3 * 2)
+    assert m["prompt_bytes"] == 16384 * 7 * 576 * 2 + m["state_bytes_per_request"]
+    assert 48e9 < m["params"] < 50e9 and 2.9e9 < m["active_params"] < 3.2e9  # the model card's 48B / 3B
+    assert "state per request: 43417600 bytes" in capsys.readouterr().out
+
+
+def test_first_layers_keep_the_kda_mla_pattern():
+    cut = first_layers(SHAPES["kimi-linear-48b"], 14)
+    assert cut.num_layers == 14 and cut.kv_layers == (3, 7, 11) and cut.moe == SHAPES["kimi-linear-48b"].moe
+
+
+def test_moe_floor_counts_the_chosen_experts_and_the_state(tmp_path):
+    """A MoE and KDA shape's floor: the routed experts read per step are those the tokens chose
+    (at least k and at most min(batch x k, experts) per MoE layer), fewer bytes than every
+    weight; the KDA states are read and written once per request and step."""
+    out = tmp_path / "floor.json"
+    assert cli.main(["bench", "engine", "--shape", "kimi-linear-small", *SMALL, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    cfg = SHAPES["kimi-linear-small"]
+    moe_layers, k, n = cfg.num_layers - cfg.moe.first_dense_layers, cfg.moe.experts_per_token, cfg.moe.num_experts
+    every_weight = 2 * (request_memory(cfg, 2, 1).params - cfg.vocab_size * cfg.hidden_size)  # less the input embedding
+    expert = 2 * 3 * cfg.moe.intermediate_size * cfg.hidden_size
+    for f in result["floor"]:
+        b = f["batch"]
+        assert moe_layers * k <= f["experts_read"] <= moe_layers * min(b * k, n)
+        assert f["weight_bytes"] == pytest.approx(every_weight - (moe_layers * n - f["experts_read"]) * expert, abs=expert)
+        assert f["state_bytes"] == 2 * b * cfg.state_bytes_per_request(2)
+        bandwidth = result["memory_bandwidth_gbs"] * 1e9
+        assert f["floor_ms"] == pytest.approx(1e3 * (f["weight_bytes"] + f["state_bytes"]) / bandwidth)
+        assert (f["layers"], f["model_layers"]) == (5, 5)
+    assert result["floor"][0]["weight_bytes"] < result["floor"][1]["weight_bytes"]  # batch 3 reads more experts

@@ -288,3 +288,22 @@ def test_tensor_parallel_equals_transformers(checkpoint):
     finally:
         runner.close()
 
+
+
+def test_kda_decode_step_reads_nothing_on_the_host():
+    """A decode step's KDA layer (one token per row, state slots by device index) runs on the meta
+    device, where any op reading a value on the host would fail: a CUDA graph can capture it."""
+    from common.model.attention import AttnMeta
+    from common.model.kda import KimiDeltaAttention
+    from common.model.shapes import SHAPES
+
+    cfg = SHAPES["kimi-linear-small"]
+    k = cfg.kda
+    with torch.device("meta"):
+        kda = KimiDeltaAttention(cfg).to(torch.bfloat16)
+        x = torch.randn(3, cfg.hidden_size, dtype=torch.bfloat16)
+        recurrent = torch.zeros(5, k.num_heads, k.head_dim, k.head_dim)
+        conv = torch.zeros(5, 3 * k.proj_size, k.conv_size - 1, dtype=torch.bfloat16)
+        rows = torch.arange(3)
+        meta = AttnMeta(positions=rows, write_slots=rows, logit_rows=None, state_slots=rows + 1)
+    assert kda(x, recurrent, conv, meta).shape == x.shape

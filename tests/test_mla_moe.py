@@ -18,6 +18,7 @@ import ctypes
 import json
 import os
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,6 +33,8 @@ from common.engine.spec_policy import SpecConfig
 from common.kv.seq_cache import SeqCache
 from common.kv.buffers import RoomBuffers
 from common.model.attention import cache_slot
+from common.model.moe import MoE
+from common.model.shapes import SHAPES, RandomWeights, fill_random_
 from common.model.weights import resolve_model
 from common.parallel.driver import ParallelRunner
 from common.runner.layout import ParallelConfigError, RankLayout, check_parallel
@@ -203,6 +206,43 @@ def test_negative_controls_are_caught(checkpoint):
     runner.reserve(seq, len(ids))
     got = runner.extend([seq], [ids], all_logits=True).logits
     assert not torch.allclose(got, hf_logits(hf, ids), **TOL)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, TOL), (torch.bfloat16, dict(rtol=2e-2, atol=5e-2))])
+def test_grouped_experts_equal_the_loop(dtype, tol):
+    """The grouped expert path (pairs sorted on the device, grouped matmuls: what a CUDA graph
+    captures) equals the per-expert loop, with every expert held and on each EP rank's half,
+    where pairs routed to the other half must add nothing; the halves sum to the whole."""
+    cfg = SHAPES["deepseek-small"]
+    n = cfg.moe.num_experts // 2
+    moe = fill_random_(MoE(cfg), RandomWeights(seed=1, std=0.2)).to(dtype)
+    x = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    experts, weights = moe.route(x)
+    assert moe.grouped_ok(x.device, dtype) and experts.unique().numel() > n  # both halves are used
+    whole = moe.run_loop(x, experts, weights)
+    torch.testing.assert_close(moe.run_grouped(x, experts, weights), whole, **tol)
+    halves = []
+    for first in (0, n):
+        half = MoE(replace(cfg, moe=replace(cfg.moe, first_expert=first, local_experts=n))).to(dtype)
+        half.load_state_dict(moe.state_dict() | {"gate_up": moe.gate_up[first:first + n],
+                                                 "down": moe.down[first:first + n]})
+        halves.append(half.run_grouped(x, experts, weights))
+        torch.testing.assert_close(halves[-1], half.run_loop(x, experts, weights), **tol)
+    assert not torch.allclose(halves[0].float(), whole.float(), **tol)
+    torch.testing.assert_close(halves[0] + halves[1], whole, **tol)
+
+
+def test_grouped_experts_read_nothing_on_the_host():
+    """On the meta device no value exists, so an op that would read one on the host (and break a
+    CUDA graph's capture) fails: the grouped path runs there, the loop does not."""
+    cfg = SHAPES["deepseek-small"]
+    with torch.device("meta"):
+        moe = MoE(cfg).to(torch.bfloat16)
+        x = torch.randn(5, cfg.hidden_size, dtype=torch.bfloat16)
+    experts, weights = moe.route(x)
+    assert moe.run_grouped(x, experts, weights).shape == x.shape
+    with pytest.raises(NotImplementedError):
+        moe.run_loop(x, experts, weights)
 
 
 def test_unsupported_config_is_refused():

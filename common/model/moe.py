@@ -11,9 +11,16 @@ Under expert parallelism a rank holds only `moe.held_experts`: it still routes e
 all experts (the router is whole), computes the pairs routed to its own experts, and returns
 that partial sum; the TP all-reduce after the layer adds the other ranks' experts (as SGLang's
 all-reduce EP does).
+
+The experts run one of two ways, equal in exact arithmetic:
+  grouped  (token, choice) pairs sorted by expert on the device, each expert's rows one group of
+           torch._grouped_mm: no host synchronisation and no shape that depends on the routing,
+           so a CUDA graph captures it (the usual way, wherever grouped_mm_supported says so)
+  loop     one matmul per expert with tokens, the group sizes read on the host (the fallback)
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -41,8 +48,15 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        out = self.run_experts(x, experts, weights)
+        run = self.run_grouped if self.grouped_ok(x.device, x.dtype) else self.run_loop
+        out = run(x, experts, weights)
         return out if self.shared_experts is None else out + self.shared_experts(x)
+
+    def grouped_ok(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether run_grouped can run here: torch._grouped_mm works for this device and dtype,
+        and every row it reads or writes (hidden and expert widths) is a multiple of 16 bytes."""
+        row_bytes = [n * dtype.itemsize for n in (self.down.shape[1], self.down.shape[2])]
+        return all(b % 16 == 0 for b in row_bytes) and grouped_mm_supported(device.type, dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Chosen experts [T, k] and their weights [T, k] (fp32)."""
@@ -61,7 +75,27 @@ class MoE(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return experts, weights * m.routed_scaling_factor
 
-    def run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def run_grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """run_loop's sum through two grouped matmuls, every shape fixed by x's: all T*k pairs
+        take part. Pairs routed to another rank's experts go to a last, dummy group that no
+        matmul covers (grouped_mm leaves its rows unwritten) and are zeroed before the sum."""
+        k, held = experts.shape[1], self.moe.held_experts
+        E = len(held)
+        flat = experts.flatten() - held.start  # index into this rank's experts
+        mine = (flat >= 0) & (flat < E)
+        group = torch.where(mine, flat, E)
+        order = group.argsort(stable=True)
+        token = order // k
+        # Group ends by a one-hot sum (torch.bincount reads its size on the host on CUDA).
+        counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device).scatter_add_(
+            0, group, torch.ones_like(group, dtype=torch.int32))
+        ends = counts.cumsum(0, dtype=torch.int32)[:E]
+        gate, up = torch._grouped_mm(x[token], self.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        ys = torch._grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends)
+        ys = torch.where(mine[order, None], ys.float() * weights.flatten()[order, None], 0).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+    def run_loop(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum over each token's chosen experts held here of weight x SwiGLU_expert(x). Tokens are
         grouped by expert so that each expert's weights are read once per step, for all its
         tokens. (The group sizes are read on the host, so this step cannot be captured in a CUDA
@@ -99,3 +133,22 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             own |= {f"shared_experts.{k}": t for k, t in MLP.hf_weights(tensors, src + "shared_experts.").items()}
         return own
+
+
+@functools.cache
+def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs, and is right, on this kind of device in this dtype: tried
+    once on a tiny problem (2-D activations against 3-D weights with group ends, as run_grouped
+    calls it; torch < 2.8 has no such op, and CUDA builds support only some dtypes)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 16, generator=g).to(device_type, dtype)
+    w = torch.randn(2, 32, 16, generator=g).to(device_type, dtype)
+    ends = torch.tensor([2, 5], dtype=torch.int32, device=device_type)
+    try:
+        got = torch._grouped_mm(x, w.transpose(1, 2), offs=ends)[:5].float()
+    except (RuntimeError, NotImplementedError):
+        return False
+    want = torch.cat([x[:2] @ w[0].T, x[2:5] @ w[1].T]).float()
+    return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2))

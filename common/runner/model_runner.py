@@ -10,6 +10,7 @@ This is the interface the services drive (an SGLang-backed runner can implement 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ from common.kv.state_pool import StatePool
 from common.model.attention import AttnMeta, build_attn_meta
 from common.model.config import ModelConfig
 from common.model.kimi_linear import HybridCache
+from common.model.moe import MoE
+from common.model.shapes import RandomWeights, fill_random_
 from common.model.static_attention import StaticAttn, default_backend
 from common.model.architectures import model_class
 from common.model.transformer import Reduce, no_reduce
@@ -29,6 +32,8 @@ from common.runner.layout import RankLayout
 from common.runner.shard import shard_tensors
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -61,9 +66,10 @@ class ExtendOutput:
 class ModelRunner:
     """`cfg` is the whole model; with tensor/pipeline parallelism (`layout`) this process holds
     only its layers and heads of the weights and of the KV cache, and `reduce` all-reduces
-    within its TP group (common.parallel.driver drives the ranks)."""
+    within its TP group (common.parallel.driver drives the ranks). `tensors` are Hugging
+    Face-named weights, or RandomWeights to draw on the device instead (benchmarks of shapes)."""
 
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, dtype: str = "fp32",
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor] | RandomWeights, *, dtype: str = "fp32",
                  device: str = "cpu", num_pages: int = 512, page_size: int = 64,
                  enforce_eager: bool = False, state_slots: int = 64,
                  layout: RankLayout = RankLayout(), reduce: Reduce = no_reduce):
@@ -74,9 +80,12 @@ class ModelRunner:
         local = layout.local_config(cfg)
         with torch.device("meta"):
             model = model_class(cfg)(local, reduce, first_layer=layout.layers(cfg).start)
-        model = model.to_empty(device=self.device)
-        model.load_hf_weights(shard_tensors(tensors, cfg, layout))
-        self.model = model.to(self.dtype).eval()
+        if isinstance(tensors, RandomWeights):  # drawn in place, already in the step's dtype
+            self.model = fill_random_(model.to(self.dtype).to_empty(device=self.device), tensors).eval()
+        else:
+            model = model.to_empty(device=self.device)
+            model.load_hf_weights(shard_tensors(tensors, cfg, layout))
+            self.model = model.to(self.dtype).eval()
         self.model.init_rope(self.device)  # fp32 tables whatever the weights' dtype
         self.pool = PagePool(num_pages, page_size)
         # One tensor for the whole cache ([layer, k/v, page, token, head, dim]) so that it is a
@@ -99,9 +108,13 @@ class ModelRunner:
         self.scratch_slot = num_pages * page_size
         # Static steps (decode, verify) replay CUDA graphs on a GPU unless told otherwise; a rank of
         # a parallel model cannot (its collectives and the other ranks' commands are not captured).
-        # MoE layers read how many tokens each expert got on the host, which a graph cannot capture.
-        self.use_graphs = (self.device.type == "cuda" and not enforce_eager and layout.world == 1
-                           and cfg.moe is None)
+        # MoE layers can only through grouped expert matmuls (the loop reads group sizes on the host).
+        self.use_graphs = self.device.type == "cuda" and not enforce_eager and layout.world == 1
+        if self.use_graphs and not all(m.grouped_ok(self.device, self.dtype) for m in self.model.modules()
+                                       if isinstance(m, MoE)):
+            logger.warning("MoE experts: torch._grouped_mm is not usable for %s on this device; decode runs "
+                           "without CUDA graphs", self.dtype)
+            self.use_graphs = False
         self.static_backend = default_backend(self.device)
         # Page tables of static steps: enough pages for the longest context the pool or model allows.
         self.max_pages = -(-min(cfg.max_position, num_pages * page_size) // page_size)

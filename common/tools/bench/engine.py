@@ -19,9 +19,17 @@ Floor check: our decode step time (decode time / (new_tokens - 1), through the E
     floor = weight bytes one step reads / device memory bandwidth (common.model.shapes),
 the bandwidth measured in the same run. Decode rows of the comparison carry it; `--shape NAME`
 runs it alone on random weights of that shape (llama3-8b: 32 layers, hidden 4096, 32/8 heads,
-MLP 14336, vocab 128256), and on CUDA the comparison is followed by the llama3-8b check unless
+MLP 14336, vocab 128256; deepseek-v2-lite and kimi-linear-48b: MLA, MoE and KDA layers, see
+common.model.shapes), and on CUDA the comparison is followed by the llama3-8b check unless
 --no-floor. `--random-weights` runs the comparison on random weights in the embedded model's
 shape: no model file needed, and the tokens mean nothing.
+
+For MoE shapes the floor counts only the routed experts a step's tokens chose (distinct per
+layer, counted in an eager rerun of the same decode steps), and for KDA layers adds each
+request's recurrent state, read and written once a step. `--layers N` keeps the first N layers
+(same per-layer shapes and KDA/MLA pattern) for a model that does not fit; rows then say so and
+give per-layer times. `--memory-only` prints, without timing anything, the weights, the KV bytes
+per token, the state bytes per request and one --memory-tokens prompt's total for --shape.
 """
 from __future__ import annotations
 
@@ -40,12 +48,13 @@ from common.engine.engine import Engine
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.model.config import ModelConfig
-from common.model.shapes import SHAPES, random_token_ids, random_weights
+from common.model.shapes import SHAPES, RandomWeights, first_layers, random_token_ids, random_weights
 from common.model.tokenizer import Tokenizer
 from common.model.weights import load_weights, resolve_model
 from common.runner.model_runner import DTYPES, ModelRunner
 from common.service.loader import add_model_args
-from common.tools.bench.floor import memory_bandwidth, step_weight_bytes
+from common.tools.bench.floor import ChosenExperts, memory_bandwidth, step_weight_bytes
+from common.tools.bench.memory import request_memory
 from common.tools.bench.report import md_table
 
 # Varied English text; repeated and cut to the token counts needed.
@@ -93,10 +102,14 @@ class FloorRow:
     new_tokens: int
     step_ms: float  # best run: decode time / (new_tokens - 1)
     median_step_ms: float
-    floor_ms: float  # weight bytes / memory bandwidth
-    weight_bytes: int
+    floor_ms: float  # (weight bytes + state bytes) / memory bandwidth
+    weight_bytes: int  # weights one step reads (MoE: the chosen routed experts only)
     kv_read_bytes: int  # KV one step reads, mid-run (not in the floor; small at short contexts)
     cuda_graphs: bool
+    layers: int = 0  # layers run (--layers may cut the model)
+    model_layers: int = 0  # layers of the whole model
+    experts_read: float | None = None  # MoE: distinct routed experts a step reads, summed over layers
+    state_bytes: int = 0  # KDA: recurrent states and windows read and written per step
 
     @property
     def x_floor(self) -> float:
@@ -128,6 +141,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="compare on random weights in the embedded model's shape (no model file or tokenizer)")
     p.add_argument("--shape", choices=sorted(SHAPES), default=None,
                    help="only the floor check, on random weights of this shape (default dtype bf16)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="with --shape: keep only the first N layers (same per-layer shapes and KDA/MLA pattern)")
+    p.add_argument("--memory-only", action="store_true",
+                   help="with --shape: print weights, KV bytes per token and state bytes per request; time nothing")
+    p.add_argument("--memory-tokens", type=int, default=16384, help="prompt length of --memory-only's per-request total")
     p.add_argument("--no-floor", action="store_true", help="cuda: skip the llama3-8b floor check after the comparison")
     p.add_argument("--out", default="bench-out/engine.json")
     add_model_args(p, kv_pages=0)  # 0: sized for the largest run
@@ -141,6 +159,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.new_tokens < 2:
         raise ValueError("--new-tokens must be at least 2 (decode time spans new_tokens - 1 steps)")
+    if (args.layers is not None or args.memory_only) and args.shape is None:
+        raise ValueError("--layers and --memory-only need --shape")
+    if args.memory_only:
+        return _memory(args)
     cuda = torch.device(args.device).type == "cuda"
     batches = _ints(args.batches or ("1,8,32" if cuda else "1,8"), "--batches")
     contexts = _ints(args.decode_prompt_tokens, "--decode-prompt-tokens")
@@ -232,30 +254,73 @@ def _compare(args: argparse.Namespace, batches: list[int], contexts: list[int], 
             "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]}
 
 
+def _memory(args: argparse.Namespace) -> int:
+    """--memory-only: the shape's memory by arithmetic (common.tools.bench.memory)."""
+    dtype = args.dtype or "bf16"
+    cfg = SHAPES[args.shape] if args.layers is None else first_layers(SHAPES[args.shape], args.layers)
+    mem = request_memory(cfg, DTYPES[dtype].itemsize, args.memory_tokens)
+    print(f"{dtype}:")
+    print("\n".join(mem.lines()))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"shape": args.shape, "dtype": dtype} | asdict(mem) | {"prompt_kv_bytes": mem.prompt_kv_bytes,
+                                                                            "prompt_bytes": mem.prompt_bytes}, f, indent=2)
+        print(f"\nsaved {args.out}")
+    return 0
+
+
 def _floor(args: argparse.Namespace, shape: str, batches: list[int], context: int,
            bandwidth: float) -> list[FloorRow]:
     """Our decode step on random weights of `shape` at each batch size, against the floor."""
-    cfg = SHAPES[shape]
+    whole = SHAPES[shape]
+    cfg = whole if args.layers is None else first_layers(whole, args.layers)
     dtype = args.dtype or "bf16"
     new = args.new_tokens
     pages = -(-max(batches) * (context + new) // args.page_size) + max(batches)
-    runner = ModelRunner(cfg, random_weights(cfg, DTYPES[dtype], args.device), dtype=dtype,
-                         device=args.device, num_pages=pages, page_size=args.page_size,
-                         enforce_eager=args.no_cuda_graphs)
-    weight_bytes = step_weight_bytes(runner.model)
+    print("\n".join(request_memory(cfg, DTYPES[dtype].itemsize, args.memory_tokens).lines()))
+    print(f"{shape}: drawing random {dtype} weights on {args.device} ({cfg.num_layers} of {whole.num_layers} layers)",
+          flush=True)
+    runner = ModelRunner(cfg, RandomWeights(), dtype=dtype, device=args.device, num_pages=pages,
+                         page_size=args.page_size, enforce_eager=args.no_cuda_graphs, state_slots=max(batches))
     ours = _OursTimer(runner, ())
     prompts = [random_token_ids(cfg, context, seed=i) for i in range(max(batches))]
     rows = []
     for b in batches:
         (times,) = _time_sides([lambda: ours.run(prompts[:b], new)[1]], args.warmup, args.repeats, args.quiet_below)
+        experts = _experts_read(runner, prompts[:b], new) if cfg.moe is not None else None
+        weight_bytes = step_weight_bytes(runner.model, experts)
+        state_bytes = 2 * b * cfg.state_bytes_per_request(runner.dtype.itemsize)  # read, then written
         kv_bytes = b * (context + new // 2) * _kv_bytes_per_token(cfg, runner.kv.element_size())
         rows.append(FloorRow(shape, dtype, b, context, new, 1e3 * min(times) / (new - 1),
-                             1e3 * statistics.median(times) / (new - 1), 1e3 * weight_bytes / bandwidth,
-                             weight_bytes, kv_bytes, runner.use_graphs))
+                             1e3 * statistics.median(times) / (new - 1),
+                             1e3 * (weight_bytes + state_bytes) / bandwidth, weight_bytes, kv_bytes,
+                             runner.use_graphs, cfg.num_layers, whole.num_layers, experts, state_bytes))
         r = rows[-1]
+        read = "" if experts is None else (f", {experts / (cfg.num_layers - cfg.moe.first_dense_layers):.1f} of "
+                                           f"{cfg.moe.num_experts} routed experts per layer")
         print(f"{shape} {dtype} batch {b:3}: step {r.step_ms:7.3f} ms   floor {r.floor_ms:7.3f} ms   "
-              f"x{r.x_floor:.2f}   ({weight_bytes / 1e9:.2f} GB of weights, {kv_bytes / 1e9:.3f} GB KV)", flush=True)
+              f"x{r.x_floor:.2f}   per layer {r.step_ms / r.layers:.3f} / {r.floor_ms / r.layers:.3f} ms   "
+              f"({weight_bytes / 1e9:.2f} GB of weights{read}, {state_bytes / 1e9:.3f} GB state, "
+              f"{kv_bytes / 1e9:.3f} GB KV)", flush=True)
     return rows
+
+
+def _experts_read(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> float:
+    """Distinct routed experts a decode step of these prompts reads, summed over the MoE layers:
+    counted over the decode steps of one more run of the timed work, eagerly (forward hooks do
+    not run inside CUDA graphs)."""
+    graphs, runner.use_graphs = runner.use_graphs, False
+    try:
+        engine = Engine(runner, ())
+        reqs = [Request(uuid.uuid4().hex, p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+                for p in prompts]
+        with ChosenExperts(runner.model) as chosen:
+            for _ in engine.run(reqs):
+                chosen.active = all(r.output_ids for r in reqs)  # prefill done: the steps after decode
+    finally:
+        runner.use_graphs = graphs
+    return chosen.per_step
 
 
 def _kv_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
@@ -398,9 +463,12 @@ def _fmt(r: Row) -> str:
 
 
 def floor_table(rows: list[FloorRow]) -> str:
-    return md_table(["shape", "dtype", "batch", "prompt + new tokens", "step ms", "floor ms", "step / floor", "CUDA graphs"],
+    return md_table(["shape", "dtype", "batch", "prompt + new tokens", "step ms", "floor ms", "step / floor", "CUDA graphs",
+                     "layers", "step / floor ms per layer", "GB read: weights + state"],
                     [[r.shape, r.dtype, str(r.batch), f"{r.prompt_tokens} + {r.new_tokens}", f"{r.step_ms:.3f}",
-                      f"{r.floor_ms:.3f}", f"{r.x_floor:.2f}x", "yes" if r.cuda_graphs else "no"] for r in rows])
+                      f"{r.floor_ms:.3f}", f"{r.x_floor:.2f}x", "yes" if r.cuda_graphs else "no",
+                      f"{r.layers} of {r.model_layers}", f"{r.step_ms / r.layers:.3f} / {r.floor_ms / r.layers:.3f}",
+                      f"{r.weight_bytes / 1e9:.3f} + {r.state_bytes / 1e9:.3f}"] for r in rows])
 
 
 def table(rows: list[Row]) -> str:

@@ -1,25 +1,70 @@
 """The memory-bandwidth floor of a decode step.
 
-A decode step at small batch reads every weight once, so it cannot beat
-    floor = weight bytes read per step / device memory bandwidth,
+A decode step at small batch reads every weight it uses once, so it cannot beat
+    floor = bytes read per step / device memory bandwidth,
 with the bandwidth measured in the same run (memory_bandwidth: a 1 GiB copy on a GPU, a 1 GiB
-matrix-vector product on a CPU).
+matrix-vector product on a CPU). The bytes: every weight, except that a MoE layer reads only
+the routed experts its batch's tokens chose (ChosenExperts counts them in real steps); KDA
+layers also read and write each request's recurrent state (the caller adds those bytes).
 """
 from __future__ import annotations
 
 import time
+from types import TracebackType
 
 import torch
 
+from common.model.moe import MoE
 
-def step_weight_bytes(model: torch.nn.Module) -> int:
+
+def step_weight_bytes(model: torch.nn.Module, experts_read: float | None = None) -> int:
     """Bytes of weights one decode step reads: all of them, except an untied input embedding
-    (a step reads only its batch's rows of it)."""
+    (a step reads only its batch's rows of it) and, given `experts_read` (distinct routed experts
+    one step chooses, summed over the MoE layers), the routed experts nobody chose."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if getattr(model, "lm_head", None) is not None:
         emb = model.embed_tokens.weight
         total -= emb.numel() * emb.element_size()
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if experts_read is not None and moes:
+        held = sum(t.numel() * t.element_size() for m in moes for t in (m.gate_up, m.down))
+        one = sum(t[0].numel() * t.element_size() for t in (moes[0].gate_up, moes[0].down))
+        total += round(experts_read * one) - held
     return total
+
+
+class ChosenExperts:
+    """Counts, while `active`, the distinct routed experts each MoE layer's forward chooses:
+    per_step is their sum over the layers, averaged over the forwards (the experts a step reads).
+    A forward hook routes the layer's input again (the same function of the same input, so the
+    same choice). Hooks run only in eager forwards: count with CUDA graphs off."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.moes = [m for m in model.modules() if isinstance(m, MoE)]
+        self.active = False
+        self.distinct = 0
+        self.calls = 0
+        self._hooks: list = []
+
+    def __enter__(self) -> "ChosenExperts":
+        self._hooks = [m.register_forward_hook(self._count) for m in self.moes]
+        return self
+
+    def __exit__(self, kind: type | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def _count(self, moe: MoE, args: tuple, out: torch.Tensor) -> None:
+        if self.active:
+            experts, _ = moe.route(args[0])
+            self.distinct += experts.unique().numel()
+            self.calls += 1
+
+    @property
+    def per_step(self) -> float:
+        if not self.calls:
+            raise RuntimeError("no MoE forward was counted")
+        return self.distinct * len(self.moes) / self.calls
 
 
 def memory_bandwidth(device: torch.device | str, repeats: int = 5) -> float:

@@ -21,6 +21,11 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
              1, 8, 32 (engine.json)
   floor      the same with `--shape llama3-8b`: the 8B-shaped step against its memory floor
              (floor.json)
+  moe-shapes MoE and KDA models in CUDA graphs: grouped experts against the loop, greedy graphs
+             against eager on small DeepSeek-V3 and Kimi-Linear shapes, and the DeepSeek-V2-Lite
+             and Kimi-Linear-48B decode steps against their floors (common.tools.gpu.moe_shapes;
+             moe_shapes.json, moe_shapes.md); `--small` runs it at small shapes, on the CPU
+             when there is no GPU
 
 Prints each part's results as it ends, then a summary with the targets; writes summary.json
 (rewritten after every part), engine.json, floor.json and profile_*.txt to OUT_DIR. No network
@@ -48,6 +53,7 @@ from common.engine.step_costs import step_times, synthetic_requests
 from common.model.shapes import SHAPES, random_weights
 from common.runner.model_runner import ModelRunner
 from common.tools.gpu.checks import fused_check, kernel_check, tiny_static_check
+from common.tools.gpu.moe_shapes import moe_shapes
 
 TARGET_TOK_S_B1 = 1000.0  # embedded model, batch 1, decode tok/s
 TARGET_X_FLOOR = 1.25  # Llama-3-8B shape, decode step / floor
@@ -259,6 +265,9 @@ def _summary(results: dict) -> list[str]:
                 lines.append(f"TARGET   {r['shape']} batch-1 step <= {TARGET_X_FLOOR}x floor: "
                              f"x{r['x_floor']:.2f} {'MET' if ok else 'NOT MET'}")
         lines.append(f"device   {b.get('gpu')}: memory bandwidth {b.get('memory_bandwidth_gbs', 0):.0f} GB/s")
+    m = results.get("moe-shapes")
+    if isinstance(m, dict):
+        lines += [f"moe      {line}" for line in m["lines"]]
     for part, value in results.items():
         if isinstance(value, str):
             lines.append(f"ERROR    {part}: {value.splitlines()[-1] if value else value}")
@@ -270,16 +279,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model for greedy/bench (default: the embedded one)")
     p.add_argument("--skip-bench", action="store_true", help="only the correctness parts and replay timings")
     p.add_argument("--parts", default=None, help="comma-separated parts to run (default: all)")
+    p.add_argument("--small", action="store_true",
+                   help="moe-shapes at small shapes (the only part then; on the CPU when there is no GPU)")
 
 
 def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check")
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.small:
+        print("no CUDA device: nothing to check (--small runs moe-shapes on the CPU)")
         return 1
+    if args.small and args.parts not in (None, "moe-shapes"):
+        raise ValueError("--small runs only the moe-shapes part")
     from common.model.static_attention import HAS_TRITON
 
-    results: dict = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "triton": HAS_TRITON}}
+    results: dict = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else None,
+                             "triton": HAS_TRITON}}
     parts = {
         "kernel": lambda: kernel_check("cuda", [torch.float32, torch.bfloat16]),
         "static": lambda: [tiny_static_check("cuda", dtype, backend, T) for dtype in ("fp32", "bf16")
@@ -289,11 +304,14 @@ def run(args: argparse.Namespace) -> int:
         "speculative": lambda: _speculative(args.model),
         "replay": _replay,
         "profile": lambda: _profile(args.out_dir),
+        "moe-shapes": lambda: moe_shapes(args.out_dir, args.small),
     }
     if not args.skip_bench:
         parts["bench"] = lambda: _bench(args.out_dir, args.model, floor=False)
         parts["floor"] = lambda: _bench(args.out_dir, args.model, floor=True)
-    if args.parts:
+    if args.small:
+        parts = {"moe-shapes": parts["moe-shapes"]}
+    elif args.parts:
         wanted = args.parts.split(",")
         unknown = set(wanted) - set(parts)
         if unknown:
