@@ -112,25 +112,32 @@ def cluster_namespaces():
     yield from _namespaces(prefill=2, decode=3)
 
 
-def write_profile(path: Path, ns: Namespaces, results: Path, *extra: str) -> None:
+def netns_settings(ns: Namespaces, results: Path) -> list[str]:
+    """KEY=VALUE: the nodes are the namespaces, processes on CPU run the embedded model (and its
+    shipped drafter) over Mooncake TCP, with deadlines short enough for a test."""
     nodes = lambda hosts: ",".join(f"netns:{h}={ns.ip[h]}" for h in hosts)
-    path.write_text("\n".join([
-        "PROFILE_NAME=netns-test", "MODE=pd", "LAUNCHER=process", f"PYTHON={sys.executable}",
+    return [
+        "LAUNCHER=process", f"PYTHON={sys.executable}",
         f"PREFILL_NODES={nodes(ns.prefill)}", f"DECODE_NODES={nodes(ns.decode)}",
         f"PREFILL_NODES_PER_INSTANCE={len(ns.prefill)}", f"DECODE_NODES_PER_INSTANCE={len(ns.decode)}",
         f"ROUTER_NODE=netns:{ns.r}={ns.ip[ns.r]}", f"RESULTS_DIR={results}",
-        "DTYPE=fp32", "DEVICE=cpu", "KV_PAGES=64", "CHUNK_SIZE=512", f"DEADLINE={DEADLINE_S}", f"REQUEST_TIMEOUT={DEADLINE_S}",
-        "MOONCAKE_PROTOCOL=tcp", "MC_TRANSFER_TIMEOUT=5", "COMPOSE_OVERLAYS=",
-        "START_TIMEOUT=300", "STOP_TIMEOUT=15", "POLL_INTERVAL=1",
+        "MODEL_NAME=", "DRAFT_MODEL_NAME=", "DTYPE=fp32", "DEVICE=cpu", "KV_PAGES=64", "CHUNK_SIZE=512",
+        f"DEADLINE={DEADLINE_S}", f"REQUEST_TIMEOUT={DEADLINE_S}",
+        "MOONCAKE_PROTOCOL=tcp", "RDMA_DEVICES=", "MC_TRANSFER_TIMEOUT=5", "COMPOSE_OVERLAYS=",
+        "START_TIMEOUT=300", "STOP_TIMEOUT=15", "POLL_INTERVAL=0.5",
         f"SMOKE_PROMPT={PROMPT}", f"SMOKE_MAX_NEW_TOKENS={NEW_TOKENS}",
-        "BENCH_TOOL=builtin", "BENCH_INPUT_LEN=64", "BENCH_OUTPUT_LEN=4", "BENCH_CONCURRENCY=2", "BENCH_NUM=2", *extra, "",
-    ]))
+        "BENCH_TOOL=builtin", "BENCH_INPUT_LEN=64", "BENCH_OUTPUT_LEN=4", "BENCH_CONCURRENCY=2", "BENCH_NUM=2",
+    ]
 
 
-def pd(command: str, profile: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+def write_profile(path: Path, ns: Namespaces, results: Path) -> None:
+    path.write_text("\n".join(["PROFILE_NAME=netns-test", "MODE=pd", *netns_settings(ns, results), ""]))
+
+
+def pd(command: str, profile: Path | str, *settings: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), "RUN_ID": "netns-test"}
-    return subprocess.run([str(REPO / "deploy" / "pd.sh"), command, str(profile)], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([str(REPO / "deploy" / "pd.sh"), command, str(profile), *settings], env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def client(ns: Namespaces, *args: str, timeout: float = 120) -> tuple[int, dict, float]:
@@ -223,23 +230,34 @@ def test_pd_across_namespaces_survives_a_cut_link(namespaces, tmp_path):
     assert not list((results / "netns-test" / "pids").glob("*.pid"))
 
 
-def test_instances_spanning_hosts_lose_a_node(cluster_namespaces, tmp_path):
-    """P with PP 2 over two hosts, D with TP 3 over three (--nnodes), router in a sixth, DFlash:
+# The users' PD profile at reduced size: the same structure (P over several hosts with pipeline
+# stages, D over several hosts with TP, DFlash, router apart), fewer ranks, CPU, the embedded
+# model. Everything else comes from deploy/profiles/pd-8node.env as it is.
+PD_8NODE_REDUCED = ["PREFILL_TP=1", "PREFILL_PP=2", "PREFILL_EP=", "DECODE_TP=3", "DECODE_EP=",
+                    # CPU: no GPU memory to take a fraction of (--kv-pages instead), no RDMA, no bond0
+                    "PREFILL_MEM_FRACTION=", "DECODE_MEM_FRACTION=", "NCCL_SOCKET_IFNAME=", "GLOO_SOCKET_IFNAME=",
+                    "NCCL_IB_HCA=", "CHUNK_SIZE=64"]
+
+
+def test_pd_8node_profile_spanning_hosts_loses_a_node(cluster_namespaces, tmp_path):
+    """deploy/profiles/pd-8node.env at reduced size: P with PP 2 over two hosts, D with TP 3 over
+    three (--nnodes), router in a sixth, DFlash:
     1. a greedy request equals `pdflash generate` (DFlash is lossless: the plain reference)
     2. the link between the two P hosts is cut while a prompt's activations cross it: the client
-       gets an HTTP 5xx within the deadline, the router sees P down, P's nodes exit (the documented
-       recovery restarts them), D's pages are all back
+       gets an HTTP 5xx within the deadline, the router sees P down and refuses the next request
+       at once (503: no prefill instance in service), P's nodes exit (the documented recovery
+       restarts them), D's pages are all back
     3. the link is restored: D is still healthy
     """
     ns = cluster_namespaces
     results = tmp_path / "results"
-    profile = tmp_path / "netns.env"
-    write_profile(profile, ns, results, "PREFILL_PP=2", "DECODE_TP=3", "SPEC=dflash", "SPEC_BLOCK=8", "CHUNK_SIZE=64")
+    profile = "pd-8node"
+    settings = [*netns_settings(ns, results), *PD_8NODE_REDUCED]
     ref_proc = subprocess.Popen([sys.executable, "-m", "common.tools.cli", "generate", "--prompt", PROMPT, "--max-new-tokens",
                                  str(NEW_TOKENS), "--json", "--device", "cpu"], stdout=subprocess.PIPE, text=True, cwd=REPO)
     p0, p1 = ns.prefill
     try:
-        started = pd("start", profile)
+        started = pd("start", profile, *settings)
         assert started.returncode == 0, started.stdout + started.stderr
         for rank in range(1, 3):  # every node of D runs its own share of the ranks
             assert f"decode0-rank{rank} on netns:{ns.decode[rank]}" in started.stdout
@@ -271,6 +289,9 @@ def test_instances_spanning_hosts_lose_a_node(cluster_namespaces, tmp_path):
         assert took < DEADLINE_S, f"the error came {took:.1f} s after the cut (deadline {DEADLINE_S} s)"
         health = ns.run_in(ns.r, "curl", "-s", f"{url}/health").stdout
         assert f"{ns.ip[p0]}:31000" in health and "unhealthy" in health, health
+        rc, refused, took = client(ns, "smoke", "--url", url, "--prompt", PROMPT, "--max-new-tokens", "2")
+        assert rc == 1 and refused["error"].startswith("HTTP 503") and "no prefill instance in service" in refused["error"]
+        assert took < 10, f"refused after {took:.1f} s"
         logs = results / "netns-test" / "logs"
         deadline = time.monotonic() + 20
         while (alive := [n for n in ("prefill0-rank0", "prefill0-rank1") if pd_alive(results, n)]):
@@ -291,7 +312,7 @@ def test_instances_spanning_hosts_lose_a_node(cluster_namespaces, tmp_path):
     finally:
         if ref_proc.poll() is None:
             ref_proc.kill()
-        stopped = pd("stop", profile)
+        stopped = pd("stop", profile, *settings)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert not list((results / "netns-test" / "pids").glob("*.pid"))
 
