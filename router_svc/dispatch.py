@@ -1,4 +1,5 @@
-"""Where each request goes (round robin), and the P/D fan-out of one request.
+"""Where each request goes (round robin over the instances in service), and the P/D fan-out of
+one request.
 
 pd: P.Prefill and D.Generate go out together with one room id. D reserves pages and calls P's
 Bootstrap; P prefills, writes the KV over Mooncake and acks D (TransferDone); D streams tokens.
@@ -9,7 +10,7 @@ their pages are freed.
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
@@ -18,53 +19,13 @@ from typing import Any
 import grpc
 
 from common.engine.sampling import SamplingParams
-from common.service.grpc_process import peer_channel
-from common.service.tls import Tls
 from common.service.messages import sampling_to_proto
 from protos import pdflash_pb2 as pb
-from protos import pdflash_pb2_grpc as pb_grpc
+from router_svc.backend import CONTROL_RPC_TIMEOUT_S, Backend, BackendHealth
 from router_svc.errors import ApiError, from_grpc
+from router_svc.instances import HEALTH_POLL_S, Instances
 
 log = logging.getLogger("router_svc")
-
-CONTROL_RPC_TIMEOUT_S = 5.0  # Health and Abort
-
-
-@dataclass(frozen=True)
-class BackendHealth:
-    role: str
-    addr: str
-    reply: pb.HealthReply | None  # None: the Health RPC failed
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.reply is not None and self.reply.ok
-
-
-@dataclass
-class Backend:
-    role: str  # "prefill", "decode" or "replica" (a decode service that prefills locally)
-    addr: str  # gRPC host:port
-    channel: grpc.aio.Channel
-    stub: Any  # PrefillServiceStub or DecodeServiceStub; both have Health and Abort
-
-    @classmethod
-    def connect(cls, role: str, addr: str, tls: Tls | None = None) -> Backend:
-        channel = peer_channel(addr, tls)  # connects lazily, so backends may start later
-        stub = pb_grpc.PrefillServiceStub(channel) if role == "prefill" else pb_grpc.DecodeServiceStub(channel)
-        return cls(role, addr, channel, stub)
-
-    @property
-    def label(self) -> str:
-        return f"{self.role} {self.addr}"
-
-    async def health(self) -> BackendHealth:
-        try:
-            reply = await self.stub.Health(pb.HealthRequest(), timeout=CONTROL_RPC_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            return BackendHealth(self.role, self.addr, None, f"{e.code().name}: {e.details()}")
-        return BackendHealth(self.role, self.addr, reply)
 
 
 @dataclass(frozen=True)
@@ -82,16 +43,27 @@ class Dispatcher:
         self.pd = bool(prefills)
         self.timeout_s = timeout_s  # a whole request (gRPC deadlines, which the services see too)
         self.transfer_deadline_s = transfer_deadline_s  # deadline_s for P and D: bootstrap + transfer
-        self._prefills = itertools.cycle(prefills) if prefills else None
-        self._decodes = itertools.cycle(decodes)
+        self._roles = [Instances("prefill", prefills)] if prefills else []
+        self._roles.append(Instances(decodes[0].role, decodes))
         self._background: set[asyncio.Task] = set()  # aborts still in flight
+        self._poller: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Poll every instance's health from now on (on the running event loop)."""
+        self._poller = asyncio.ensure_future(self._poll_forever())
 
     def route(self) -> Route:
-        return Route(next(self._decodes), next(self._prefills) if self._prefills else None)
+        """A decode instance (or replica) and, in pd, a prefill instance, each in service;
+        raises ApiError 503 if a role has none."""
+        decode = self._roles[-1].pick()
+        return Route(decode, self._roles[0].pick() if self.pd else None)
 
     async def generate(self, room: str, input_ids: list[int], sampling: SamplingParams
                        ) -> AsyncIterator[pb.GenerateChunk]:
         """Yield D's chunks for one room; raises ApiError. Must be closed (aclosing) if left early."""
+        # A role with every instance out asks them once more before the request is refused: one
+        # may be back since the last poll.
+        await asyncio.gather(*(r.poll() for r in self._roles if not r.any_in_service))
         route = self.route()
         params = sampling_to_proto(sampling)
         call = route.decode.stub.Generate(pb.GenerateRequest(
@@ -169,9 +141,20 @@ class Dispatcher:
         task.add_done_callback(self._background.discard)
 
     async def health(self) -> list[BackendHealth]:
-        return list(await asyncio.gather(*(b.health() for b in self.backends)))
+        """Every instance's Health now; what it says also decides which instances take requests."""
+        answers = await asyncio.gather(*(r.poll(CONTROL_RPC_TIMEOUT_S) for r in self._roles))
+        return [h for role in answers for h in role]
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(r.poll() for r in self._roles))
+            await asyncio.sleep(HEALTH_POLL_S)
 
     async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
         if self._background:
             await asyncio.wait(self._background, timeout=CONTROL_RPC_TIMEOUT_S)
         await asyncio.gather(*(b.channel.close() for b in self.backends))

@@ -15,6 +15,7 @@ from protos import pdflash_pb2 as pb
 from router_svc.dispatch import Dispatcher
 from router_svc.errors import INVALID, ApiError, invalid
 from router_svc.generation import Generation
+from router_svc.instances import NO_INSTANCE
 from router_svc.metrics import Metrics
 from router_svc.model_info import ModelInfo
 
@@ -74,8 +75,8 @@ class Frontend:
             status = e.type
             log.info("room %s failed (%s): %s", gen.room, e.type, e.message)
             # In pd mode a failure before the first token is a failed bootstrap or KV transfer,
-            # unless D refused the request outright (bad input, no free pages).
-            if self.dispatcher.pd and not gen.chunks and e.type not in (INVALID, "resource_exhausted"):
+            # unless D refused the request outright (bad input, no free pages) or it went nowhere.
+            if self.dispatcher.pd and not gen.chunks and e.type not in (INVALID, "resource_exhausted", NO_INSTANCE):
                 self.metrics.transfer_failed(e.type)
             raise
         finally:

@@ -26,7 +26,8 @@ from prometheus_client import (
 from router_svc.generation import Generation
 
 if TYPE_CHECKING:
-    from router_svc.dispatch import BackendHealth, Dispatcher
+    from router_svc.backend import BackendHealth
+    from router_svc.dispatch import Dispatcher
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

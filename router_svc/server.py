@@ -16,7 +16,8 @@ from common.model.tokenizer import Tokenizer
 from common.model.weights import resolve_model
 from router_svc import grpc_server
 from router_svc.config import RouterConfig
-from router_svc.dispatch import Backend, Dispatcher
+from router_svc.backend import Backend
+from router_svc.dispatch import Dispatcher
 from router_svc.frontend import Frontend
 from router_svc.http_server import HttpApi
 from router_svc.metrics import Metrics
@@ -35,6 +36,7 @@ async def serve(cfg: RouterConfig) -> None:
     dispatcher = Dispatcher([b for b in backends if b.role == "prefill"],
                             [b for b in backends if b.role != "prefill"], cfg.request_timeout,
                             cfg.transfer_deadline)
+    dispatcher.start()
     frontend = Frontend(model, tokenizer, dispatcher, Metrics())
 
     info = {"policy": cfg.policy, "grpc_port": cfg.grpc_port, "request_timeout": cfg.request_timeout,

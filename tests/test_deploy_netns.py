@@ -1,13 +1,8 @@
-"""Multi-host PD on one machine: prefill, decode and router each in a network namespace of their
-own (10.200.0.0/24 on a bridge in the router's namespace; nothing is added to the host's own
-network), started by deploy/pd.sh over its `netns:` nodes, Mooncake over TCP between them.
-
-1. start P -> D -> router; a greedy request through the router equals `pdflash generate`
-2. the P link is slowed (tbf), a request's KV transfer starts, the link is cut (link down):
-   the client gets an HTTP error within the deadline
-3. the link is restored: the stack is healthy again, both sides' KV pools are all free, and the
-   next request answers correctly
-4. stop: nothing is left listening
+"""Multi-host PD on one machine: every node of the users' PD profile (deploy/profiles/pd-8node.env,
+at reduced size) and the router each in a network namespace of their own (10.200.0.0/24 on a
+bridge in the router's namespace; nothing is added to the host's own network), started by
+deploy/pd.sh over its `netns:` nodes, Mooncake over TCP between them. One stack serves every
+check (its steps are listed on the test): a start costs most of the test's time.
 
 Needs root and `ip netns`; skipped otherwise.
 """
@@ -82,8 +77,14 @@ class Namespaces:
         for ns in self.ip:
             sh("ip", "netns", "del", ns, check=False)
 
-    def tx_bytes(self) -> int:
-        return int(sh("ip", "netns", "exec", self.p, "cat", "/sys/class/net/vp/statistics/tx_bytes").stdout)
+    def tx_bytes(self, ports: list[str]) -> int:
+        """Bytes the bridge has sent out of `ports` (v{i}br: into the i-th host, P hosts first)."""
+        files = [f"/sys/class/net/{p}/statistics/tx_bytes" for p in ports]
+        return sum(int(n) for n in sh("ip", "netns", "exec", self.r, "cat", *files).stdout.split())
+
+    def cross_routes(self, a: list[str], b: list[str]) -> list[tuple[str, str]]:
+        """(host, peer) for every route between a host of `a` and one of `b`, both ways."""
+        return [(x, y) for x in a for y in b] + [(y, x) for x in a for y in b]
 
     def run_in(self, ns: str, *cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return sh("ip", "netns", "exec", ns, *cmd, check=False, timeout=timeout, cwd=REPO)
@@ -102,35 +103,33 @@ def _namespaces(**hosts):
 
 
 @pytest.fixture
-def namespaces():
-    yield from _namespaces()
-
-
-@pytest.fixture
 def cluster_namespaces():
     """P over two hosts, D over three (the embedded model's heads split over TP 3, not 2)."""
     yield from _namespaces(prefill=2, decode=3)
 
 
-def write_profile(path: Path, ns: Namespaces, results: Path, *extra: str) -> None:
+def netns_settings(ns: Namespaces, results: Path) -> list[str]:
+    """KEY=VALUE: the nodes are the namespaces, processes on CPU run the embedded model (and its
+    shipped drafter) over Mooncake TCP, with deadlines short enough for a test."""
     nodes = lambda hosts: ",".join(f"netns:{h}={ns.ip[h]}" for h in hosts)
-    path.write_text("\n".join([
-        "PROFILE_NAME=netns-test", "MODE=pd", "LAUNCHER=process", f"PYTHON={sys.executable}",
+    return [
+        "LAUNCHER=process", f"PYTHON={sys.executable}",
         f"PREFILL_NODES={nodes(ns.prefill)}", f"DECODE_NODES={nodes(ns.decode)}",
         f"PREFILL_NODES_PER_INSTANCE={len(ns.prefill)}", f"DECODE_NODES_PER_INSTANCE={len(ns.decode)}",
         f"ROUTER_NODE=netns:{ns.r}={ns.ip[ns.r]}", f"RESULTS_DIR={results}",
-        "DTYPE=fp32", "DEVICE=cpu", "KV_PAGES=64", "CHUNK_SIZE=512", f"DEADLINE={DEADLINE_S}", f"REQUEST_TIMEOUT={DEADLINE_S}",
-        "MOONCAKE_PROTOCOL=tcp", "MC_TRANSFER_TIMEOUT=5", "COMPOSE_OVERLAYS=",
-        "START_TIMEOUT=300", "STOP_TIMEOUT=15", "POLL_INTERVAL=1",
+        "MODEL_NAME=", "DRAFT_MODEL_NAME=", "DTYPE=fp32", "DEVICE=cpu", "KV_PAGES=64", "CHUNK_SIZE=512",
+        f"DEADLINE={DEADLINE_S}", f"REQUEST_TIMEOUT={DEADLINE_S}",
+        "MOONCAKE_PROTOCOL=tcp", "RDMA_DEVICES=", "MC_TRANSFER_TIMEOUT=5", "COMPOSE_OVERLAYS=",
+        "START_TIMEOUT=300", "STOP_TIMEOUT=15", "POLL_INTERVAL=0.5",
         f"SMOKE_PROMPT={PROMPT}", f"SMOKE_MAX_NEW_TOKENS={NEW_TOKENS}",
-        "BENCH_TOOL=builtin", "BENCH_INPUT_LEN=64", "BENCH_OUTPUT_LEN=4", "BENCH_CONCURRENCY=2", "BENCH_NUM=2", *extra, "",
-    ]))
+        "BENCH_TOOL=builtin", "BENCH_INPUT_LEN=64", "BENCH_OUTPUT_LEN=4", "BENCH_CONCURRENCY=2", "BENCH_NUM=2",
+    ]
 
 
-def pd(command: str, profile: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+def pd(command: str, profile: Path | str, *settings: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), "RUN_ID": "netns-test"}
-    return subprocess.run([str(REPO / "deploy" / "pd.sh"), command, str(profile)], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([str(REPO / "deploy" / "pd.sh"), command, str(profile), *settings], env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def client(ns: Namespaces, *args: str, timeout: float = 120) -> tuple[int, dict, float]:
@@ -156,93 +155,46 @@ def pools_free(ns: Namespaces, prefill: bool = True) -> list[tuple[int, int]]:
     return [(int(out[i]), int(out[i + 1])) for i in range(0, len(out), 2)]
 
 
-def test_pd_across_namespaces_survives_a_cut_link(namespaces, tmp_path):
-    ns = namespaces
-    results = tmp_path / "results"
-    profile = tmp_path / "netns.env"
-    write_profile(profile, ns, results)
-    # The reference answer, computed while the stack starts.
-    ref_proc = subprocess.Popen([sys.executable, "-m", "common.tools.cli", "generate", "--prompt", PROMPT, "--max-new-tokens",
-                                 str(NEW_TOKENS), "--json", "--device", "cpu"], stdout=subprocess.PIPE, text=True, cwd=REPO)
-    try:
-        started = pd("start", profile)
-        assert started.returncode == 0, started.stdout + started.stderr
-        out = started.stdout
-        # P healthy before D starts, D healthy before the router starts
-        assert out.index("wait until prefill0 is healthy") < out.index("-m decode_svc") \
-            < out.index("wait until decode0 is healthy") < out.index("-m router_svc")
-        assert f"ip netns exec {ns.p} bash -c" in out and f"ip netns exec {ns.d} bash -c" in out
-        ref = json.loads(ref_proc.communicate(timeout=300)[0])
-        url = f"http://{ns.ip[ns.r]}:30000"
-
-        # 1. a request across the namespaces answers like the in-process engine
-        rc, got, _ = client(ns, "smoke", "--url", url, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS))
-        assert rc == 0 and got["output_ids"] == ref["output_ids"], (got, ref)
-
-        # 2. slow P's link so the KV transfer of a long prompt takes seconds, then cut it mid-transfer
-        # (tbf, not netem: kernels without sch_netem are common in containers)
-        sh("ip", "netns", "exec", ns.p, "tc", "qdisc", "add", "dev", "vp", "root", "tbf", "rate", "16mbit",
-           "burst", "64kb", "latency", "500ms")
-        long_prompt = " ".join(f"item {i}," for i in range(150))  # ~600 tokens: ~27 MB of fp32 KV
-        base = ns.tx_bytes()
-        t0 = time.monotonic()
-        req = subprocess.Popen(["ip", "netns", "exec", ns.r, sys.executable, "deploy/tools/client.py", "smoke",
-                                "--url", url, "--prompt", long_prompt, "--max-new-tokens", "4", "--timeout", "60"],
-                               stdout=subprocess.PIPE, text=True, cwd=REPO)
-        while ns.tx_bytes() - base < 2_000_000:  # KV bytes are flowing from P
-            assert req.poll() is None, "the request ended before its transfer was cut"
-            assert time.monotonic() - t0 < 60, "the KV transfer never started"
-            time.sleep(0.05)
-        sh("ip", "-n", ns.p, "link", "set", "vp", "down")
-        failed = json.loads(req.communicate(timeout=90)[0])
-        took = time.monotonic() - t0
-        assert req.returncode == 1 and not failed["ok"], failed
-        assert failed["error"].startswith("HTTP 5"), failed  # a clean HTTP error, not a hang or a reset
-        assert took < DEADLINE_S + 3, f"the error came {took:.1f} s after the request (deadline {DEADLINE_S} s)"
-
-        # 3. restore the link: healthy again, no room leaked, the next request answers correctly
-        sh("ip", "-n", ns.p, "link", "set", "vp", "up")
-        sh("ip", "netns", "exec", ns.p, "tc", "qdisc", "del", "dev", "vp", "root")
-        deadline = time.monotonic() + 60
-        while pd("status", profile, timeout=120).returncode != 0:
-            assert time.monotonic() < deadline, "stack not healthy 60 s after the link came back"
-            time.sleep(1)
-        deadline = time.monotonic() + 30
-        while (pools := pools_free(ns)) and any(free != total for free, total in pools):
-            assert time.monotonic() < deadline, f"KV pages still held after the failed room: {pools}"
-            time.sleep(1)
-        rc, got, _ = client(ns, "smoke", "--url", url, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS))
-        assert rc == 0 and got["output_ids"] == ref["output_ids"], got
-    finally:
-        if ref_proc.poll() is None:
-            ref_proc.kill()
-        stopped = pd("stop", profile)
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    for f in (results / "netns-test" / "metadata").glob("after-stop-*.txt"):
-        assert f.read_text().strip() == "", f"{f.name}: {f.read_text()}"
-    assert not list((results / "netns-test" / "pids").glob("*.pid"))
+# The users' PD profile at reduced size: the same structure (P over several hosts with pipeline
+# stages, D over several hosts with TP, DFlash, router apart), fewer ranks, CPU, the embedded
+# model. Everything else comes from deploy/profiles/pd-8node.env as it is.
+PD_8NODE_REDUCED = ["PREFILL_TP=1", "PREFILL_PP=2", "PREFILL_EP=", "DECODE_TP=3", "DECODE_EP=",
+                    # CPU: no GPU memory to take a fraction of (--kv-pages instead), no RDMA, no bond0
+                    "PREFILL_MEM_FRACTION=", "DECODE_MEM_FRACTION=", "NCCL_SOCKET_IFNAME=", "GLOO_SOCKET_IFNAME=",
+                    "NCCL_IB_HCA=", "CHUNK_SIZE=64"]
 
 
-def test_instances_spanning_hosts_lose_a_node(cluster_namespaces, tmp_path):
-    """P with PP 2 over two hosts, D with TP 3 over three (--nnodes), router in a sixth, DFlash:
-    1. a greedy request equals `pdflash generate` (DFlash is lossless: the plain reference)
-    2. the link between the two P hosts is cut while a prompt's activations cross it: the client
-       gets an HTTP 5xx within the deadline, the router sees P down, P's nodes exit (the documented
-       recovery restarts them), D's pages are all back
-    3. the link is restored: D is still healthy
+def test_pd_8node_profile_spanning_hosts_loses_a_node(cluster_namespaces, tmp_path):
+    """deploy/profiles/pd-8node.env at reduced size: P with PP 2 over two hosts, D with TP 3 over
+    three (--nnodes), router in a sixth, DFlash:
+    1. started P -> D -> router; a greedy request equals `pdflash generate` (DFlash is lossless:
+       the plain reference)
+    2. the P <-> D links are slowed, a long prompt's KV transfer starts, they are cut: the client
+       gets an HTTP 5xx within the deadline; once they are back the stack is healthy, every KV
+       pool is all free and the next request answers correctly
+    3. the link between the two P hosts is cut while a prompt's activations cross it: the client
+       gets an HTTP 5xx within the deadline, the router sees P down and refuses the next request
+       at once (503: no prefill instance in service), P's nodes exit (the documented recovery
+       restarts them), D's pages are all back; with the link back, D is still healthy
+    4. stop: nothing is left running or listening
     """
     ns = cluster_namespaces
     results = tmp_path / "results"
-    profile = tmp_path / "netns.env"
-    write_profile(profile, ns, results, "PREFILL_PP=2", "DECODE_TP=3", "SPEC=dflash", "SPEC_BLOCK=8", "CHUNK_SIZE=64")
+    profile = "pd-8node"
+    settings = [*netns_settings(ns, results), *PD_8NODE_REDUCED]
     ref_proc = subprocess.Popen([sys.executable, "-m", "common.tools.cli", "generate", "--prompt", PROMPT, "--max-new-tokens",
                                  str(NEW_TOKENS), "--json", "--device", "cpu"], stdout=subprocess.PIPE, text=True, cwd=REPO)
     p0, p1 = ns.prefill
     try:
-        started = pd("start", profile)
+        started = pd("start", profile, *settings)
         assert started.returncode == 0, started.stdout + started.stderr
+        out = started.stdout
+        # P healthy before D starts, D healthy before the router starts
+        assert out.index("wait until prefill0-rank0 is healthy") < out.index("-m decode_svc") \
+            < out.index("wait until decode0-rank0 is healthy") < out.index("-m router_svc")
+        assert f"ip netns exec {ns.p} bash -c" in out and f"ip netns exec {ns.d} bash -c" in out
         for rank in range(1, 3):  # every node of D runs its own share of the ranks
-            assert f"decode0-rank{rank} on netns:{ns.decode[rank]}" in started.stdout
+            assert f"decode0-rank{rank} on netns:{ns.decode[rank]}" in out
         ref = json.loads(ref_proc.communicate(timeout=300)[0])
         url = f"http://{ns.ip[ns.r]}:30000"
 
@@ -250,15 +202,54 @@ def test_instances_spanning_hosts_lose_a_node(cluster_namespaces, tmp_path):
         rc, got, _ = client(ns, "smoke", "--url", url, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS))
         assert rc == 0 and got["output_ids"] == ref["output_ids"], (got, ref)
 
-        # 2. cut P0 <-> P1 (routes to nothing, both ways: packets vanish, nothing is reset) once a
-        # long prompt's activations are crossing it
-        long_prompt = " ".join(f"item {i}," for i in range(150))
-        base = ns.tx_bytes()
+        # 2. slow what enters D's hosts so the KV transfer of a long prompt takes seconds, then cut
+        # every P <-> D route mid-transfer (tbf, not netem: kernels without sch_netem are common)
+        into_d = [f"v{len(ns.prefill) + i}br" for i in range(len(ns.decode))]  # bridge ports towards D
+        for port in into_d:
+            sh("ip", "netns", "exec", ns.r, "tc", "qdisc", "add", "dev", port, "root", "tbf", "rate", "16mbit",
+               "burst", "64kb", "latency", "500ms")
+        long_prompt = " ".join(f"item {i}," for i in range(150))  # ~600 tokens: ~27 MB of fp32 KV
+        base = ns.tx_bytes(into_d)
         t0 = time.monotonic()
         req = subprocess.Popen(["ip", "netns", "exec", ns.r, sys.executable, "deploy/tools/client.py", "smoke",
                                 "--url", url, "--prompt", long_prompt, "--max-new-tokens", "4", "--timeout", "60"],
                                stdout=subprocess.PIPE, text=True, cwd=REPO)
-        while ns.tx_bytes() - base < 300_000:  # a chunk's activations are ~150 KB
+        while ns.tx_bytes(into_d) - base < 2_000_000:  # KV bytes are flowing into D
+            assert req.poll() is None, "the request ended before its transfer was cut"
+            assert time.monotonic() - t0 < 90, "the KV transfer never started"
+            time.sleep(0.05)
+        cut = time.monotonic()
+        routes = ns.cross_routes(ns.prefill, ns.decode)
+        for host, peer in routes:
+            sh("ip", "-n", host, "route", "add", "blackhole", f"{ns.ip[peer]}/32")
+        failed = json.loads(req.communicate(timeout=90)[0])
+        took = time.monotonic() - cut
+        assert req.returncode == 1 and failed["error"].startswith("HTTP 5"), failed  # a clean error, not a hang
+        assert took < DEADLINE_S + 3, f"the error came {took:.1f} s after the cut (deadline {DEADLINE_S} s)"
+        for host, peer in routes:
+            sh("ip", "-n", host, "route", "del", "blackhole", f"{ns.ip[peer]}/32")
+        for port in into_d:
+            sh("ip", "netns", "exec", ns.r, "tc", "qdisc", "del", "dev", port, "root")
+        deadline = time.monotonic() + 60
+        while pd("status", profile, *settings, timeout=120).returncode != 0:
+            assert time.monotonic() < deadline, "stack not healthy 60 s after the links came back"
+            time.sleep(1)
+        deadline = time.monotonic() + 45
+        while (pools := pools_free(ns)) and any(free != total for free, total in pools):
+            assert time.monotonic() < deadline, f"KV pages still held after the failed room: {pools}"
+            time.sleep(1)
+        rc, got, _ = client(ns, "smoke", "--url", url, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS))
+        assert rc == 0 and got["output_ids"] == ref["output_ids"], got
+
+        # 3. cut P0 <-> P1 (routes to nothing, both ways: packets vanish, nothing is reset) once a
+        # long prompt's activations are crossing it
+        long_prompt = " ".join(f"item {i}," for i in range(150))
+        base = ns.tx_bytes(["v1br"])
+        t0 = time.monotonic()
+        req = subprocess.Popen(["ip", "netns", "exec", ns.r, sys.executable, "deploy/tools/client.py", "smoke",
+                                "--url", url, "--prompt", long_prompt, "--max-new-tokens", "4", "--timeout", "60"],
+                               stdout=subprocess.PIPE, text=True, cwd=REPO)
+        while ns.tx_bytes(["v1br"]) - base < 300_000:  # into P1: a chunk's activations are ~150 KB
             assert req.poll() is None, "the request ended before the link was cut"
             assert time.monotonic() - t0 < 60, "the prefill never started"
             time.sleep(0.02)
@@ -271,6 +262,9 @@ def test_instances_spanning_hosts_lose_a_node(cluster_namespaces, tmp_path):
         assert took < DEADLINE_S, f"the error came {took:.1f} s after the cut (deadline {DEADLINE_S} s)"
         health = ns.run_in(ns.r, "curl", "-s", f"{url}/health").stdout
         assert f"{ns.ip[p0]}:31000" in health and "unhealthy" in health, health
+        rc, refused, took = client(ns, "smoke", "--url", url, "--prompt", PROMPT, "--max-new-tokens", "2")
+        assert rc == 1 and refused["error"].startswith("HTTP 503") and "no prefill instance in service" in refused["error"]
+        assert took < 10, f"refused after {took:.1f} s"
         logs = results / "netns-test" / "logs"
         deadline = time.monotonic() + 20
         while (alive := [n for n in ("prefill0-rank0", "prefill0-rank1") if pd_alive(results, n)]):
@@ -284,15 +278,18 @@ def test_instances_spanning_hosts_lose_a_node(cluster_namespaces, tmp_path):
             assert time.monotonic() < deadline, f"D's KV pages still held after the failed room: {pools}"
             time.sleep(1)
 
-        # 3. the link back: D answers health (P's nodes are restarted by the operator: docs/DEPLOY.md)
+        # the link back: D answers health (P's nodes are restarted by the operator: docs/DEPLOY.md)
         sh("ip", "-n", p0, "route", "del", "blackhole", f"{ns.ip[p1]}/32")
         sh("ip", "-n", p1, "route", "del", "blackhole", f"{ns.ip[p0]}/32")
         assert pools_free(ns, prefill=False)
     finally:
         if ref_proc.poll() is None:
             ref_proc.kill()
-        stopped = pd("stop", profile)
+        stopped = pd("stop", profile, *settings)
+    # 4. nothing left behind
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    for f in (results / "netns-test" / "metadata").glob("after-stop-*.txt"):
+        assert f.read_text().strip() == "", f"{f.name}: {f.read_text()}"
     assert not list((results / "netns-test" / "pids").glob("*.pid"))
 
 

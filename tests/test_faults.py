@@ -290,6 +290,7 @@ def test_prefill_killed_mid_request(stack: Stack, reference: list[int]) -> None:
     resp = call.result(timeout=DEADLINE_S)
     assert time.monotonic() - killed < 10
     assert_error(resp, 502, f"prefill {p.addr}")
+    assert 'pdflash_transfer_failures_total{reason="backend_unavailable"}' in requests.get(stack.url + "/metrics").text
     wait_until("D's pages back", lambda: all_free(health(stack, "decode")), 30, stack)
     # pdflash up restarts P on the same port.
     wait_until("a new P process", lambda: _new_pid(stack, p, pid), 30, stack, every=0.5)

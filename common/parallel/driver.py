@@ -82,7 +82,7 @@ class ParallelRunner(ModelRunner):
         ready = [self._expect(("ready", r)) for r in range(1, layout.world)]
         self._links: dict[int, Link] = {}  # node rank -> link, nodes other than this one
         if nodes.multi:  # before our own ranks start: a node that does not fit fails the start at once
-            for node, (conn, ip) in accept_nodes(nodes, instance_key(nodes, layout, cfg.name), startup_timeout_s).items():
+            for node, (conn, ip) in accept_nodes(nodes, instance_key(nodes, layout, cfg.name, num_pages), startup_timeout_s).items():
                 self._links[node] = Link(conn, f"node {node} ({ip})", self._deliver, self._node_lost)
                 self._links[node].start()  # heartbeats from now on: the start-up below takes a while
         packed = PackedTensors.pack(tensors)

@@ -34,7 +34,7 @@ class NodeAgent:
         self.done = threading.Event()
         self._stopping = False
         self._local: LocalRanks | None = None
-        conn = connect_head(nodes, instance_key(nodes, layout, cfg.name), startup_timeout_s)
+        conn = connect_head(nodes, instance_key(nodes, layout, cfg.name, num_pages), startup_timeout_s)
         # Heartbeats from now on (the ranks' start-up takes a while); the driver sends nothing
         # else before our ranks have joined its process group.
         self._link = Link(conn, f"node 0 ({nodes.control_addr[0]})", self._on_message, self._lost)

@@ -32,7 +32,7 @@ class Hello:
     """A node's first message: who it is and what instance it thinks it joins."""
     node_rank: int
     host_ip: str
-    instance: tuple  # (nnodes, tp, pp, ep, model name): must equal the driver's
+    instance: tuple  # (nnodes, tp, pp, ep, model name, KV pages): must equal the driver's
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,9 @@ class RemoteWrite:
     job: Any  # common.parallel.worker.WriteJob
 
 
-def instance_key(nodes, layout, model_name: str) -> tuple:
-    return nodes.nnodes, layout.tp, layout.pp, layout.ep, model_name
+def instance_key(nodes, layout, model_name: str, num_pages: int) -> tuple:
+    # The KV pages too: with --mem-fraction each node sizes the pool from its own GPUs.
+    return nodes.nnodes, layout.tp, layout.pp, layout.ep, model_name, num_pages
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def accept_nodes(nodes, instance: tuple, deadline_s: float) -> dict[int, tuple[m
             error = ""
             if hello.instance != instance:
                 error = f"node {hello.node_rank} ({hello.host_ip}) was started for {hello.instance}, node 0 for {instance} " \
-                        "(nnodes, tp, pp, ep, model)"
+                        "(nnodes, tp, pp, ep, model, KV pages)"
             elif hello.node_rank in joined or not 0 < hello.node_rank < nodes.nnodes:
                 error = f"node rank {hello.node_rank} ({hello.host_ip}) is taken or out of range"
             conn.send(Welcome(error))

@@ -8,12 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.spec_policy import SpecConfig
+from common.model.config import ModelConfig
 from common.model.tokenizer import Tokenizer
 from common.model.weights import load_weights, resolve_model
 from common.parallel.cluster import STARTUP_TIMEOUT_S, Nodes, make_nodes, pin_collective_interface
 from common.parallel.node_agent import NodeAgent
-from common.runner.layout import check_parallel
+from common.runner.layout import ParallelConfigError, RankLayout, check_parallel
 from common.runner.model_runner import ModelRunner
+from common.service.memory import kv_pages_for_fraction
 
 # Measurements kept between runs (the step costs the speculation policy weighs).
 CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdflash")
@@ -33,13 +35,15 @@ class ModelOptions:
     state_slots: int = 64  # models with KDA layers: requests whose recurrent state fits at a time
     nodes: Nodes = Nodes()  # the hosts the TP x PP ranks are spread over
     dist_timeout_s: float = STARTUP_TIMEOUT_S  # for every node (and rank) of the instance to join
+    mem_fraction: float | None = None  # CUDA: size the KV pool from GPU memory instead of kv_pages
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ModelOptions":
         # --tp / --pp / --ep and the node options exist only on the services (add_parallel_args)
         return cls(args.model, args.dtype, args.device, args.page_size, args.kv_pages, args.no_cuda_graphs,
                    getattr(args, "tp", 1), getattr(args, "pp", 1), getattr(args, "ep", 1), args.state_slots,
-                   getattr(args, "nodes", Nodes()), getattr(args, "dist_timeout", STARTUP_TIMEOUT_S))
+                   getattr(args, "nodes", Nodes()), getattr(args, "dist_timeout", STARTUP_TIMEOUT_S),
+                   args.mem_fraction)
 
 
 def add_model_args(p: argparse.ArgumentParser, kv_pages: int = 512) -> None:
@@ -48,10 +52,20 @@ def add_model_args(p: argparse.ArgumentParser, kv_pages: int = 512) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
     p.add_argument("--kv-pages", type=int, default=kv_pages, help="KV pages in the pool")
+    p.add_argument("--mem-fraction", "--mem-fraction-static", type=_fraction, default=None,
+                   help="CUDA: the share of each GPU's memory for the weights and the KV pool, which gets what the "
+                        "weights leave (replaces --kv-pages; SGLang's --mem-fraction-static); not on CPU")
     p.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: decode eagerly, without CUDA graphs")
     p.add_argument("--state-slots", type=int, default=64,
                    help="models with KDA layers (kimi_linear): requests whose recurrent state and convolution "
                         "windows are held at a time, a budget apart from --kv-pages (SGLang: --max-mamba-cache-size)")
+
+
+def _fraction(value: str) -> float:
+    f = float(value)
+    if not 0 < f < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1)")
+    return f
 
 
 def add_parallel_args(p: argparse.ArgumentParser, pipeline: bool) -> None:
@@ -74,7 +88,10 @@ def add_parallel_args(p: argparse.ArgumentParser, pipeline: bool) -> None:
 
 
 def parse_nodes(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    """args.nodes from the node options (add_parallel_args); a bad combination is a usage error."""
+    """args.nodes from the node options (add_parallel_args); a bad combination, of them or with
+    --mem-fraction, is a usage error."""
+    if args.mem_fraction is not None and not args.device.startswith("cuda"):
+        p.error(f"--mem-fraction sizes the KV pool from GPU memory; on {args.device} give --kv-pages instead")
     try:
         args.nodes = make_nodes(args.nnodes, args.node_rank, args.dist_init_addr, args.host_ip)
     except (ValueError, OSError) as e:
@@ -126,12 +143,24 @@ def load_proposer(args: argparse.Namespace, runner: ModelRunner):
     return DFlashProposer(drafter, runner, runner.pool.num_pages)
 
 
+def kv_pages(opts: ModelOptions, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> int:
+    """--kv-pages, or with --mem-fraction what a GPU's share leaves next to the weights."""
+    if opts.mem_fraction is None:
+        return opts.kv_pages
+    if not opts.device.startswith("cuda"):
+        raise ParallelConfigError(f"--mem-fraction sizes the KV pool from GPU memory; on {opts.device} give --kv-pages")
+    gpu_bytes = torch.cuda.get_device_properties(torch.device(opts.device)).total_memory
+    return kv_pages_for_fraction(opts.mem_fraction, gpu_bytes, cfg, tensors, RankLayout(opts.tp, opts.pp, 0, opts.ep),
+                                 opts.dtype, opts.page_size, opts.state_slots)
+
+
 def start_node(opts: ModelOptions) -> NodeAgent:
     """A node other than node 0 of a multi-node instance: this host's ranks, joined to node 0."""
     cfg, tensors = load_weights(resolve_model(opts.model))
+    pages = kv_pages(opts, cfg, tensors)
     pin_collective_interface(opts.nodes)  # before any rank process starts: they inherit it
     return NodeAgent(cfg, tensors, tp=opts.tp, pp=opts.pp, ep=opts.ep, dtype=opts.dtype, device=opts.device,
-                     num_pages=opts.kv_pages, page_size=opts.page_size, state_slots=opts.state_slots,
+                     num_pages=pages, page_size=opts.page_size, state_slots=opts.state_slots,
                      nodes=opts.nodes, startup_timeout_s=opts.dist_timeout_s)
 
 
@@ -139,14 +168,15 @@ def load_model(opts: ModelOptions) -> tuple[ModelRunner, Tokenizer]:
     src = resolve_model(opts.model)
     cfg, tensors = load_weights(src)
     check_parallel(cfg, opts.tp, opts.pp, opts.ep)  # e.g. --ep without the --tp ranks to shard over
+    pages = kv_pages(opts, cfg, tensors)
     if opts.tp * opts.pp > 1:
         from common.parallel.driver import ParallelRunner
 
         pin_collective_interface(opts.nodes)  # before any rank process starts: they inherit it
         runner = ParallelRunner(cfg, tensors, tp=opts.tp, pp=opts.pp, ep=opts.ep, dtype=opts.dtype,
-                                device=opts.device, num_pages=opts.kv_pages, page_size=opts.page_size,
+                                device=opts.device, num_pages=pages, page_size=opts.page_size,
                                 state_slots=opts.state_slots, nodes=opts.nodes, startup_timeout_s=opts.dist_timeout_s)
     else:
-        runner = ModelRunner(cfg, tensors, dtype=opts.dtype, device=opts.device, num_pages=opts.kv_pages,
+        runner = ModelRunner(cfg, tensors, dtype=opts.dtype, device=opts.device, num_pages=pages,
                              page_size=opts.page_size, enforce_eager=opts.enforce_eager, state_slots=opts.state_slots)
     return runner, Tokenizer(src, cfg.eos_token_ids)

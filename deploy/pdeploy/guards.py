@@ -88,10 +88,12 @@ def _fraction(value: str) -> bool:
 
 
 def _shapes(cfg: Config) -> list[str]:
-    """On GPUs, TP x PP of an instance must fill its nodes' GPUs exactly."""
+    """Decode instances and replicas do not pipeline; on GPUs, TP x PP of an instance must fill
+    its nodes' GPUs exactly."""
+    errors = [f"{role}_PP={cfg[f'{role}_PP']}: only prefill instances split into pipeline stages; "
+              f"leave it empty or 1." for role in ("DECODE", "REPLICA") if cfg[f"{role}_PP"] not in ("", "1")]
     if cfg["DEVICE"] != "cuda":
-        return []
-    errors = []
+        return errors
     roles = ("PREFILL", "DECODE") if cfg["MODE"] == "pd" else ("REPLICA",)
     for role in roles:
         if not (cfg[f"{role}_TP"] or cfg[f"{role}_PP"]):

@@ -162,7 +162,7 @@ def _worker_services(cfg: Config, role: str, container: bool, metadata_url: str)
         common = ["--role", "decode"] + common + _opt("--max-running", cfg["MAX_RUNNING"])
     elif role == "replica":
         common = ["--role", "colocated"] + common + _opt("--max-running", cfg["MAX_RUNNING"])
-    for dim in ("TP", "PP", "EP"):
+    for dim in ("TP", "PP", "EP") if role == "prefill" else ("TP", "EP"):  # decode does not pipeline (guards)
         common += _opt(f"--{dim.lower()}", cfg[f"{key}_{dim}"])
     common += _opt("--mem-fraction", cfg[f"{key}_MEM_FRACTION"])
     if cfg["SPEC"]:
