@@ -16,8 +16,10 @@ from router_svc.sglang_api import GenerateBody
 
 SCHEMAS = "#/components/schemas/{model}"
 OBJECT = {"application/json": {"schema": {"type": "object"}}}
-# Generation answers one JSON object, or server-sent events when the body says "stream": true.
-GENERATED = OBJECT | {"text/event-stream": {"schema": {"type": "string"}}}
+# Generation answers one JSON object, or server-sent events when the body says "stream": true:
+# each event's data is a JSON object (an error's too), the last one's is "[DONE]".
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+GENERATED = OBJECT | {"text/event-stream": {"schema": SSE_EVENT}}
 # What a generation route may answer besides 200, and why.
 GENERATION_ERRORS = {400: "invalid request (the message names the field)", 500: "a bug in the router",
                      502: "a backend is down or failed", 503: "no free KV pages on a backend: retry later",
