@@ -116,6 +116,7 @@ class HttpApi:
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                       ) -> web.StreamResponse:
+        headers: dict[str, str] = {}
         try:
             return await handler(request)
         except InvalidRequest as e:
@@ -127,10 +128,11 @@ class HttpApi:
             if e.status < 400:
                 raise
             err = ApiError(e.status, e.text or e.reason, "not_found_error" if e.status == 404 else INVALID)
+            headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else {}  # a 405 must name the methods
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
             err = internal()
-        return web.json_response(err.body(), status=err.status)
+        return web.json_response(err.body(), status=err.status, headers=headers)
 
 
 async def _read_json(request: web.Request) -> Any:
