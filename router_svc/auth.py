@@ -1,6 +1,8 @@
-"""The router's API key (`--api-key`, `PDFLASH_API_KEY`): every HTTP route but /health, and every
-RouterService RPC, needs `Authorization: Bearer <key>`, as with SGLang and vLLM. /health and the
-standard gRPC health service stay open: load balancers and `pdflash up` probe them keyless."""
+"""The router's API key (`--api-key`, `PDFLASH_API_KEY`): every HTTP route but /health and
+/openapi.json, and every RouterService RPC, needs `Authorization: Bearer <key>`, as with SGLang and
+vLLM. /health and the standard gRPC health service stay open: load balancers and `pdflash up` probe
+them keyless. /openapi.json says only what every pdflash router accepts, and client generators
+fetch it before they have a key."""
 from __future__ import annotations
 
 import hmac
@@ -11,7 +13,7 @@ from aiohttp import web
 
 from router_svc.errors import ApiError
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/openapi.json"})
 GRPC_HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 

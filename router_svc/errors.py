@@ -4,8 +4,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
+from pydantic import BaseModel
 
 INVALID = "invalid_request_error"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: None = None
+    code: int  # the HTTP status
+
+
+class ErrorBody(BaseModel):
+    """The OpenAI error shape, which the `openai` client parses into e.g. BadRequestError."""
+    error: ErrorDetail
 
 
 @dataclass
@@ -19,8 +32,7 @@ class ApiError(Exception):
         return self.message
 
     def body(self) -> dict:
-        # The OpenAI error shape, which the `openai` client parses into e.g. BadRequestError.
-        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.status}}
+        return ErrorBody(error=ErrorDetail(message=self.message, type=self.type, code=self.status)).model_dump()
 
 
 def invalid(message: str) -> ApiError:

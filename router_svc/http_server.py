@@ -13,7 +13,7 @@ from google.protobuf.json_format import MessageToDict
 
 from common.engine.sampling import InvalidRequest
 from protos import pdflash_pb2 as pb
-from router_svc import auth, openai_api, sglang_api, sse
+from router_svc import auth, openai_api, openapi, sglang_api, sse
 from router_svc.errors import INVALID, ApiError, internal, invalid
 from router_svc.frontend import Frontend, Job
 from router_svc.generation import Generation
@@ -22,8 +22,6 @@ from router_svc.metrics import CONTENT_TYPE
 log = logging.getLogger("router_svc")
 
 MAX_BODY_BYTES = 64 << 20  # long prompts as token-id lists outgrow aiohttp's 1 MiB default
-# Names of the generation routes, which are also the `endpoint` label of the requests counter.
-GENERATION_ROUTES = ("generate", "completions", "chat")
 
 FormatEvents = Callable[[Generation, pb.GenerateChunk], list[dict]]  # the SSE events of one chunk
 
@@ -35,18 +33,14 @@ class HttpApi:
         self.info = info  # static facts for /server_info (policy, ports, backends)
         self.model = frontend.model.name
         self.created = int(time.time())
+        self.document = openapi.document(secured=api_key is not None)
         frontend.metrics.track_routes(frontend.dispatcher)  # per-backend figures in /metrics, /server_info
 
     def app(self) -> web.Application:
         checks = [auth.http_middleware(self.api_key)] if self.api_key else []  # the key first, before any work
         app = web.Application(middlewares=[*checks, self._errors], client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/generate", self.generate, name="generate")
-        app.router.add_post("/v1/completions", self.completions, name="completions")
-        app.router.add_post("/v1/chat/completions", self.chat, name="chat")
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/server_info", self.server_info)
-        app.router.add_get("/metrics", self.metrics)
+        for route in openapi.ROUTES:
+            app.router.add_route(route.method, route.path, getattr(self, route.name), name=route.name)
         return app
 
     # ---- generation -------------------------------------------------------------------------
@@ -89,8 +83,8 @@ class HttpApi:
     async def health(self, request: web.Request) -> web.Response:
         backends = await self.frontend.dispatcher.health()
         down = [f"{h.role} {h.addr}: {h.error or 'not ok'}" for h in backends if not h.ok]
-        body = {"status": "unhealthy" if down else "ok", "down": down}
-        return web.json_response(body, status=503 if down else 200)
+        body = openapi.Health(status="unhealthy" if down else "ok", down=down)
+        return web.json_response(body.model_dump(), status=503 if down else 200)
 
     async def server_info(self, request: web.Request) -> web.Response:
         backends = await self.frontend.dispatcher.health()
@@ -114,26 +108,31 @@ class HttpApi:
         self.frontend.metrics.update_backends(await self.frontend.dispatcher.health())
         return web.Response(body=self.frontend.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(self.document)
+
     # ---- errors -----------------------------------------------------------------------------
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                       ) -> web.StreamResponse:
+        headers: dict[str, str] = {}
         try:
             return await handler(request)
         except InvalidRequest as e:
             endpoint = request.match_info.route.name
-            err = self.frontend.reject(endpoint, e) if endpoint in GENERATION_ROUTES else invalid(str(e))
+            err = self.frontend.reject(endpoint, e) if endpoint in openapi.GENERATION_ROUTES else invalid(str(e))
         except ApiError as e:  # from a backend; already counted by the frontend
             err = e
         except web.HTTPException as e:  # no such route or method, body too large
             if e.status < 400:
                 raise
             err = ApiError(e.status, e.text or e.reason, "not_found_error" if e.status == 404 else INVALID)
+            headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else {}  # a 405 must name the methods
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
             err = internal()
-        return web.json_response(err.body(), status=err.status)
+        return web.json_response(err.body(), status=err.status, headers=headers)
 
 
 async def _read_json(request: web.Request) -> Any:

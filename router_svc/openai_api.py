@@ -4,24 +4,80 @@ implement are accepted only at their "off" value, so a client never gets silentl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from common.engine.sampling import InvalidRequest
+from pydantic import AfterValidator, Field
+
 from protos import pdflash_pb2 as pb
 from router_svc.frontend import ChatMessages, Job, Prompt
 from router_svc.generation import Generation
-from router_svc.params import Fields, is_token_list, read_sampling
+from router_svc.params import INT32_MAX, Body, SamplingFields, by_json_type, expect, off_only, read, rejected
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: pass temperature=0 for greedy output
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context
-CHAT_ROLES = ("system", "user", "assistant")
+MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
 
-# Field -> the values that mean "off" (none: only null is accepted).
-_NEUTRAL_COMMON: dict[str, tuple] = {"n": (1,), "frequency_penalty": (0,), "presence_penalty": (0,),
-                                     "logit_bias": ({},)}
-_NEUTRAL_COMPLETION: dict[str, tuple] = {"echo": (False,), "best_of": (1,), "suffix": ("",), "logprobs": ()}
-_NEUTRAL_CHAT: dict[str, tuple] = {"logprobs": (False,), "top_logprobs": (), "tools": ([],),
-                                   "tool_choice": ("none",), "response_format": ({"type": "text"},)}
+
+class StreamOptions(Body):
+    include_usage: bool | None = None  # a last chunk with usage and no choices
+
+
+class OpenAIBody(SamplingFields):
+    model: str | None = None  # any name: the router serves one model
+    user: str | None = None  # no effect on the output
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None  # the newer name; wins over max_tokens
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: off_only(1) = None
+    frequency_penalty: off_only(0) = None
+    presence_penalty: off_only(0) = None
+    logit_bias: off_only({}) = None
+
+
+def _one_prompt(prompt: str | list) -> str | tuple[int, ...]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and not isinstance(prompt[0], int):
+        raise rejected("batched prompts are not supported: send one prompt per request")
+    return tuple(prompt)
+
+
+class CompletionBody(OpenAIBody):
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]],
+                      expect("a string or a list of token ids"), AfterValidator(_one_prompt)]
+    echo: off_only(False) = None
+    best_of: off_only(1) = None
+    suffix: off_only("") = None
+    logprobs: off_only() = None
+
+
+class TextPart(Body):
+    type: Annotated[Literal["text"], expect("'text' (only text parts are supported)")]
+    text: str | None = None
+
+
+class Message(Body):
+    role: Annotated[Literal["system", "user", "assistant"], expect("one of system, user, assistant")]
+    content: by_json_type("a string or a list of text parts", string=str, array=list[TextPart])
+    name: str | None = None  # no effect on the output
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatBody(OpenAIBody):
+    messages: Annotated[list[Message], Field(min_length=1),
+                        expect("a non-empty list of {role, content} objects", items=False)]
+    logprobs: off_only(False) = None
+    top_logprobs: off_only() = None
+    tools: off_only([]) = None
+    tool_choice: off_only("none") = None
+    response_format: off_only({"type": "text"}) = None
 
 
 @dataclass(frozen=True)
@@ -33,81 +89,21 @@ class OpenAIRequest:
 
 
 def parse_completion(body: Any) -> OpenAIRequest:
-    f = Fields(body)
-    prompt = _completion_prompt(f.raw("prompt"))
-    return _parse_common(f, prompt, chat=False, neutral=_NEUTRAL_COMPLETION)
+    b = read(CompletionBody, body)
+    return _request(b, b.prompt, chat=False)
 
 
 def parse_chat(body: Any) -> OpenAIRequest:
-    f = Fields(body)
-    messages = _messages(f.raw("messages"))
-    return _parse_common(f, messages, chat=True, neutral=_NEUTRAL_CHAT)
+    b = read(ChatBody, body)
+    return _request(b, ChatMessages([{"role": m.role, "content": m.text()} for m in b.messages]), chat=True)
 
 
-def _parse_common(f: Fields, prompt: Prompt, chat: bool, neutral: dict[str, tuple]) -> OpenAIRequest:
-    f.string("model")  # any name: the router serves one model
-    f.ignore("user")
-    for name, allowed in (_NEUTRAL_COMMON | neutral).items():
-        f.neutral(name, *allowed)
-    newer, older = f.integer("max_completion_tokens", minimum=1), f.integer("max_tokens", minimum=1)
-    max_tokens = newer if newer is not None else older
-    default_max = COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    sampling = read_sampling(f, default_max, DEFAULT_TEMPERATURE)
-    stream = f.boolean("stream")
-    options = f.object("stream_options")
-    include_usage = options.boolean("include_usage")
-    options.done()
-    f.done()
+def _request(b: OpenAIBody, prompt: Prompt, chat: bool) -> OpenAIRequest:
+    max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
+    sampling = b.sampling(COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, DEFAULT_TEMPERATURE)
     job = Job(prompt, sampling, fill_context=chat and max_tokens is None)
-    return OpenAIRequest(job, chat, stream, include_usage)
-
-
-def _completion_prompt(value: Any) -> Prompt:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one prompt
-    if isinstance(value, str):
-        return value
-    if is_token_list(value):
-        return tuple(value)
-    if value is None:
-        raise InvalidRequest("prompt is required")
-    if isinstance(value, list) and all(isinstance(p, (str, list)) for p in value):
-        raise InvalidRequest("batched prompts are not supported: send one prompt per request")
-    raise InvalidRequest("prompt must be a string or a list of token ids")
-
-
-def _messages(value: Any) -> ChatMessages:
-    if value is None:
-        raise InvalidRequest("messages is required")
-    if not isinstance(value, list) or not value:
-        raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
-    messages = []
-    for i, item in enumerate(value):
-        m = Fields(item, f"messages[{i}]")
-        role = m.string("role")
-        if role not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
-        content = _content(m.raw("content"), f"messages[{i}].content")
-        m.ignore("name")
-        m.done()
-        messages.append({"role": role, "content": content})
-    return ChatMessages(messages)
-
-
-def _content(value: Any, where: str) -> str:
-    """A string, or a list of text parts [{"type": "text", "text": ...}] (joined)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        parts = []
-        for i, part in enumerate(value):
-            p = Fields(part, f"{where}[{i}]")
-            if p.string("type") != "text":
-                raise InvalidRequest(f"{where}[{i}]: only text parts are supported")
-            parts.append(p.string("text") or "")
-            p.done()
-        return "".join(parts)
-    raise InvalidRequest(f"{where} must be a string or a list of text parts")
+    include_usage = bool(b.stream_options and b.stream_options.include_usage)
+    return OpenAIRequest(job, chat, bool(b.stream), include_usage)
 
 
 # ---- responses -----------------------------------------------------------------------------

@@ -10,10 +10,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from common.engine.sampling import InvalidRequest, SamplingParams
+from pydantic import Field, model_validator
+
+from common.engine.sampling import SamplingParams
 from protos import pdflash_pb2 as pb
 from router_svc.frontend import Generation, Job
-from router_svc.params import Fields, read_sampling
+from router_svc.params import INT32_MAX, Body, SamplingFields, TokenIds, read, rejected
+
+
+class SglangSampling(SamplingFields):
+    max_new_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description=f"default {SamplingParams.max_new_tokens}")
+
+
+class GenerateBody(Body):
+    """Exactly one of text and input_ids."""
+    text: str | None = None
+    input_ids: TokenIds | None = None
+    sampling_params: SglangSampling | None = None
+    stream: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateBody:
+        if (self.text is None) == (self.input_ids is None):
+            raise rejected("give exactly one of text (a string) or input_ids (a list of token ids)")
+        return self
 
 
 @dataclass(frozen=True)
@@ -23,17 +43,12 @@ class GenerateRequest:
 
 
 def parse(body: Any) -> GenerateRequest:
-    f = Fields(body)
-    text, input_ids = f.string("text"), f.token_ids("input_ids")
-    if (text is None) == (input_ids is None):
-        raise InvalidRequest("give exactly one of text (a string) or input_ids (a list of token ids)")
-    sp = f.object("sampling_params")
-    max_new_tokens = sp.integer("max_new_tokens", SamplingParams.max_new_tokens, minimum=1)
-    sampling = read_sampling(sp, max_new_tokens, default_temperature=SamplingParams.temperature)
-    sp.done()
-    stream = f.boolean("stream")
-    f.done()
-    return GenerateRequest(Job(text if text is not None else input_ids, sampling), stream)
+    b = read(GenerateBody, body)
+    sp = b.sampling_params or SglangSampling()
+    max_new_tokens = SamplingParams.max_new_tokens if sp.max_new_tokens is None else sp.max_new_tokens
+    sampling = sp.sampling(max_new_tokens, default_temperature=SamplingParams.temperature)
+    prompt = b.text if b.text is not None else tuple(b.input_ids)
+    return GenerateRequest(Job(prompt, sampling), bool(b.stream))
 
 
 def response(gen: Generation) -> dict:

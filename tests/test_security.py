@@ -1,9 +1,9 @@
 """Strangers are refused, and malformed control messages change nothing, on one real PD stack
 started with an API key and mutual TLS (`pdflash up --api-key K --tls-cert/--tls-key/--tls-ca`):
 
-- the router answers 401 (OpenAI error shape) without the key on every route but /health, and
-  the official `openai` client with the key gets a completion, which also crossed router -> P/D,
-  D -> P and P -> D over mutual TLS;
+- the router answers 401 (OpenAI error shape) without the key on every route but /health and
+  /openapi.json, and the official `openai` client with the key gets a completion, which also
+  crossed router -> P/D, D -> P and P -> D over mutual TLS;
 - P and D refuse a peer with no certificate or one from another CA;
 - D takes TransferDone only from the P it bootstrapped: the test holds a certificate and plays
   P itself (D bootstraps it), so it knows the room's token and can show that a wrong one, a
@@ -121,6 +121,10 @@ def test_every_route_but_health_needs_the_key(stack: Stack, method: str, path: s
 
 def test_health_is_open_and_the_key_opens_the_rest(stack: Stack) -> None:
     assert requests.get(stack.url + "/health", timeout=30).status_code == 200
+    doc = requests.get(stack.url + "/openapi.json", timeout=30).json()  # open too, and says who needs the key
+    assert doc["paths"]["/generate"]["post"]["security"] == [{"bearer": []}]
+    assert "401" in doc["paths"]["/v1/models"]["get"]["responses"]
+    assert "security" not in doc["paths"]["/health"]["get"] and "security" not in doc["paths"]["/openapi.json"]["get"]
     assert requests.get(stack.url + "/v1/models", headers=stack.headers, timeout=30).status_code == 200
 
 
