@@ -13,6 +13,8 @@ A step is plain (one token per request) or speculative with a block of B:
   5. caches    the target KV of t, d1..dk is in place (positions n..n+k); later positions hold
                rejected tokens' K/V past the new length, overwritten by the next step before any
                query reads them. The same holds for the draft KV, appended for all B tokens.
+               A recurrent state (KDA layers) cannot be overwritten so: verify leaves it as it
+               was, and the runner advances it by the m committed tokens (commit_block).
 
 All of it is tensor operations on the device (one CUDA graph per batch size, block and sampling
 mode); the host reads the committed tokens once per step and does the bookkeeping. A plain step
@@ -46,6 +48,8 @@ class Decoder:
         self.policy = policy
         self.sizes = sorted(batch_sizes)
         self.capture = proposer.capture_layers if proposer is not None else ()
+        if proposer is not None:  # the largest verify step it may take, before any is captured
+            runner.reserve_blocks(self.sizes[-1], policy.max_block if policy is not None else proposer.block_size)
         self._make_inputs(stop_width=8)
 
     def _make_inputs(self, stop_width: int) -> None:
@@ -113,6 +117,7 @@ class Decoder:
         first_stop = torch.where(stops.any(1), stops.long().argmax(1), B)
         count = torch.minimum(torch.minimum(accepted + 1, first_stop + 1), v.left)
         self.proposer.append_static(captured, positions, v.draft_pages)                         # 5
+        self.runner.commit_block(v.state_slot, count, B)
         return torch.cat([choices, accepted[:, None], count[:, None]], 1)
 
     def _target(self, v: StepView, token_ids: torch.Tensor, positions: torch.Tensor
