@@ -13,6 +13,8 @@ A step is plain (one token per request) or speculative with a block of B:
   5. caches    the target KV of t, d1..dk is in place (positions n..n+k); later positions hold
                rejected tokens' K/V past the new length, overwritten by the next step before any
                query reads them. The same holds for the draft KV, appended for all B tokens.
+               A recurrent state (KDA layers) cannot be overwritten so: verify leaves it as it
+               was, and the runner advances it by the m committed tokens (commit_block).
 
 All of it is tensor operations on the device (one CUDA graph per batch size, block and sampling
 mode); the host reads the committed tokens once per step and does the bookkeeping. A plain step
@@ -46,6 +48,8 @@ class Decoder:
         self.policy = policy
         self.sizes = sorted(batch_sizes)
         self.capture = proposer.capture_layers if proposer is not None else ()
+        if proposer is not None:  # the largest verify step it may take, before any is captured
+            runner.reserve_blocks(self.sizes[-1], policy.max_block if policy is not None else proposer.block_size)
         self._make_inputs(stop_width=8)
 
     def _make_inputs(self, stop_width: int) -> None:
@@ -78,13 +82,18 @@ class Decoder:
         graphs = self.graphs.enabled
         rows = next(s for s in self.sizes if s >= len(reqs)) if graphs else len(reqs)
         mode = mode_of([r.params for r in reqs])
-        self.inputs.fill(reqs, rows, self.eos_token_ids)
         # Without graphs shapes may vary: page tables only as wide as this step needs.
         width = None if graphs else self._width(reqs, max(block, 1))
-        if block:
-            out = self.graphs.run((rows, block, mode), lambda: self._speculative(rows, block, mode, width))
-        else:
-            out = self.graphs.run((rows, 0, mode), lambda: self._plain(rows, mode, width))
+        key = (rows, block, mode)
+        step = (lambda: self._speculative(rows, block, mode, width)) if block else (lambda: self._plain(rows, mode, width))
+        if graphs and key not in self.graphs:
+            # Capturing runs the step once eagerly first: on padding rows only (scratch pages, state
+            # slot 0), so that what a step advances in place (a KDA layer's state) moves once, at
+            # the replay below.
+            self.inputs.fill([], rows, self.eos_token_ids)
+            self.graphs.capture(key, step)
+        self.inputs.fill(reqs, rows, self.eos_token_ids)
+        out = self.graphs.run(key, step)
         return out[:len(reqs)].cpu().numpy()  # the step's one host synchronisation
 
     def _width(self, reqs: list[Request], tokens: int) -> int:
@@ -113,6 +122,7 @@ class Decoder:
         first_stop = torch.where(stops.any(1), stops.long().argmax(1), B)
         count = torch.minimum(torch.minimum(accepted + 1, first_stop + 1), v.left)
         self.proposer.append_static(captured, positions, v.draft_pages)                         # 5
+        self.runner.commit_block(v.state_slot, count, B)
         return torch.cat([choices, accepted[:, None], count[:, None]], 1)
 
     def _target(self, v: StepView, token_ids: torch.Tensor, positions: torch.Tensor

@@ -79,6 +79,7 @@ class StepCosts:
 
 class SpecPolicy:
     def __init__(self, max_block: int, config: SpecConfig, costs: StepCosts | None = None):
+        self.max_block = max_block
         self.pinned = config.block
         self.blocks = [b for b in config.blocks if b <= max_block] or [max_block]
         self.costs = costs  # None: only a pinned block (or the largest) is ever used

@@ -43,6 +43,9 @@ class AttnMeta:
     # [B] bool: the batch holds the request's first tokens, so its state starts at zero whatever
     # its slot holds (every rank learns this from the batch; None: no request starts here).
     state_fresh: torch.Tensor | None = None
+    # A verify block: KDA layers leave every state slot as it was and keep the block's inputs
+    # (HybridCache.block) until the step knows how many tokens it commits (common.model.kda).
+    state_block: bool = False
 
 
 def cache_slot(pages: list[int], pos: int, page_size: int) -> int:

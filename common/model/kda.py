@@ -17,6 +17,14 @@ the recurrent state S and the convolution window (the last W - 1 pre-convolution
 q, k and v channel). One new token takes the one-step form; more (a prefill chunk) take the
 chunked form below, which equals running the one-step form token by token.
 
+A speculative verify block (B tokens per row, of which the step keeps only an accepted prefix
+it learns after the forward) cannot advance the slot: a recurrent state cannot drop tokens
+afterwards. Instead the block reads the slot, leaves it as it was and keeps what its tokens
+would add (`BlockInputs`: the conv inputs, and k, v, g, beta per token); `commit_block` then
+replays the first `count` tokens of each row onto its slot. The replay is the chunked form with
+g = 0 and beta = 0 past `count`, which makes those tokens the identity (no decay, no update), so
+one static-shape call serves every count: no host read, as a CUDA graph needs.
+
 Chunked form (C tokens at a time, per head, fp32), with G = cumsum(g) inside the chunk and
 decay[i, j, c] = exp(G_ic - G_jc) for j <= i (never above 1, so nothing overflows):
   A[i, j]  = beta_i sum_c k_ic k_jc decay[i, j, c]  (j < i)     T = (I + A)^-1 (unit lower triangular)
@@ -25,6 +33,8 @@ decay[i, j, c] = exp(G_ic - G_jc) for j <= i (never above 1, so nothing overflow
   S <- exp(G_last) S + (K * exp(G_last - G))^T V_new
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,38 +62,77 @@ def kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     return (state * q[..., None]).sum(-2), state
 
 
-def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def kda_chunked(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor | None, torch.Tensor]:
     """n tokens per row: q, k, v, g [B, H, n, D], beta [B, H, n], state [B, H, D, D] (fp32) ->
-    output [B, H, n, D] and the state after the last token (the module docstring's chunked form)."""
-    n = q.shape[2]
-    out = torch.empty_like(v)
+    output [B, H, n, D] and the state after the last token (the module docstring's chunked form).
+    q None: the state alone (output None)."""
+    n = k.shape[2]
+    out = None if q is None else torch.empty_like(v)
     for start in range(0, n, chunk):
         s = slice(start, min(start + chunk, n))
-        qc, kc, vc, bc = q[:, :, s], k[:, :, s], v[:, :, s], beta[:, :, s, None]
+        kc, vc, bc = k[:, :, s], v[:, :, s], beta[:, :, s, None]
         G = g[:, :, s].cumsum(2)  # [B, H, C, D]
         C = G.shape[2]
-        below = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        below = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
         decay = (G[:, :, :, None] - G[:, :, None, :]).masked_fill(~below[..., None], float("-inf")).exp()
         a = ((kc[:, :, :, None] * kc[:, :, None, :] * decay).sum(-1) * bc).tril(-1)
-        eye = torch.eye(C, dtype=q.dtype, device=q.device)
+        eye = torch.eye(C, dtype=k.dtype, device=k.device)
         # (I + A) X = [beta V | beta K exp(G)]: unit lower triangular, solved by substitution.
         rhs = torch.cat([vc * bc, kc * bc * G.exp()], -1)
         u, wk = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True).split(
             [vc.shape[-1], kc.shape[-1]], -1)
         v_new = u - wk @ state
-        qk = (qc[:, :, :, None] * kc[:, :, None, :] * decay).sum(-1)  # masked above by decay = 0
-        out[:, :, s] = (qc * G.exp()) @ state + qk @ v_new
+        if out is not None:
+            qc = q[:, :, s]
+            qk = (qc[:, :, :, None] * kc[:, :, None, :] * decay).sum(-1)  # masked above by decay = 0
+            out[:, :, s] = (qc * G.exp()) @ state + qk @ v_new
         last = G[:, :, -1:]  # [B, H, 1, D]
         state = state * last.transpose(2, 3).exp() + (kc * (last - G).exp()).transpose(2, 3) @ v_new
     return out, state
+
+
+@dataclass
+class BlockInputs:
+    """Verify blocks' scratch of KDA layers (leading dims [layers] for all, or one layer's),
+    sized for the largest batch and block; rows are a static step's rows, not slots.
+    window [.., rows, 3*H*D, W-1+B]: the row's conv window, then its block's conv inputs;
+    tokens [.., rows, B, H, 3D+1] fp32: each block token's k, v (after conv, SiLU and norm), g
+    and beta, all that the state update reads."""
+
+    window: torch.Tensor
+    tokens: torch.Tensor
+
+    def layer(self, i: int) -> "BlockInputs":
+        return BlockInputs(self.window[i], self.tokens[i])
+
+    def fits(self, rows: int, block: int) -> bool:
+        return rows <= self.tokens.shape[-4] and block <= self.tokens.shape[-3]
+
+
+def commit_block(recurrent: torch.Tensor, conv: torch.Tensor, block: BlockInputs, slots: torch.Tensor,
+                 count: torch.Tensor, B: int) -> None:
+    """Advance the slots [rows] of one layer's recurrent [slots, H, D, D] and conv [slots, 3*H*D,
+    W-1] by the first count[i] (0..B) tokens of row i's verify block of B, from `block` (this
+    layer's, as the block's forward left it). Static shapes, no host read."""
+    rows, W1, D = slots.shape[0], conv.shape[-1], recurrent.shape[-1]
+    k, v, g, beta = block.tokens[:rows, :B].split([D, D, D, 1], -1)
+    drop = torch.arange(B, device=count.device)[None, :] >= count[:, None]  # [rows, B]
+    # Dropped tokens neither decay (g = 0) nor update (beta = 0) the state: they are the identity.
+    g, beta = g.masked_fill(drop[..., None, None], 0), beta[..., 0].masked_fill(drop[..., None], 0)
+    _, state = kda_chunked(None, *(t.transpose(1, 2) for t in (k, v, g, beta)), recurrent[slots])
+    recurrent.index_copy_(0, slots, state)
+    # The window after `count` tokens: the W - 1 conv inputs before the first dropped one.
+    taps = (count[:, None] + torch.arange(W1, device=count.device)[None, :])[:, None, :]
+    conv.index_copy_(0, slots, block.window[:rows].gather(2, taps.expand(rows, conv.shape[1], W1)))
 
 
 class KimiDeltaAttention(nn.Module):
     """One KDA layer (`cfg.kda` heads). Its state is passed in: `recurrent` [slots, H, D, D] fp32 and
     `conv` [slots, 3*H*D, W-1] (the layer's slice of common.kv.state_pool's tensors); each
     request's row is the slot `meta.state_slots` names. Slot 0 is scratch: padding rows of a
-    static step read and write it, and no request owns it."""
+    static step read and write it, and no request owns it. With `block` (a verify block, this
+    layer's BlockInputs) the slots are read and left as they were; the block's inputs go there."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -102,7 +151,8 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Parameter(torch.empty(self.dim))
         self.o_proj = nn.Linear(P, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, recurrent: torch.Tensor, conv: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, recurrent: torch.Tensor, conv: torch.Tensor, meta: AttnMeta,
+                block: BlockInputs | None = None) -> torch.Tensor:
         H, D, T = self.heads, self.dim, x.shape[0]
         mixed, f_a, g_a, b = linear(x, self.in_proj.weight).split(self.splits, -1)
         g = linear(f_a, self.f_b_proj.weight).float() + self.dt_bias.float()
@@ -110,8 +160,8 @@ class KimiDeltaAttention(nn.Module):
         beta = b.float().sigmoid()
         slots, counts, fresh = meta.state_slots, meta.state_counts, meta.state_fresh
         if counts is None or len(set(counts)) == 1:  # every request adds as many tokens: one batch
-            o = self._rows(mixed, g, beta, slots, fresh, recurrent, conv)
-        else:
+            o = self._rows(mixed, g, beta, slots, fresh, recurrent, conv, block)
+        else:  # prefill chunks: never a verify block
             ends = torch.tensor(counts).cumsum(0).tolist()
             o = torch.cat([self._rows(mixed[e - n:e], g[e - n:e], beta[e - n:e], slots[i:i + 1],
                                       None if fresh is None else fresh[i:i + 1], recurrent, conv)
@@ -121,9 +171,11 @@ class KimiDeltaAttention(nn.Module):
         return linear(o.to(x.dtype).view(T, H * D), self.o_proj.weight)
 
     def _rows(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
-              fresh: torch.Tensor | None, recurrent: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
+              fresh: torch.Tensor | None, recurrent: torch.Tensor, conv: torch.Tensor,
+              block: BlockInputs | None = None) -> torch.Tensor:
         """Rows = slots.shape[0] requests of n tokens each (flattened row by row): outputs [T, H, D]
-        fp32; their slots' state and windows are updated in place. Rows `fresh` start from zeros."""
+        fp32; their slots' state and windows are updated in place (or, with `block`, what would
+        update them is kept there). Rows `fresh` start from zeros."""
         H, D, rows = self.heads, self.dim, slots.shape[0]
         n = mixed.shape[0] // rows
         window, state = conv[slots], recurrent[slots]
@@ -133,7 +185,10 @@ class KimiDeltaAttention(nn.Module):
         # Convolution over [window | new inputs]: the window supplies the W - 1 inputs before the
         # first new token (zeros for a fresh request, as the reference's zero padding).
         seq = torch.cat([window, mixed.view(rows, n, -1).transpose(1, 2).to(conv.dtype)], -1)
-        conv.index_copy_(0, slots, seq[..., -(conv.shape[-1]):])
+        if block is None:
+            conv.index_copy_(0, slots, seq[..., -(conv.shape[-1]):])
+        else:
+            block.window[:rows, :, :seq.shape[-1]] = seq
         qkv = F.silu(F.conv1d(seq.to(self.conv_weight.dtype), self.conv_weight[:, None], groups=seq.shape[1]))
         q, k, v = qkv.transpose(1, 2).float().view(rows, n, 3, H, D).unbind(2)  # [rows, n, H, D] each
         q, k = l2norm(q) * D ** -0.5, l2norm(k)
@@ -144,7 +199,10 @@ class KimiDeltaAttention(nn.Module):
         else:
             o, state = kda_chunked(*(t.transpose(1, 2) for t in (q, k, v, g, beta)), state)
             o = o.transpose(1, 2)
-        recurrent.index_copy_(0, slots, state)
+        if block is None:
+            recurrent.index_copy_(0, slots, state)
+        else:
+            block.tokens[:rows, :n] = torch.cat([k, v, g, beta[..., None]], -1)
         return o.reshape(rows * n, H, D)
 
     def hf_weights(self, tensors: dict[str, torch.Tensor], src: str) -> dict[str, torch.Tensor]:

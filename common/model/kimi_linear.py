@@ -20,7 +20,7 @@ import re
 from common.model.attention import AttnMeta
 from common.model.config import ModelConfig
 from common.model.deepseek import DeepseekTransformer
-from common.model.kda import KimiDeltaAttention
+from common.model.kda import BlockInputs, KimiDeltaAttention
 from common.model.mla import MLAttention
 from common.model.moe import MoE
 from common.model.transformer import MLP, Reduce, RMSNorm
@@ -29,11 +29,13 @@ from common.model.transformer import MLP, Reduce, RMSNorm
 @dataclass
 class HybridCache:
     """kv [MLA layers, planes, pages, page size, heads, dim]; recurrent [KDA layers, slots, H, D, D]
-    fp32 and conv [KDA layers, slots, 3*H*D, W-1]: each layer's entry in the order of its kind."""
+    fp32 and conv [KDA layers, slots, 3*H*D, W-1]: each layer's entry in the order of its kind.
+    block: the KDA layers' scratch of verify blocks (speculative engines only)."""
 
     kv: torch.Tensor
     recurrent: torch.Tensor
     conv: torch.Tensor
+    block: BlockInputs | None = None
 
 
 class KimiDecoderLayer(nn.Module):
@@ -50,7 +52,8 @@ class KimiDecoderLayer(nn.Module):
         """`index`: this layer's entry among the cache's layers of its kind."""
         x = self.input_layernorm(h)
         if self.is_kda:
-            x = self.self_attn(x, cache.recurrent[index], cache.conv[index], meta)
+            block = cache.block.layer(index) if meta.state_block else None
+            x = self.self_attn(x, cache.recurrent[index], cache.conv[index], meta, block)
         else:
             x = self.self_attn(x, None, None, cache.kv[index], meta)
         h = h + self.reduce(x)

@@ -138,6 +138,11 @@ class ParallelRunner(ModelRunner):
                           None if state_slots is None else state_slots.tolist())
         return self.forward(batch, capture_layers)
 
+    def reserve_blocks(self, rows: int, block: int) -> None:
+        if self.state_pool is not None:
+            # The workers' KDA layers would advance their states over whole verify blocks.
+            raise NotImplementedError("DFlash on a model with KDA layers runs in one process (no --tp yet)")
+
     # ---- DFlash under pipeline parallelism ------------------------------------------------------
     def load_pipeline_drafter(self, path: str, drafter: Drafter, num_pages: int) -> None:
         self.drafter = drafter

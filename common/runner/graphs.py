@@ -1,8 +1,10 @@
 """CUDA graphs of step functions, captured once per key and replayed.
 
 A step function reads only static input tensors (filled before each replay) and returns its
-output tensors; `run(key, fn)` captures fn the first time a key is seen and replays it after,
-returning the same output tensors each time (read them before the next replay of that key).
+output tensors; `run(key, fn)` captures fn the first time a key is seen (or `capture(key, fn)`
+did, over other inputs) and replays it, returning the same output tensors each time (read them
+before the next replay of that key). Capturing runs fn once eagerly (a warm-up) and not again:
+its effects are those of one run over the inputs as they were then.
 Every graph draws its activations from one memory pool: steps run one at a time, so they can
 share it. Without CUDA (or with graphs turned off) `run` just calls fn: the same code runs
 eagerly, which is how the CPU and the tests run it.
@@ -31,11 +33,11 @@ class GraphCache:
         if not self.enabled:
             return fn()
         if key not in self._graphs:
-            self._capture(key, fn)
+            self.capture(key, fn)
         self._graphs[key].replay()
         return self._outputs[key]  # type: ignore[return-value]
 
-    def _capture(self, key: Hashable, fn: Callable[[], Out]) -> None:
+    def capture(self, key: Hashable, fn: Callable[[], Out]) -> None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():

@@ -6,6 +6,8 @@ This is the interface the services drive (an SGLang-backed runner can implement 
                      and speculative verify (T = B) steps, which CUDA graphs capture and replay
   reserve()/release() grow or free a request's pages (and its state slot, models with KDA layers);
                      truncate() cut its cache back to a length
+  commit_block()     after a verify step, keep each row's accepted prefix in its state slot
+                     (KDA layers, whose recurrent state cannot be cut back; reserve_blocks() first)
   describe_buffers() where the KV lives and how it is laid out (for transfers)
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from common.kv.page_pool import PagePool
 from common.kv.seq_cache import SeqCache
 from common.kv.state_pool import StatePool
 from common.model.attention import AttnMeta, build_attn_meta
+from common.model import kda
 from common.model.config import ModelConfig
 from common.model.kimi_linear import HybridCache
 from common.model.moe import MoE
@@ -165,6 +168,29 @@ class ModelRunner:
             indices |= {name: [seq.state_slot] for name in KDA_STATE_PARTS}
         return indices
 
+    def reserve_blocks(self, rows: int, block: int) -> None:
+        """Scratch for verify steps of up to `rows` rows of `block` tokens, which a speculative
+        decoder asks for before its first step: KDA layers keep a block's inputs there until
+        commit_block (rows x block, not per request). Models without them need none."""
+        c = self.cache
+        if self.state_pool is None or (c.block is not None and c.block.fits(rows, block)):
+            return
+        layers, _, heads, dim, _ = c.recurrent.shape
+        channels, taps = c.conv.shape[2:]
+        c.block = kda.BlockInputs(
+            torch.zeros(layers, rows, channels, taps + block, dtype=c.conv.dtype, device=self.device),
+            torch.zeros(layers, rows, block, heads, 3 * dim + 1, device=self.device))
+
+    def commit_block(self, state_slots: torch.Tensor, count: torch.Tensor, block: int) -> None:
+        """After a verify step (forward_static of `block` tokens per row): row i's state slot
+        advances by the first count[i] of them, the tokens the step commits. Static, like
+        forward_static. A paged KV needs nothing: the K/V of the rest lies past the new length."""
+        if self.state_pool is None:
+            return
+        c = self.cache
+        for i in range(c.recurrent.shape[0]):
+            kda.commit_block(c.recurrent[i], c.conv[i], c.block.layer(i), state_slots, count, block)
+
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def extend(self, seqs: list[SeqCache], tokens: list[list[int]], *, all_logits: bool = False,
@@ -211,14 +237,19 @@ class ModelRunner:
         capture it as it is."""
         self.check_static(attn, state_slots)
         meta = AttnMeta(positions=positions, write_slots=write_slots, logit_rows=None, static=attn,
-                        state_slots=state_slots)
+                        state_slots=state_slots, state_block=self.state_pool is not None and attn.tokens_per_row > 1)
         return self.model(token_ids, self.cache, meta, capture_layers)
 
     def check_static(self, attn: StaticAttn, state_slots: torch.Tensor | None) -> None:
-        if self.state_pool is not None and (state_slots is None or attn.tokens_per_row != 1):
-            # A verify block would advance the recurrent state past tokens it may reject
-            # (keeping per-position states is issue 17's DFlash-on-KDA part, not done yet).
-            raise NotImplementedError("static steps of a model with KDA layers: one token per row, with state slots")
+        if self.state_pool is None:
+            return
+        if state_slots is None:
+            raise RuntimeError("a static step of a model with KDA layers needs each row's state slot")
+        block, rows, T = self.cache.block, state_slots.shape[0], attn.tokens_per_row
+        if T > 1 and (block is None or not block.fits(rows, T)):
+            # A verify block must not advance the recurrent state past tokens it may reject.
+            raise RuntimeError(f"a verify block of {rows} x {T} tokens through KDA "
+                               "layers needs scratch for them (reserve_blocks)")
 
     @property
     def scratch_page(self) -> int:
