@@ -142,6 +142,10 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     calls it; torch < 2.8 has no such op, and CUDA builds support only some dtypes)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    if device_type == "cuda" and dtype != torch.bfloat16:
+        # CUDA's grouped GEMM kernels are bf16; other dtypes take a fallback that reads the group
+        # ends on the host, which runs but cannot be captured in a CUDA graph (seen on an H200).
+        return False
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 16, generator=g).to(device_type, dtype)
     w = torch.randn(2, 32, 16, generator=g).to(device_type, dtype)
