@@ -19,7 +19,7 @@ from common.engine.sampling import InvalidRequest
 from common.model.tokenizer import IncrementalDecoder, Tokenizer
 from common.service.checks import check_room_request
 from common.service.engine_loop import EngineFailure, EngineLoop
-from common.service.messages import meta_to_proto, sampling_from_proto
+from common.service.messages import meta_to_proto, pool_health, sampling_from_proto
 from decode_svc.kv_receiver import HandoffError, KVReceiver
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
@@ -102,7 +102,6 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         return pb.AbortReply(found=found or aborted)
 
     async def Health(self, request, context) -> pb.HealthReply:
-        pool = self.loop.engine.runner.pool
-        return pb.HealthReply(ok=self.loop.out_of_service is None, role=self.role, free_pages=pool.num_free,
-                              total_pages=pool.num_pages, running=len(self.loop.engine.running), model=self.model_name,
-                              mooncake_session=self.receiver.session_id if self.receiver else "")
+        return pb.HealthReply(ok=self.loop.out_of_service is None, role=self.role, running=len(self.loop.engine.running),
+                              model=self.model_name, mooncake_session=self.receiver.session_id if self.receiver else "",
+                              **pool_health(self.loop.engine))

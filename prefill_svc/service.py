@@ -19,7 +19,7 @@ from common.engine.request import Request
 from common.engine.sampling import InvalidRequest
 from common.service.checks import check_bootstrap, check_room_request
 from common.service.engine_loop import EngineFailure, EngineLoop
-from common.service.messages import sampling_from_proto
+from common.service.messages import pool_health, sampling_from_proto
 from prefill_svc.kv_sender import KVSender
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
@@ -137,7 +137,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return pb.AbortReply(found=live or found)
 
     async def Health(self, request, context) -> pb.HealthReply:
-        pool = self.loop.engine.runner.pool
-        return pb.HealthReply(ok=self.loop.out_of_service is None, role="prefill", free_pages=pool.num_free, total_pages=pool.num_pages,
+        return pb.HealthReply(ok=self.loop.out_of_service is None, role="prefill",
                               running=len(self.loop.engine.prefilling), model=self.model_name,
-                              mooncake_session=self.sender.ranks.mooncake.session_id)
+                              mooncake_session=self.sender.ranks.mooncake.session_id, **pool_health(self.loop.engine))

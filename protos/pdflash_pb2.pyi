@@ -145,7 +145,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("ok", "role", "free_pages", "total_pages", "running", "model", "mooncake_session")
+    __slots__ = ("ok", "role", "free_pages", "total_pages", "running", "model", "mooncake_session", "free_draft_pages", "total_draft_pages", "free_state_slots", "total_state_slots")
     OK_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,10 @@ class HealthReply(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MOONCAKE_SESSION_FIELD_NUMBER: _ClassVar[int]
+    FREE_DRAFT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_DRAFT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FREE_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     role: str
     free_pages: int
@@ -160,7 +164,11 @@ class HealthReply(_message.Message):
     running: int
     model: str
     mooncake_session: str
-    def __init__(self, ok: _Optional[bool] = ..., role: _Optional[str] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., model: _Optional[str] = ..., mooncake_session: _Optional[str] = ...) -> None: ...
+    free_draft_pages: int
+    total_draft_pages: int
+    free_state_slots: int
+    total_state_slots: int
+    def __init__(self, ok: _Optional[bool] = ..., role: _Optional[str] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., model: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., free_draft_pages: _Optional[int] = ..., total_draft_pages: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("room", "input_ids", "sampling", "prefill_addr", "deadline_s")

@@ -98,9 +98,8 @@ def prefilling(stack: Stack) -> bool:
     return p.running == 1 and d.free_pages < d.total_pages
 
 
-def transferring(stack: Stack) -> bool:
-    """P has finished the prompt and still holds its pages: it is writing them to D."""
-    p = health(stack, "prefill")
+def transferring(p: pb.HealthReply) -> bool:
+    """P (its Health) has finished the prompt and still holds its pages: it is writing them to D."""
     return p.running == 0 and p.free_pages < p.total_pages
 
 
@@ -307,7 +306,7 @@ def test_transfer_fails_when_decode_dies_under_it(stack: Stack, reference: list[
     wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
     time.sleep(1)  # D's Bootstrap (sent right after its reservation) has reached P
     os.kill(pid, signal.SIGSTOP)
-    wait_until("P writing to D", lambda: transferring(stack), DEADLINE_S, stack, every=0.2)
+    wait_until("P writing to D", lambda: transferring(health(stack, "prefill")), DEADLINE_S, stack, every=0.2)
     time.sleep(1)
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -360,9 +359,30 @@ def _wait_serving(stack: Stack, worker) -> None:
 
 
 B_TOKENS = 160
+MOONCAKE_TIMEOUT_S = 5  # the second P's write deadline (Mooncake's floor): 1 s per GiB more
 
 
-def test_late_write_of_an_aborted_room_lands_in_no_other_room(stack: Stack, reference: list[int]) -> None:
+@pytest.fixture(scope="module")
+def second_prefill(stack: Stack, tmp_path_factory) -> Iterator[tuple[object, str]]:
+    """A second P instance next to the stack's, its Mooncake writes given the shortest deadline;
+    (its worker, its log file). Not known to the router: the tests drive rooms to it directly."""
+    port = free_port()
+    log = str(tmp_path_factory.mktemp("p2") / "prefill.log")
+    with open(log, "w") as out:
+        p2 = subprocess.Popen([sys.executable, "-m", "prefill_svc", "--port", str(port), "--page-size", "16",
+                               "--kv-pages", "512"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                              env=os.environ | {"MC_TRANSFER_TIMEOUT": str(MOONCAKE_TIMEOUT_S)})
+    try:
+        worker = type(stack.worker("decode"))("prefill", f"127.0.0.1:{port}")
+        wait_until("a second P", lambda: _serving(worker), 420, stack, every=0.5)
+        yield worker, log
+    finally:
+        p2.terminate()
+        p2.wait(30)
+
+
+def test_late_write_of_an_aborted_room_lands_in_no_other_room(stack: Stack, reference: list[int],
+                                                             second_prefill) -> None:
     """D gives up on room A (Abort) while P is still computing A's long prompt; room B gets the
     pages A had on D and decodes. P's write of A's KV, when it comes, must not land in B's pages.
     B is prefilled by a second P instance so that it is decoding when P1 writes A's KV: B decodes
@@ -370,31 +390,68 @@ def test_late_write_of_an_aborted_room_lands_in_no_other_room(stack: Stack, refe
     d = stack.worker("decode")
     b_ids = SHORT
     want = stack.generate(b_ids, max_new_tokens=B_TOKENS, ignore_eos=True)["output_ids"]
-    port = free_port()
-    p2 = subprocess.Popen([sys.executable, "-m", "prefill_svc", "--port", str(port), "--page-size", "16",
-                           "--kv-pages", "512"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p2_worker, _ = second_prefill
+    a_ids = LONG
+    room, prefill, generate = direct_room(stack, a_ids)
+    wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
+    with grpc.insecure_channel(d.addr) as ch:
+        assert pb_grpc.DecodeServiceStub(ch).Abort(pb.AbortRequest(room=room, reason="test"), timeout=10).found
+    with pytest.raises(grpc.RpcError):
+        generate.result(timeout=10)
+    # A's pages are back in D's pool (once P has confirmed the abort); the pool hands out the
+    # pages freed last first, so B gets A's.
+    wait_until("A's pages back on D", lambda: all_free(health(stack, "decode")), 30, stack)
+    b_room, b_prefill, b_generate = direct_room(stack, b_ids, max_new_tokens=B_TOKENS,
+                                                prefill_addr=p2_worker.addr, ignore_eos=True)
+    chunks = b_generate.result(timeout=300)
+    assert b_prefill.result(timeout=30).ok
+    assert prefill.result(timeout=DEADLINE_S).ok is False
+    got = [t for c in chunks for t in c.token_ids]
+    assert got == want
+    stack.wait_all_pages_free()
+    serves_next_request(stack, reference)
+
+
+def test_write_past_its_deadline_ends_before_any_page_is_reused(stack: Stack, reference: list[int],
+                                                                second_prefill) -> None:
+    """D is frozen while the second P writes room A's KV into it, past that write's Mooncake
+    deadline; then D resumes. Mooncake cannot cancel an entry: P must not return from the write,
+    nor free A's pages, nor tell D anything, while an entry is in flight (it asks Mooncake). Then
+    A either fully landed (every entry was submitted before the deadline: the room succeeds) or
+    fails with "deadline passed" (entries were still unsubmitted: P logged it), depending on
+    how the plan merged A's pages into entries. Either way room B, decoding on D across the freeze,
+    and room C, which gets A's pages on D right after, both produce the reference output: no byte
+    of A's landed in another room's pages. Every page of D and of both P is back at the end."""
+    p2, log = second_prefill
+    d = stack.worker("decode")
+    want = stack.generate(SHORT, max_new_tokens=B_TOKENS, ignore_eos=True)["output_ids"]
+    room, prefill, generate = direct_room(stack, LONG, prefill_addr=p2.addr)
+    wait_until("P2 prefilling the long prompt", lambda: p2.health(timeout=5).running == 1, 60, stack)
+    b = pool.submit(stack.generate, SHORT, max_new_tokens=B_TOKENS, ignore_eos=True)
+    wait_until("B decoding on D", lambda: health(stack, "decode").running == 1, 60, stack)
+    pid = stack.pid(d)
+    os.kill(pid, signal.SIGSTOP)
     try:
-        p2_worker = type(d)("prefill", f"127.0.0.1:{port}")
-        wait_until("a second P", lambda: _serving(p2_worker), 420, stack, every=0.5)
-        a_ids = LONG
-        room, prefill, generate = direct_room(stack, a_ids)
-        wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
-        with grpc.insecure_channel(d.addr) as ch:
-            assert pb_grpc.DecodeServiceStub(ch).Abort(pb.AbortRequest(room=room, reason="test"), timeout=10).found
-        with pytest.raises(grpc.RpcError):
-            generate.result(timeout=10)
-        # A's pages are back in D's pool (once P has confirmed the abort); the pool hands out the
-        # pages freed last first, so B gets A's.
-        wait_until("A's pages back on D", lambda: all_free(health(stack, "decode")), 30, stack)
-        b_room, b_prefill, b_generate = direct_room(stack, b_ids, max_new_tokens=B_TOKENS,
-                                                    prefill_addr=p2_worker.addr, ignore_eos=True)
-        chunks = b_generate.result(timeout=300)
-        assert b_prefill.result(timeout=30).ok
-        assert prefill.result(timeout=DEADLINE_S).ok is False
-        got = [t for c in chunks for t in c.token_ids]
-        assert got == want
+        # P2 has finished the prompt and holds its pages: it is writing into the frozen D.
+        wait_until("P2 writing to D", lambda: transferring(p2.health(timeout=5)), DEADLINE_S, stack, every=0.2)
+        past = time.monotonic() + MOONCAKE_TIMEOUT_S + 3
+        wait_until("P2's write past its deadline",
+                   lambda: "deadline passed" in open(log).read() or time.monotonic() > past, 60, stack, every=0.2)
+        assert transferring(p2.health(timeout=5)), "P2 gave its pages back with entries still in flight"
     finally:
-        p2.terminate()
-        p2.wait(30)
+        os.kill(pid, signal.SIGCONT)
+    reply = prefill.result(timeout=DEADLINE_S)
+    if reply.ok:  # every entry was in flight at the deadline and landed once D resumed
+        assert [t for c in generate.result(timeout=60) for t in c.token_ids]
+    else:
+        assert "deadline passed" in reply.error, reply.error
+        with pytest.raises(grpc.RpcError) as info:
+            generate.result(timeout=30)
+        assert "deadline passed" in info.value.details()
+    print("room A " + ("landed late" if reply.ok else f"failed: {reply.error}"))
+    # C starts while B still decodes: the pool hands it the pages A freed last.
+    c = stack.generate(SHORT, max_new_tokens=B_TOKENS, ignore_eos=True)["output_ids"]
+    assert b.result(timeout=300)["output_ids"] == want and c == want
+    wait_until("P2's pages back", lambda: all_free(p2.health(timeout=5)), 30, stack)
     stack.wait_all_pages_free()
     serves_next_request(stack, reference)

@@ -19,6 +19,7 @@ BENCHES = {
     "gsm8k": ("common.tools.bench.gsm8k", "few-shot GSM8K: accuracy, tok/s, both accept lengths, histogram invariants"),
     "ab": ("common.tools.bench.ab", "serving or gsm8k against several stacks it starts itself, compared"),
     "dflash": ("common.tools.bench.dflash", "DFlash accept length and speedup over plain decoding, in-process"),
+    "soak": ("common.tools.bench.soak", "hold a running stack under mixed load with aborts; failures by cause, latencies, RSS, pools whole at the end"),
 }
 
 

@@ -105,7 +105,7 @@ async def _run(endpoint: str, bodies: list[dict[str, Any]], concurrency: int, de
         while not queue.empty():
             r = results[queue.get_nowait()]
             r.sent_at = time.monotonic() - start
-            await _one(session, endpoint, bodies[r.index], r)
+            await post_generate(session, endpoint, bodies[r.index], r)
             done["ok" if r.ok else "failed"] += 1
             done["tokens"] += r.output_tokens if r.ok else 0
             elapsed = max(time.monotonic() - start, 1e-9)
@@ -120,7 +120,8 @@ async def _run(endpoint: str, bodies: list[dict[str, Any]], concurrency: int, de
     return results, time.monotonic() - start
 
 
-async def _one(session: aiohttp.ClientSession, endpoint: str, body: dict[str, Any], r: Response) -> None:
+async def post_generate(session: aiohttp.ClientSession, endpoint: str, body: dict[str, Any], r: Response) -> None:
+    """POST one body to `endpoint` (streamed if body["stream"]), recording the outcome on `r`."""
     t0 = time.monotonic()
     try:
         async with session.post(endpoint, json=body) as resp:
