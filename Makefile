@@ -6,6 +6,9 @@ BIN     := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 MOONCAKE ?= mooncake-transfer-engine-non-cuda
 ARGS    ?=
+# Test workers: most of the suite's time is spent waiting on the stacks it starts (start-up,
+# deadlines, faults), which a second worker overlaps; tests/conftest.py keeps each stack on one.
+WORKERS ?= 2
 
 .PHONY: setup run test protos clean
 
@@ -34,7 +37,7 @@ run: setup
 	$(BIN)/pdflash up $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup $(ARGS)
 
 protos: setup
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/pdflash.proto

@@ -81,3 +81,16 @@ def colocated_stack():
 
     with running("--mode", "colocated", "--replicas", "2", *SHARED_STACK_ARGS) as s:
         yield s
+
+
+# The suite runs on two workers (pytest-xdist, `--dist loadgroup`, see the Makefile): a test
+# runs on the worker of its group. Tests on a session stack share that stack's group, so that
+# it starts once; every other test keeps to its module's group, so that a module's own stack
+# (module-scoped fixtures) starts once too.
+SESSION_STACKS = ("pd_stack", "colocated_stack")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        stack = next((s for s in SESSION_STACKS if s in item.fixturenames), None)
+        item.add_marker(pytest.mark.xdist_group(stack or item.module.__name__))
