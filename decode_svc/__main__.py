@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 
 from common.engine.engine import Engine
 from common.service.engine_loop import EngineLoop
@@ -45,7 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
     tls = Tls.from_args(args)  # before the model load: a bad file fails fast
     log = setup_logging(f"{args.role}:{args.port}")
-    runner, tokenizer = load_model(ModelOptions.from_args(args))
+    # A P on this host copies the prompt's KV straight into our buffers: they are allocated shareable.
+    shared_kv = args.role == "decode" and args.local_transfer
+    runner, tokenizer = load_model(dataclasses.replace(ModelOptions.from_args(args), shared_kv=shared_kv))
     try:
         engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, max_running=args.max_running,
                         proposer=load_proposer(args, runner), spec=spec_config(args))

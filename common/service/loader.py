@@ -29,6 +29,7 @@ class ModelOptions:
     pp: int = 1  # pipeline stages (prefill instances only)
     ep: int = 1  # expert parallel: the routed experts sharded over each TP group's ranks
     state_slots: int = 64  # models with KDA layers: requests whose recurrent state fits at a time
+    shared_kv: bool = False  # transfer buffers in memory a P on this host can open (local transfer)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ModelOptions":
@@ -111,8 +112,9 @@ def load_model(opts: ModelOptions) -> tuple[ModelRunner, Tokenizer]:
 
         runner = ParallelRunner(cfg, tensors, tp=opts.tp, pp=opts.pp, ep=opts.ep, dtype=opts.dtype,
                                 device=opts.device, num_pages=opts.kv_pages, page_size=opts.page_size,
-                                state_slots=opts.state_slots)
+                                state_slots=opts.state_slots, shared_kv=opts.shared_kv)
     else:
         runner = ModelRunner(cfg, tensors, dtype=opts.dtype, device=opts.device, num_pages=opts.kv_pages,
-                             page_size=opts.page_size, enforce_eager=opts.enforce_eager, state_slots=opts.state_slots)
+                             page_size=opts.page_size, enforce_eager=opts.enforce_eager, state_slots=opts.state_slots,
+                             shared_kv=opts.shared_kv)
     return runner, Tokenizer(src, cfg.eos_token_ids)
