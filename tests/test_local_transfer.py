@@ -20,7 +20,7 @@ from common.engine.sampling import SamplingParams
 from common.kv.buffers import RoomBuffers
 from common.kv.shared import BufferMemory, SharedRegion
 from common.runner.model_runner import ModelRunner
-from common.transfer.local import LocalWriter, _Spans, copy_entries, host_id, open_region
+from common.transfer.local import LocalWriter, Spans, copy_entries, host_id, open_region
 from common.transfer.mooncake import TransferError
 from common.transfer.plan import TransferEntry, build_plan
 
@@ -88,9 +88,9 @@ def test_negative_control_destination_one_page_off_decodes_otherwise(engines, re
 def test_entry_outside_the_opened_buffer_moves_nothing(engines) -> None:
     p, d = engines
     (region,) = d.runner.memory.regions
-    src = _Spans.of([(t.data_ptr(), t.numel() * t.element_size(), t.view(-1).view(torch.uint8))
+    src = Spans.of([(t.data_ptr(), t.numel() * t.element_size(), t.view(-1).view(torch.uint8))
                      for t in p.runner.memory.tensors])
-    dst = _Spans.of([(region.base_addr, region.length, open_region(region, torch.device("cpu")))])
+    dst = Spans.of([(region.base_addr, region.length, open_region(region, torch.device("cpu")))])
     p_base = p.runner.kv.data_ptr()
     before = d.runner.kv.clone()
     inside = TransferEntry(p_base, region.base_addr, 4096)
@@ -107,8 +107,8 @@ def test_small_entries_gather_and_large_ones_slice_alike() -> None:
     src = torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8)
     dst = memory.zeros((1 << 22,), torch.uint8, torch.device("cpu"))
     region = memory.regions[0]
-    spans = (_Spans.of([(src.data_ptr(), src.numel(), src)]),
-             _Spans.of([(region.base_addr, region.length, open_region(region, torch.device("cpu")))]))
+    spans = (Spans.of([(src.data_ptr(), src.numel(), src)]),
+             Spans.of([(region.base_addr, region.length, open_region(region, torch.device("cpu")))]))
     for size, stride in ((6, 10), (96, 160), (1 << 17, (1 << 17) + 512)):  # gathered, gathered, sliced
         dst.zero_()
         entries = [TransferEntry(src.data_ptr() + 2 * i * size, region.base_addr + i * stride, size)

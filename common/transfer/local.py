@@ -51,7 +51,7 @@ def host_id() -> str:
 
 
 @dataclass(frozen=True)
-class _Spans:
+class Spans:
     """Flat byte views of some buffers, by the address their owner knows them at."""
 
     bases: np.ndarray  # sorted, int64 (addresses fit: user space is below 2**63)
@@ -59,7 +59,7 @@ class _Spans:
     views: list[torch.Tensor]  # uint8, one per base
 
     @classmethod
-    def of(cls, pairs: Sequence[tuple[int, int, torch.Tensor]]) -> "_Spans":
+    def of(cls, pairs: Sequence[tuple[int, int, torch.Tensor]]) -> "Spans":
         pairs = sorted(pairs, key=lambda p: p[0])
         return cls(np.array([p[0] for p in pairs], dtype=np.int64), np.array([p[1] for p in pairs], dtype=np.int64),
                    [p[2] for p in pairs])
@@ -84,7 +84,7 @@ class LocalWriter:
     def __init__(self, memory: BufferMemory, device: torch.device):
         self.memory = memory
         self.device = device
-        self._open: dict[str, tuple[tuple[SharedRegion, ...], _Spans]] = {}  # session -> its regions, opened
+        self._open: dict[str, tuple[tuple[SharedRegion, ...], Spans]] = {}  # session -> its regions, opened
         self._refused: dict[str, tuple[SharedRegion, ...]] = {}  # session -> regions that did not open
 
     def open(self, session: str, regions: Sequence[SharedRegion]) -> bool:
@@ -97,7 +97,7 @@ class LocalWriter:
         if self._refused.get(session) == key:
             return False
         try:
-            spans = _Spans.of([(r.base_addr, r.length, open_region(r, self.device)) for r in key])
+            spans = Spans.of([(r.base_addr, r.length, open_region(r, self.device)) for r in key])
         except Exception as e:  # whatever the reason, Mooncake still reaches that D
             logger.warning("decode %s: its buffers do not open here (%s); writing to it over Mooncake", session, e)
             self._refused[session] = key
@@ -113,7 +113,7 @@ class LocalWriter:
         copied, or raises TransferError, before any byte moves if an entry falls outside."""
         if session not in self._open:
             raise TransferError(f"local copy to {session}: its buffers are not open here")
-        src = _Spans.of([(t.data_ptr(), t.numel() * t.element_size(), _flat(t)) for t in self.memory.tensors])
+        src = Spans.of([(t.data_ptr(), t.numel() * t.element_size(), _flat(t)) for t in self.memory.tensors])
         try:
             return copy_entries(entries, src, self._open[session][1])
         except TransferError:
@@ -122,7 +122,7 @@ class LocalWriter:
             raise TransferError(f"local copy of {len(entries)} entries to {session} failed: {e}") from e
 
 
-def copy_entries(entries: Sequence[TransferEntry], src: _Spans, dst: _Spans) -> int:
+def copy_entries(entries: Sequence[TransferEntry], src: Spans, dst: Spans) -> int:
     """Copy (src_addr, dst_addr, length) entries between the two sides' views; returns the bytes.
     Every entry is located first: one outside the views fails the whole write before any copy."""
     if not entries:
