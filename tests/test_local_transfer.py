@@ -8,6 +8,7 @@ and test_faults.py."""
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
 import os
 import uuid
 
@@ -132,3 +133,38 @@ def test_a_region_that_is_not_ours_does_not_open(engines) -> None:
     assert not writer.open("d", [dataclasses.replace(region, fd=0)])
     assert writer.open("d", [region])  # the real one replaces the refused one
     assert host_id()  # Linux: the boot id and host name P and D compare
+
+
+def _decode_process(conn) -> None:
+    """A D: a shareable buffer, its region sent to the parent; checks what landed in it."""
+    memory = BufferMemory(shareable=True)
+    buf = memory.zeros((4096,), torch.uint8, torch.device("cpu"))
+    conn.send(memory.regions[0])
+    offset, expected = conn.recv()
+    conn.send(bool(torch.equal(buf[offset:offset + len(expected)], expected)) and int(buf.count_nonzero()))
+    conn.recv()  # until told to exit
+
+
+def test_copy_into_another_process_which_is_let_go_once_dead() -> None:
+    cpu = torch.device("cpu")
+    ours, theirs = mp.get_context("fork").Pipe()
+    child = mp.get_context("fork").Process(target=_decode_process, args=(theirs,), daemon=True)
+    child.start()
+    try:
+        region = ours.recv()
+        memory = BufferMemory()
+        src = memory.zeros((4096,), torch.uint8, cpu)
+        src.copy_(torch.arange(1, 4097) % 251 + 1)  # no zero byte
+        writer = LocalWriter(memory, cpu)
+        assert writer.open("d", [region])
+        assert writer.write("d", [TransferEntry(src.data_ptr() + 100, region.base_addr + 1000, 500)]) == 500
+        ours.send((1000, src[100:600].clone()))
+        assert ours.recv() == 500  # those bytes, there, and nothing else
+        ours.send("exit")
+    finally:
+        child.join(30)
+    # The next D opened here drops the dead one's mapping (its memory would live on otherwise).
+    other = BufferMemory(shareable=True)
+    other.zeros((64,), torch.uint8, cpu)
+    assert writer.open("d2", other.regions)
+    assert "d" not in writer._open and "d2" in writer._open

@@ -41,7 +41,7 @@ class CudaIpcHandle:
 class SharedRegion:
     """One tensor of a process, for another process on the same host: `base_addr` and `length`
     as the owner's buffer descriptions name it (the plan's dst addresses fall inside), and where
-    its memory is: a memfd (`pid`, `fd`, `name`) or a CUDA IPC handle (`cuda`)."""
+    its memory is: a memfd (`fd`, `name`) or a CUDA IPC handle (`cuda`), of process `pid`."""
 
     base_addr: int
     length: int
@@ -87,4 +87,4 @@ def _cuda_region(t: torch.Tensor) -> SharedRegion:
     (_device, handle, size, offset, ref_handle, ref_offset, event, event_sync) = t.untyped_storage()._share_cuda_()
     ipc = CudaIpcHandle(bytes(handle), int(size), int(offset), bytes(ref_handle), int(ref_offset), bytes(event),
                         bool(event_sync))
-    return SharedRegion(t.data_ptr(), t.numel() * t.element_size(), cuda=ipc)
+    return SharedRegion(t.data_ptr(), t.numel() * t.element_size(), pid=os.getpid(), cuda=ipc)

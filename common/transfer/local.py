@@ -19,6 +19,7 @@ import mmap
 import os
 import re
 import socket
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -86,16 +87,24 @@ class LocalWriter:
         self.device = device
         self._open: dict[str, tuple[tuple[SharedRegion, ...], Spans]] = {}  # session -> its regions, opened
         self._refused: dict[str, tuple[SharedRegion, ...]] = {}  # session -> regions that did not open
+        self._lock = threading.Lock()  # rooms write from threads of their own: open each D once
 
     def open(self, session: str, regions: Sequence[SharedRegion]) -> bool:
         """Whether D rank `session`'s `regions` are open here, opening them the first time (a D
         that restarted sends new ones: they replace the old). False, logged once, if they do not
         open: the caller writes over Mooncake instead."""
-        key = tuple(regions)
+        with self._lock:
+            return self._open_locked(session, tuple(regions))
+
+    def _open_locked(self, session: str, key: tuple[SharedRegion, ...]) -> bool:
         if session in self._open and self._open[session][0] == key:
             return True
         if self._refused.get(session) == key:
             return False
+        # A D that died (and restarted under another session) keeps its memory alive while it is
+        # mapped here: let it go.
+        for gone in [s for s, (regions, _) in self._open.items() if not all(_alive(r.pid) for r in regions)]:
+            del self._open[gone]
         try:
             spans = Spans.of([(r.base_addr, r.length, open_region(r, self.device)) for r in key])
         except Exception as e:  # whatever the reason, Mooncake still reaches that D
@@ -160,6 +169,10 @@ def _copy_run(src: torch.Tensor, dst: torch.Tensor, s_off: np.ndarray, d_off: np
     for i in range(0, len(s_idx), step):
         rows = src_rows.index_select(0, torch.from_numpy(s_idx[i:i + step]).to(src.device))
         dst_rows.index_copy_(0, torch.from_numpy(d_idx[i:i + step]).to(dst.device), rows.to(dst.device))
+
+
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
 
 
 def _rows(flat: torch.Tensor, unit: int, word: int) -> torch.Tensor:
