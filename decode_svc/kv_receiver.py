@@ -2,7 +2,7 @@
 
 1. reserve pages for the request's whole budget (waiting for free pages until the deadline)
 2. Bootstrap(P): our Mooncake session, our buffers and the pages reserved for this room (and,
-   offering local transfer, our host and how a process on it opens our buffers)
+   offering local transfer, how a process on each rank's host opens that rank's buffers)
 3. wait for TransferDone from P (status, first token), bounded by the deadline
 The caller then hands the request, its cache now holding the prompt, to the decode engine.
 
@@ -29,7 +29,6 @@ from common.kv.seq_cache import SeqCache
 from common.service.engine_loop import EngineLoop
 from common.service.grpc_process import peer_channel
 from common.service.tls import Tls
-from common.transfer.local import host_id
 from common.transfer.wire import ranks_to_protos, room_to_protos
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
@@ -144,8 +143,7 @@ class KVReceiver:
         msg = pb.BootstrapRequest(
             room=req.rid, session_id=self.session_id, tp_rank=0, tp_size=self.tp, decode_addr=self.self_addr,
             buffers=room_to_protos(RoomBuffers(engine.describe_buffers(), pages)),
-            ranks=ranks_to_protos(self.ranks, pages), transfer_token=token,
-            host_id=host_id() if any(r.shared for r in self.ranks) else "")
+            ranks=ranks_to_protos(self.ranks, pages), transfer_token=token)
         stub = pb_grpc.PrefillServiceStub(self._channel(prefill_addr))
         try:
             # wait_for_ready: as for P's TransferDone (a P just restarted is waited for, not refused)

@@ -13,7 +13,6 @@ from common.kv.buffers import RankEndpoint, RoomBuffers
 from common.service.grpc_process import peer_channel
 from common.service.tls import Tls
 from common.service.transfer_ranks import TransferRanks
-from common.transfer.local import host_id
 from common.transfer.plan import TPRank, TransferPlanError, Writes, build_plan
 from common.transfer.wire import ranks_from_bootstrap, shared_from_bootstrap
 from common.transfer.writer import Moved
@@ -117,7 +116,7 @@ class KVSender:
         jobs = await asyncio.to_thread(plan_writes, req.rid, self.ranks.endpoints, self.ranks.tp,
                                        self.engine.room_pages(req), ranks_from_bootstrap(boot),
                                        boot.tp_size or 1, req.prompt_len)
-        peers = shared_from_bootstrap(boot) if boot.host_id and boot.host_id == host_id() else {}
+        peers = shared_from_bootstrap(boot)  # each of our ranks opens those on its own host
         return await asyncio.to_thread(self.ranks.write, jobs, peers)
 
     async def checksums(self, req: Request) -> list[int]:

@@ -89,20 +89,22 @@ class PrefillReply(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class SharedRegion(_message.Message):
-    __slots__ = ("base_addr", "length", "pid", "fd", "name", "cuda")
+    __slots__ = ("base_addr", "length", "pid", "fd", "name", "cuda", "host_id")
     BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     base_addr: int
     length: int
     pid: int
     fd: int
     name: str
     cuda: CudaIpcHandle
-    def __init__(self, base_addr: _Optional[int] = ..., length: _Optional[int] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ..., name: _Optional[str] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+    host_id: str
+    def __init__(self, base_addr: _Optional[int] = ..., length: _Optional[int] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ..., name: _Optional[str] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
@@ -135,7 +137,7 @@ class RankBuffers(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., session_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., shared: _Optional[_Iterable[_Union[SharedRegion, _Mapping]]] = ...) -> None: ...
 
 class BootstrapRequest(_message.Message):
-    __slots__ = ("room", "session_id", "tp_rank", "tp_size", "buffers", "decode_addr", "ranks", "transfer_token", "host_id")
+    __slots__ = ("room", "session_id", "tp_rank", "tp_size", "buffers", "decode_addr", "ranks", "transfer_token")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -144,7 +146,6 @@ class BootstrapRequest(_message.Message):
     DECODE_ADDR_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     room: str
     session_id: str
     tp_rank: int
@@ -153,8 +154,7 @@ class BootstrapRequest(_message.Message):
     decode_addr: str
     ranks: _containers.RepeatedCompositeFieldContainer[RankBuffers]
     transfer_token: str
-    host_id: str
-    def __init__(self, room: _Optional[str] = ..., session_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., decode_addr: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankBuffers, _Mapping]]] = ..., transfer_token: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, room: _Optional[str] = ..., session_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., decode_addr: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankBuffers, _Mapping]]] = ..., transfer_token: _Optional[str] = ...) -> None: ...
 
 class BootstrapReply(_message.Message):
     __slots__ = ("ok", "error")

@@ -19,11 +19,12 @@ from common.engine.engine import Engine
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.kv.buffers import RoomBuffers
-from common.kv.shared import BufferMemory
+from common.kv.shared import BufferMemory, host_id
 from common.runner.model_runner import ModelRunner
-from common.transfer.local import LocalWriter, Spans, copy_entries, host_id, open_region
+from common.transfer.local import LocalWriter, Spans, copy_entries, open_region
 from common.transfer.mooncake import TransferError
 from common.transfer.plan import TransferEntry, build_plan
+from common.transfer.wire import region_from_proto, region_to_proto
 
 PAGE = 16
 PROMPT = [(i * 7919) % 40000 + 100 for i in range(37)]  # 3 pages, the last part-filled
@@ -123,7 +124,8 @@ def test_small_entries_gather_and_large_ones_slice_alike() -> None:
 def test_a_region_that_is_not_ours_does_not_open(engines) -> None:
     """P maps only the memory file D named (its random name is checked on the descriptor), so a
     Bootstrap naming any other descriptor (here our stdin, or D's file under another name) fails
-    to open, and the writer falls back to Mooncake for that D."""
+    to open, and the writer falls back to Mooncake for that D. A D rank on another host (its
+    regions' host id) is not even tried: its pid and descriptor name nothing here."""
     (region,) = engines[1].runner.memory.regions
     for bad in (dataclasses.replace(region, fd=0), dataclasses.replace(region, name="pdflash-" + "0" * 16),
                 dataclasses.replace(region, name="../../etc/passwd")):
@@ -132,7 +134,10 @@ def test_a_region_that_is_not_ours_does_not_open(engines) -> None:
     writer = LocalWriter(engines[0].runner.memory, torch.device("cpu"))
     assert not writer.open("d", [dataclasses.replace(region, fd=0)])
     assert writer.open("d", [region])  # the real one replaces the refused one
-    assert host_id()  # Linux: the boot id and host name P and D compare
+    assert region.host == host_id() and host_id()  # Linux: the boot id and host name P and D compare
+    assert not writer.open("elsewhere", [dataclasses.replace(region, host="another-boot-id/another-host")])
+    assert "elsewhere" not in writer._open and "elsewhere" not in writer._refused
+    assert region_from_proto(region_to_proto(region)) == region  # its host too, as Bootstrap carries it
 
 
 def _decode_process(conn) -> None:

@@ -8,7 +8,8 @@ process on the same host can open them and copy a room's bytes straight in
   however it dies: the file goes with its last mapping;
 - on CUDA, an ordinary allocation, whose CUDA IPC handle (torch's, as torch.multiprocessing
   shares a CUDA tensor) the other process opens.
-A `SharedRegion` says how to open one tensor; D sends them in Bootstrap. Without `shareable`
+A `SharedRegion` says how to open one tensor, and on which host (`host_id`): D sends them in
+Bootstrap, each rank its own (the ranks of an instance may be spread over hosts). Without `shareable`
 the tensors are plain ones, still listed (`tensors`): a sender copies out of them by address.
 """
 from __future__ import annotations
@@ -16,11 +17,25 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import socket
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
 MEMFD_PREFIX = "pdflash-"
+
+
+@cache
+def host_id() -> str:
+    """This host as both sides see it: the kernel's boot id (one per running kernel, so not
+    shared by two machines) and the host name (a container's own unless it shares the host's)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:  # not Linux: never local
+        return ""
+    return f"{boot}/{socket.gethostname()}"
 
 
 @dataclass(frozen=True)
@@ -41,7 +56,8 @@ class CudaIpcHandle:
 class SharedRegion:
     """One tensor of a process, for another process on the same host: `base_addr` and `length`
     as the owner's buffer descriptions name it (the plan's dst addresses fall inside), and where
-    its memory is: a memfd (`fd`, `name`) or a CUDA IPC handle (`cuda`), of process `pid`."""
+    its memory is: a memfd (`fd`, `name`) or a CUDA IPC handle (`cuda`), of process `pid` on host
+    `host` (host_id(): a process elsewhere never tries to open it)."""
 
     base_addr: int
     length: int
@@ -49,6 +65,7 @@ class SharedRegion:
     fd: int = 0
     name: str = ""  # the memfd's name: the opener checks /proc/<pid>/fd/<fd> is that file
     cuda: CudaIpcHandle | None = None
+    host: str = ""
 
 
 class BufferMemory:
@@ -80,11 +97,11 @@ class BufferMemory:
         mapped = mmap.mmap(fd, nbytes)
         self._maps.append(mapped)
         t = torch.frombuffer(mapped, dtype=torch.uint8).view(dtype).view(shape)
-        return t, SharedRegion(t.data_ptr(), nbytes, pid=os.getpid(), fd=fd, name=name)
+        return t, SharedRegion(t.data_ptr(), nbytes, pid=os.getpid(), fd=fd, name=name, host=host_id())
 
 
 def _cuda_region(t: torch.Tensor) -> SharedRegion:
     (_device, handle, size, offset, ref_handle, ref_offset, event, event_sync) = t.untyped_storage()._share_cuda_()
     ipc = CudaIpcHandle(bytes(handle), int(size), int(offset), bytes(ref_handle), int(ref_offset), bytes(event),
                         bool(event_sync))
-    return SharedRegion(t.data_ptr(), t.numel() * t.element_size(), pid=os.getpid(), cuda=ipc)
+    return SharedRegion(t.data_ptr(), t.numel() * t.element_size(), pid=os.getpid(), cuda=ipc, host=host_id())

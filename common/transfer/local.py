@@ -9,8 +9,10 @@ pages, merged) is one slice copy each, a run of small ones (a head range token b
 batched gather from the source and scatter into the destination, in rows of the largest size
 that divides every offset and length.
 
-D offers this only when P can tell it is on the same host (`host_id`), and P falls back to
-Mooncake when a region does not open (another container, no peer access, a D that restarted).
+Each P rank decides for each D rank: it opens D's regions only when they are on its own host
+(`host_id`, sent with every region: the ranks of P and of D may be spread over hosts), and falls
+back to Mooncake when a region does not open (another container, no peer access, a D that
+restarted).
 """
 from __future__ import annotations
 
@@ -18,16 +20,14 @@ import logging
 import mmap
 import os
 import re
-import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
 
 import numpy as np
 import torch
 
-from common.kv.shared import MEMFD_PREFIX, BufferMemory, SharedRegion
+from common.kv.shared import MEMFD_PREFIX, BufferMemory, SharedRegion, host_id
 from common.transfer.mooncake import TransferError
 from common.transfer.plan import TransferEntry
 
@@ -37,18 +37,6 @@ SLICE_MIN_BYTES = 64 << 10  # a run of entries this large on average is copied e
 GATHER_BYTES = 64 << 20  # at most this much is gathered at a time (the scratch it needs)
 _MEMFD_NAME = re.compile(re.escape(MEMFD_PREFIX) + r"[0-9a-f]{16}")
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-@cache
-def host_id() -> str:
-    """This host as both sides see it: the kernel's boot id (one per running kernel, so not
-    shared by two machines) and the host name (a container's own unless it shares the host's)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:  # not Linux: never local
-        return ""
-    return f"{boot}/{socket.gethostname()}"
 
 
 @dataclass(frozen=True)
@@ -92,13 +80,15 @@ class LocalWriter:
     def open(self, session: str, regions: Sequence[SharedRegion]) -> bool:
         """Whether D rank `session`'s `regions` are open here, opening them the first time (a D
         that restarted sends new ones: they replace the old). False, logged once, if they do not
-        open: the caller writes over Mooncake instead."""
+        open (or are on another host): the caller writes over Mooncake instead."""
         with self._lock:
             return self._open_locked(session, tuple(regions))
 
     def _open_locked(self, session: str, key: tuple[SharedRegion, ...]) -> bool:
         if session in self._open and self._open[session][0] == key:
             return True
+        if any(r.host != host_id() for r in key):  # not a failure: that D rank is elsewhere
+            return False
         if self._refused.get(session) == key:
             return False
         # A D that died (and restarted under another session) keeps its memory alive while it is

@@ -106,7 +106,7 @@ def shared_from_bootstrap(msg: pb.BootstrapRequest) -> dict[str, list[SharedRegi
 
 def region_to_proto(region: SharedRegion) -> pb.SharedRegion:
     msg = pb.SharedRegion(base_addr=region.base_addr, length=region.length, pid=region.pid, fd=region.fd,
-                          name=region.name)
+                          name=region.name, host_id=region.host)
     if region.cuda is not None:
         c = region.cuda
         msg.cuda.CopyFrom(pb.CudaIpcHandle(
@@ -122,4 +122,4 @@ def region_from_proto(msg: pb.SharedRegion) -> SharedRegion:
         c = msg.cuda
         cuda = CudaIpcHandle(c.handle, c.storage_size, c.storage_offset, c.ref_counter_handle, c.ref_counter_offset,
                              c.event_handle, c.event_sync_required)
-    return SharedRegion(msg.base_addr, msg.length, msg.pid, msg.fd, msg.name, cuda)
+    return SharedRegion(msg.base_addr, msg.length, msg.pid, msg.fd, msg.name, cuda, msg.host_id)

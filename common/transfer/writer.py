@@ -12,7 +12,7 @@ from common.transfer.plan import Writes
 
 LOCAL, MOONCAKE = "local", "mooncake"
 
-Peers = Mapping[str, Sequence[SharedRegion]]  # D rank's Mooncake session -> its buffers, on our host
+Peers = Mapping[str, Sequence[SharedRegion]]  # D rank's Mooncake session -> its buffers (opened where on our host)
 
 
 @dataclass(frozen=True)
