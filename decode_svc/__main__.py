@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 
 from grpc_health.v1 import health
 
@@ -49,9 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
     tls = Tls.from_args(args)  # before the model load: a bad file fails fast
     log = setup_logging(f"{args.role}:{args.port}")
+    # A P on this host copies the prompt's KV straight into our buffers: they are allocated shareable
+    # (on every node: a P may share the host of any of our ranks).
+    opts = dataclasses.replace(ModelOptions.from_args(args), shared_kv=args.role == "decode" and args.local_transfer)
     if not args.nodes.head:
-        return await serve_node(args, args.role, log, stop)
-    runner, tokenizer = load_model(ModelOptions.from_args(args))
+        return await serve_node(args, opts, args.role, log, stop)
+    runner, tokenizer = load_model(opts)
     try:
         engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, max_running=args.max_running,
                         proposer=load_proposer(args, runner), spec=spec_config(args))

@@ -1,7 +1,8 @@
 """D's side of a KV handoff: reserve pages, bootstrap P, wait for its ack.
 
 1. reserve pages for the request's whole budget (waiting for free pages until the deadline)
-2. Bootstrap(P): our Mooncake session, our buffers and the pages reserved for this room
+2. Bootstrap(P): our Mooncake session, our buffers and the pages reserved for this room (and,
+   offering local transfer, how a process on each rank's host opens that rank's buffers)
 3. wait for TransferDone from P (status, first token), bounded by the deadline
 The caller then hands the request, its cache now holding the prompt, to the decode engine.
 
@@ -84,6 +85,7 @@ class KVReceiver:
             if done.page_checksums:
                 await self._verify(req, list(done.page_checksums))
             req.transfer_bytes = done.bytes
+            req.transfer_transport = done.transport
             return done.first_token
         finally:
             self._acks.pop(req.rid, None)

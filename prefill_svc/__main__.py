@@ -46,7 +46,7 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
     tls = Tls.from_args(args)  # before the model load: a bad file fails fast
     log = setup_logging(f"prefill:{args.port}")
     if not args.nodes.head:
-        return await serve_node(args, "prefill", log, stop)
+        return await serve_node(args, ModelOptions.from_args(args), "prefill", log, stop)
     runner, tokenizer = load_model(ModelOptions.from_args(args))
     try:
         engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, prefill_only=True,

@@ -1,5 +1,5 @@
-"""P's side of a KV handoff: match D's bootstrap to the room, plan the copy, move the bytes,
-and acknowledge to D."""
+"""P's side of a KV handoff: match D's bootstrap to the room, plan the copy, move the bytes (by
+local copy into a D on this host, over Mooncake otherwise), and acknowledge to D."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +14,8 @@ from common.service.grpc_process import peer_channel
 from common.service.tls import Tls
 from common.service.transfer_ranks import TransferRanks
 from common.transfer.plan import TPRank, TransferPlanError, Writes, build_plan
-from common.transfer.wire import ranks_from_bootstrap
+from common.transfer.wire import ranks_from_bootstrap, shared_from_bootstrap
+from common.transfer.writer import Moved
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 
@@ -97,10 +98,11 @@ class KVSender:
         finally:
             self._boots.pop(room, None)
 
-    async def send(self, req: Request, boot: pb.BootstrapRequest) -> int:
+    async def send(self, req: Request, boot: pb.BootstrapRequest) -> Moved:
         """Copy the prompt's KV from each of our ranks into the pages D reserved on each of its
-        ranks. Plan errors (bounds, layouts) are raised before any byte moves; a failed
-        Mooncake write raises TransferError once none of its entries is in flight.
+        ranks: by local copy where D is on our host and its buffers open here, else over Mooncake.
+        Plan errors (bounds, layouts) are raised before any byte moves; a failed write raises
+        TransferError once none of its entries is in flight.
 
         The hand-off convention (D's side: Engine.add_prefilled): P has consumed every prompt
         token, so the KDA state and convolution windows sent cover the whole prompt (they are
@@ -114,7 +116,8 @@ class KVSender:
         jobs = await asyncio.to_thread(plan_writes, req.rid, self.ranks.endpoints, self.ranks.tp,
                                        self.engine.room_pages(req), ranks_from_bootstrap(boot),
                                        boot.tp_size or 1, req.prompt_len)
-        return await asyncio.to_thread(self.ranks.write, jobs)
+        peers = shared_from_bootstrap(boot)  # each of our ranks opens those on its own host
+        return await asyncio.to_thread(self.ranks.write, jobs, peers)
 
     async def checksums(self, req: Request) -> list[int]:
         if not self.verify:

@@ -4,7 +4,7 @@ Prefill(room):
   1. validate and queue the prompt in the prefill engine (chunked, batched with other rooms)
   2. the engine samples the first token; the prompt's KV stays in our pages
   3. wait for D's Bootstrap (where to write), bounded by the deadline
-  4. plan + Mooncake write of the KV pages into D's pages
+  4. plan + write of the KV pages into D's pages (local copy on one host, else Mooncake)
   5. TransferDone to D (ok + first token, or the error); free our pages; reply to the router
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         # Rooms in Prefill -> abort reason ("" = not aborted). An Abort that lands while the
         # room is inside a step (its whole prompt may be one step) is seen at the next stage.
         self._rooms: dict[str, str] = {}
-        self._sends: dict[str, asyncio.Future] = {}  # room -> its Mooncake write in flight
+        self._sends: dict[str, asyncio.Future] = {}  # room -> its write in flight
         self._background: set[asyncio.Task] = set()
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
@@ -65,14 +65,15 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             # Shielded: if this handler is cancelled (the router gave up), the write goes on in
             # its thread, and our pages must not return to the pool before it has finished.
             send = self._sends[req.rid] = asyncio.ensure_future(self.sender.send(req, boot))
-            nbytes = await asyncio.shield(send)
+            moved = await asyncio.shield(send)
+            logger.info("room %s: %d bytes to decode by %s", req.rid, moved.bytes, moved.transport or "nothing")
             self._check_abort(req.rid)
             done = pb.TransferDoneRequest(room=req.rid, ok=True, first_token=out.new_ids[0],
-                                          prompt_tokens=req.prompt_len, bytes=nbytes,
+                                          prompt_tokens=req.prompt_len, bytes=moved.bytes,
                                           page_checksums=await self.sender.checksums(req),
-                                          transfer_token=boot.transfer_token)
+                                          transfer_token=boot.transfer_token, transport=moved.transport)
             await self.sender.ack(boot.decode_addr or request.decode_addr, done, deadline - time.monotonic())
-            self.bytes_sent += nbytes
+            self.bytes_sent += moved.bytes
             return pb.PrefillReply(ok=True)
         except Exception as e:  # every failure is reported to D and to the router, never dropped
             self.failures += 1

@@ -88,15 +88,53 @@ class PrefillReply(_message.Message):
     error: str
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
+class SharedRegion(_message.Message):
+    __slots__ = ("base_addr", "length", "pid", "fd", "name", "cuda", "host_id")
+    BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    base_addr: int
+    length: int
+    pid: int
+    fd: int
+    name: str
+    cuda: CudaIpcHandle
+    host_id: str
+    def __init__(self, base_addr: _Optional[int] = ..., length: _Optional[int] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ..., name: _Optional[str] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., host_id: _Optional[str] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, handle: _Optional[bytes] = ..., storage_size: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
 class RankBuffers(_message.Message):
-    __slots__ = ("tp_rank", "session_id", "buffers")
+    __slots__ = ("tp_rank", "session_id", "buffers", "shared")
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     tp_rank: int
     session_id: str
     buffers: _containers.RepeatedCompositeFieldContainer[BufferInfo]
-    def __init__(self, tp_rank: _Optional[int] = ..., session_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ...) -> None: ...
+    shared: _containers.RepeatedCompositeFieldContainer[SharedRegion]
+    def __init__(self, tp_rank: _Optional[int] = ..., session_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., shared: _Optional[_Iterable[_Union[SharedRegion, _Mapping]]] = ...) -> None: ...
 
 class BootstrapRequest(_message.Message):
     __slots__ = ("room", "session_id", "tp_rank", "tp_size", "buffers", "decode_addr", "ranks", "transfer_token")
@@ -185,7 +223,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, room: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_addr: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class MetaInfo(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "e2e_latency", "matched_stop", "spec_verify_ct", "spec_accept_histogram", "spec_accepted_drafts", "spec_proposed_drafts", "verified_pages", "transfer_bytes", "spec_block_histogram", "spec_plain_steps")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "e2e_latency", "matched_stop", "spec_verify_ct", "spec_accept_histogram", "spec_accepted_drafts", "spec_proposed_drafts", "verified_pages", "transfer_bytes", "spec_block_histogram", "spec_plain_steps", "transfer_transport")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +238,7 @@ class MetaInfo(_message.Message):
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     SPEC_BLOCK_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     SPEC_PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -214,7 +253,8 @@ class MetaInfo(_message.Message):
     transfer_bytes: int
     spec_block_histogram: _containers.RepeatedScalarFieldContainer[int]
     spec_plain_steps: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., e2e_latency: _Optional[float] = ..., matched_stop: _Optional[str] = ..., spec_verify_ct: _Optional[int] = ..., spec_accept_histogram: _Optional[_Iterable[int]] = ..., spec_accepted_drafts: _Optional[int] = ..., spec_proposed_drafts: _Optional[int] = ..., verified_pages: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., spec_block_histogram: _Optional[_Iterable[int]] = ..., spec_plain_steps: _Optional[int] = ...) -> None: ...
+    transfer_transport: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., e2e_latency: _Optional[float] = ..., matched_stop: _Optional[str] = ..., spec_verify_ct: _Optional[int] = ..., spec_accept_histogram: _Optional[_Iterable[int]] = ..., spec_accepted_drafts: _Optional[int] = ..., spec_proposed_drafts: _Optional[int] = ..., verified_pages: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., spec_block_histogram: _Optional[_Iterable[int]] = ..., spec_plain_steps: _Optional[int] = ..., transfer_transport: _Optional[str] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("room", "token_ids", "text", "finished", "meta")
@@ -231,7 +271,7 @@ class GenerateChunk(_message.Message):
     def __init__(self, room: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., meta: _Optional[_Union[MetaInfo, _Mapping]] = ...) -> None: ...
 
 class TransferDoneRequest(_message.Message):
-    __slots__ = ("room", "ok", "first_token", "prompt_tokens", "error", "bytes", "page_checksums", "transfer_token")
+    __slots__ = ("room", "ok", "first_token", "prompt_tokens", "error", "bytes", "page_checksums", "transfer_token", "transport")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +280,7 @@ class TransferDoneRequest(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     room: str
     ok: bool
     first_token: int
@@ -248,7 +289,8 @@ class TransferDoneRequest(_message.Message):
     bytes: int
     page_checksums: _containers.RepeatedScalarFieldContainer[int]
     transfer_token: str
-    def __init__(self, room: _Optional[str] = ..., ok: _Optional[bool] = ..., first_token: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., page_checksums: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ...) -> None: ...
+    transport: str
+    def __init__(self, room: _Optional[str] = ..., ok: _Optional[bool] = ..., first_token: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., page_checksums: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class TransferDoneReply(_message.Message):
     __slots__ = ("ok",)

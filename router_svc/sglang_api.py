@@ -70,7 +70,8 @@ def meta_info(gen: Generation) -> dict:
     }
     m = gen.meta
     if m is not None:
-        info.update(transfer_bytes=m.transfer_bytes, verified_pages=m.verified_pages)
+        info.update(transfer_bytes=m.transfer_bytes, verified_pages=m.verified_pages,
+                    transfer_transport=m.transfer_transport)
     if m is not None and (m.spec_verify_ct or m.spec_plain_steps):
         verify = m.spec_verify_ct
         info.update(

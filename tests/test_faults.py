@@ -1,4 +1,5 @@
-"""Faults in a real pd stack (`pdflash up`: real processes, gRPC and Mooncake over TCP): P killed
+"""Faults in a real pd stack (`pdflash up --no-local-transfer`: real processes, gRPC and Mooncake
+over TCP, which P and D on one host would otherwise skip for a local copy): P killed
 mid-request, a Mooncake transfer that fails because D dies under it, D dead, bootstrap and
 transfer deadlines, a client that leaves, and explicit Abort on D and on P.
 
@@ -47,7 +48,7 @@ pool = concurrent.futures.ThreadPoolExecutor(8)
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with running("--mode", "pd", "--page-size", "16", "--kv-pages", "512", "--deadline", str(DEADLINE_S),
+    with running("--mode", "pd", "--no-local-transfer", "--page-size", "16", "--kv-pages", "512", "--deadline", str(DEADLINE_S),
                  "--request-timeout", "300", "--peer-abort-timeout", str(PEER_ABORT_TIMEOUT_S)) as s:
         yield s
 
@@ -55,7 +56,9 @@ def stack() -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def reference(stack: Stack) -> list[int]:
     """The short prompt's greedy output before any fault: every recovery must reproduce it."""
-    return stack.generate(SHORT, max_new_tokens=12)["output_ids"]
+    out = stack.generate(SHORT, max_new_tokens=12)
+    assert out["meta_info"]["transfer_transport"] == "mooncake"  # --no-local-transfer, although on one host
+    return out["output_ids"]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Greedy output through the real stack (`pdflash up`, real gRPC and Mooncake) equals the
+"""Greedy output through the real stack (`pdflash up`, real gRPC; P and D on one host, so the KV
+is copied into D's shared memory, not sent over Mooncake: test_faults.py keeps that) equals the
 in-process runner (`common.engine.engine.Engine` over the same weights) token for token: one request at a
 time and 16 at once; pd (with --spec dflash, which is lossless, and `--verify-transfer`: every
 page D received is checksummed against what P sent) and colocated with two replicas (the
@@ -122,6 +123,8 @@ def check(stack: Stack, case: Case, got: dict, want: Expected) -> None:
         assert got["output_ids"] == want.output_ids, case.name
     assert got["text"] == want.text, case.name
     if stack.policy == "pd" and got["meta"] is not None:
+        # P and D on one host: the KV (and draft KV) was copied into D's shared memory, not over Mooncake.
+        assert got["meta"]["transfer_transport"] == "local", case.name
         # --verify-transfer: D checksummed every (layer, k/v, page) of the prompt that P wrote,
         # the target's layers and the drafter's.
         pages = -(-len(want.prompt_ids) // PAGE)

@@ -1,5 +1,6 @@
 """The PD stack with parallel instances (`pdflash up --prefill-pp/--prefill-tp/--decode-tp`,
-real processes, gRPC, Mooncake) gives the same greedy tokens as the in-process runner: every
+real processes, gRPC; P and D on one host, so each rank copies into D's ranks' shared memory)
+gives the same greedy tokens as the in-process runner: every
 pipeline stage and TP rank of P writes its own layers' and heads' KV straight into D's TP
 ranks, and the last stage sends the draft KV (--spec dflash); --verify-transfer checks every
 page of the whole model on D. A split the model cannot take is refused at start-up."""
@@ -49,8 +50,26 @@ def test_parallel_stack_equals_in_process(expected: list[list[int]]) -> None:
             results = list(pool.map(lambda ids: stack.generate(ids, MAX_NEW, ignore_eos=True), PROMPTS))
         for ids, got, want in zip(PROMPTS, results, expected):
             assert got["output_ids"] == want
+            assert got["meta_info"]["transfer_transport"] == "local"  # every rank, into every D rank
             # D checksummed every (layer, k/v, page) of the target and draft KV that P's ranks wrote.
             assert got["meta_info"]["verified_pages"] == (LAYERS + DRAFT_LAYERS) * 2 * -(-len(ids) // PAGE)
+        stack.wait_all_pages_free()
+    finally:
+        stack.stop()
+    stack.assert_clean_log()
+
+
+def test_tp3_prefill_into_tp1_decode_by_local_copy(expected: list[list[int]]) -> None:
+    """P: TP 3 (one KV head per rank), D: TP 1 (all three) on the same host: each P rank copies
+    its head of every token into D's shared memory (entries per token: the batched gather), and
+    D checksums every page."""
+    stack = Stack("--mode", "pd", *STACK_ARGS, "--prefill-tp", "3")
+    try:
+        for ids, want in list(zip(PROMPTS, expected))[1:3]:
+            got = stack.generate(ids, MAX_NEW, ignore_eos=True)
+            assert got["output_ids"] == want
+            assert got["meta_info"]["transfer_transport"] == "local"
+            assert got["meta_info"]["verified_pages"] == LAYERS * 2 * -(-len(ids) // PAGE)
         stack.wait_all_pages_free()
     finally:
         stack.stop()

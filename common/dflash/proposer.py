@@ -64,8 +64,8 @@ class DFlashProposer(DraftPages):
         self.target = target
         cfg = drafter.cfg
         page_size = target.page_size
-        self.kv = torch.zeros(cfg.num_layers, 2, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim,
-                              dtype=target.dtype, device=target.device)
+        self.kv = target.memory.zeros((cfg.num_layers, 2, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim),
+                                      target.dtype, target.device)  # beside the target's KV: shareable alike
         self.scratch_slot = num_pages * page_size
         self.rope_cos, self.rope_sin = rope_cos_sin(cfg.as_model_config, target.device)
         self.name = f"dflash {cfg}"

@@ -18,4 +18,5 @@ def meta_info(req: Request) -> dict:
         "e2e_latency": time.monotonic() - req.arrival,
         "verified_pages": req.verified_pages,
         "transfer_bytes": req.transfer_bytes,
+        "transfer_transport": req.transfer_transport,
     }

@@ -24,6 +24,7 @@ class Request:
     matched_stop: str | int | None = None
     verified_pages: int = 0  # KV pages checksummed after a transfer (PD with --verify-transfer)
     transfer_bytes: int = 0  # KV bytes received from P (PD)
+    transfer_transport: str = ""  # how they came: "local" (copied on one host), "mooncake" (PD)
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     seed: int = -1  # sampling seed: params.seed, or a fresh one (set at creation)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.kv.shared import SharedRegion
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
@@ -118,3 +120,4 @@ class RankEndpoint:
     tp_rank: int
     session_id: str
     buffers: list[PagedKVBuffer | SlotStateBuffer]
+    shared: list[SharedRegion] = field(default_factory=list)  # how a process on this host opens them (D)

@@ -53,6 +53,7 @@ from common.runner.layout import RankLayout, check_parallel
 from common.runner.model_runner import ModelRunner, StepBatch
 from common.transfer.mooncake import MooncakeConfig
 from common.transfer.plan import Writes
+from common.transfer.writer import Peers
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ class WorkerError(RuntimeError):
 class ParallelRunner(ModelRunner):
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, tp: int = 1, pp: int = 1,
                  ep: int = 1, dtype: str = "fp32", device: str = "cpu", num_pages: int = 512, page_size: int = 64,
-                 state_slots: int = 64, nodes: Nodes = Nodes(), startup_timeout_s: float = STARTUP_TIMEOUT_S):
+                 state_slots: int = 64, nodes: Nodes = Nodes(), startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                 shared_kv: bool = False):
         check_parallel(cfg, tp, pp, ep)  # before any process starts
         layout = RankLayout(tp, pp, 0, ep)
         nodes.check(layout.world)
@@ -88,14 +90,15 @@ class ParallelRunner(ModelRunner):
         packed = PackedTensors.pack(tensors)
         self._local = LocalRanks([
             WorkerSpec(layout.with_rank(r), cfg, packed, dtype, local_device(device, r - nodes.ranks(layout.world).start), num_pages, page_size,
-                       init_method, backend, state_slots, nodes.host_ip)
+                       init_method, backend, state_slots, nodes.host_ip, shared_kv)
             for r in nodes.ranks(layout.world) if r])
         threading.Thread(target=self._read_replies, name="rank-replies", daemon=True).start()
         if self._local.procs:
             threading.Thread(target=self._watch_workers, name="rank-watch", daemon=True).start()
         reduce = init_ranks(layout, init_method, backend, local_device(device, 0))
         super().__init__(cfg, tensors, dtype=dtype, device=local_device(device, 0), num_pages=num_pages,
-                         page_size=page_size, layout=layout, reduce=reduce, state_slots=state_slots)
+                         page_size=page_size, layout=layout, reduce=reduce, state_slots=state_slots,
+                         shared_kv=shared_kv)
         for f in ready:
             f.result(startup_timeout_s)
         self.drafter = None  # pipeline-parallel DFlash: this stage's share of the fused context
@@ -173,17 +176,19 @@ class ParallelRunner(ModelRunner):
         return [f.result(STARTUP_TIMEOUT_S) for f in self._call_all(lambda r: ("pages", job, r), ReadPages(name, pages, job))]
 
     # ---- transfers -----------------------------------------------------------------------------
-    def start_transfer(self, config: MooncakeConfig) -> list[RankEndpoint]:
-        """Each worker starts its own Mooncake engine and registers its buffers; their endpoints
-        in rank order (rank 0's is the service's own)."""
-        return [f.result(STARTUP_TIMEOUT_S) for f in self._call_all(lambda r: ("endpoint", r), StartTransfer(config))]
+    def start_transfer(self, config: MooncakeConfig, local: bool) -> list[RankEndpoint]:
+        """Each worker starts its own Mooncake engine and registers its buffers (and, `local`, writes
+        by local copy where it can); their endpoints in rank order (rank 0's is the service's own)."""
+        return [f.result(STARTUP_TIMEOUT_S)
+                for f in self._call_all(lambda r: ("endpoint", r), StartTransfer(config, local))]
 
-    def write(self, rank: int, writes: Writes) -> Future:
-        """Worker `rank` writes these entries from its KV into decode sessions; resolves to bytes."""
+    def write(self, rank: int, writes: Writes, peers: Peers) -> Future:
+        """Worker `rank` writes these entries from its KV into decode sessions (by local copy to
+        `peers`); resolves to what it moved (Moved)."""
         job = next(self._jobs)
         fut = self._expect(("write", job, rank))
         with self._lock:  # after every command sent so far, e.g. the draft KV of this room
-            cmd = WriteJob(job, writes, self._sent)
+            cmd = WriteJob(job, writes, peers, self._sent)
             if rank in self._local.ranks:
                 self._local.write(rank, cmd)
             else:

@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 class NodeAgent:
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, tp: int, pp: int, ep: int, dtype: str,
-                 device: str, num_pages: int, page_size: int, state_slots: int, nodes: Nodes, startup_timeout_s: float):
+                 device: str, num_pages: int, page_size: int, state_slots: int, nodes: Nodes, startup_timeout_s: float,
+                 shared_kv: bool):
         check_parallel(cfg, tp, pp, ep)
         layout = RankLayout(tp, pp, 0, ep)
         nodes.check(layout.world)
@@ -43,7 +44,7 @@ class NodeAgent:
         packed = PackedTensors.pack(tensors)
         self._local = LocalRanks([
             WorkerSpec(layout.with_rank(r), cfg, packed, dtype, local_device(device, r - self.ranks.start), num_pages,
-                       page_size, nodes.init_method, backend, state_slots, nodes.host_ip)
+                       page_size, nodes.init_method, backend, state_slots, nodes.host_ip, shared_kv)
             for r in self.ranks])
         threading.Thread(target=self._relay_replies, name="rank-replies", daemon=True).start()
         threading.Thread(target=self._watch_workers, name="rank-watch", daemon=True).start()

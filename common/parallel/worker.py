@@ -24,8 +24,10 @@ from common.model.config import ModelConfig
 from common.parallel.stage import init_ranks, stage_forward
 from common.runner.layout import RankLayout
 from common.runner.model_runner import ModelRunner, StepBatch
+from common.transfer.local import LocalWriter
 from common.transfer.mooncake import MooncakeConfig, MooncakeEngine
 from common.transfer.plan import Writes
+from common.transfer.writer import Peers, RankWriter
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ class WorkerSpec:
     backend: str  # "gloo" (CPU) or "nccl" (GPU)
     state_slots: int  # KDA state slots, as many as the driver's: the batch names them by index
     host: str  # this host's address for peers: its Mooncake segments
+    shared_kv: bool  # transfer buffers in memory a P on this host can open (a decode instance's)
 
 
 @dataclass
@@ -103,6 +106,7 @@ class ReadPages:
 @dataclass
 class StartTransfer:
     config: MooncakeConfig  # every rank the same, but for local_hostname: its own host's (WorkerSpec.host)
+    local: bool  # write by local copy to D ranks whose buffers open here
 
 
 @dataclass
@@ -114,6 +118,7 @@ class Stop:
 class WriteJob:
     job: int
     writes: Writes  # to decode ranks
+    peers: Peers  # those of them on our host
     # Start once this many commands are done: the driver learns that a room's prefill is done
     # from the last stage's hidden states, before that rank has run the AppendContext that
     # writes the room's draft KV (and before other ranks' queues are necessarily drained).
@@ -148,7 +153,8 @@ def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world))
     reduce = init_ranks(layout, spec.init_method, spec.backend, spec.device)
     runner = ModelRunner(spec.cfg, spec.tensors.unpack(), dtype=spec.dtype, device=spec.device, num_pages=spec.num_pages,
-                         page_size=spec.page_size, layout=layout, reduce=reduce, state_slots=spec.state_slots)
+                         page_size=spec.page_size, layout=layout, reduce=reduce, state_slots=spec.state_slots,
+                         shared_kv=spec.shared_kv)
     del spec.tensors  # loaded into the model: let the driver's shared copy go
     replies.put(Reply(("ready", layout.rank)))
     drafter = draft = fc_sum = None
@@ -175,8 +181,10 @@ def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
             mooncake.start()
             buffers = runner.describe_buffers() + (draft.describe_buffers() if draft is not None else [])
             mooncake.register_buffers(buffers)
-            threading.Thread(target=_write_loop, args=(mooncake, layout.rank, writes, replies, done), daemon=True).start()
-            replies.put(Reply(("endpoint", layout.rank), RankEndpoint(layout.tp_rank, mooncake.session_id, buffers)))
+            writer = RankWriter(mooncake, LocalWriter(runner.memory, runner.device) if cmd.local else None)
+            threading.Thread(target=_write_loop, args=(writer, layout.rank, writes, replies, done), daemon=True).start()
+            replies.put(Reply(("endpoint", layout.rank), RankEndpoint(layout.tp_rank, mooncake.session_id, buffers,
+                                                                      runner.memory.regions)))
         elif isinstance(cmd, Stop):
             torch.distributed.destroy_process_group()
             return
@@ -212,13 +220,12 @@ def _load_drafter(cmd: LoadDrafter, runner: ModelRunner):
     return drafter, draft
 
 
-def _write_loop(mooncake: MooncakeEngine, rank: int, writes, replies, done: _Done) -> None:
+def _write_loop(writer: RankWriter, rank: int, writes, replies, done: _Done) -> None:
     while True:
         job: WriteJob = writes.get()
         done.wait_for(job.after)
         try:
-            moved = sum(mooncake.write(session, entries) for session, entries in job.writes)
-            replies.put(Reply(("write", job.job, rank), moved))
+            replies.put(Reply(("write", job.job, rank), writer.write(job.writes, job.peers)))
         except Exception as e:
             replies.put(Reply(("write", job.job, rank), error=f"rank {rank}: {e}"))
 

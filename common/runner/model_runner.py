@@ -20,6 +20,7 @@ import torch
 from common.kv.buffers import PagedKVBuffer, SlotStateBuffer
 from common.kv.page_pool import PagePool
 from common.kv.seq_cache import SeqCache
+from common.kv.shared import BufferMemory
 from common.kv.state_pool import StatePool
 from common.model.attention import AttnMeta, build_attn_meta
 from common.model import kda
@@ -74,7 +75,7 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor] | RandomWeights, *, dtype: str = "fp32",
                  device: str = "cpu", num_pages: int = 512, page_size: int = 64,
-                 enforce_eager: bool = False, state_slots: int = 64,
+                 enforce_eager: bool = False, state_slots: int = 64, shared_kv: bool = False,
                  layout: RankLayout = RankLayout(), reduce: Reduce = no_reduce):
         self.cfg = cfg
         self.layout = layout
@@ -91,12 +92,15 @@ class ModelRunner:
             self.model = model.to(self.dtype).eval()
         self.model.init_rope(self.device)  # fp32 tables whatever the weights' dtype
         self.pool = PagePool(num_pages, page_size)
+        # Every buffer a transfer reads or writes (the KV, a drafter's KV, state) comes from here;
+        # `shared_kv`: in memory a process on this host can open (common/kv/shared.py).
+        self.memory = BufferMemory(shareable=shared_kv)
         # One tensor for the whole cache ([layer, k/v, page, token, head, dim]) so that it is a
         # single region to register with the transfer engine. The extra last page is scratch:
         # padded attention reads land there and no request owns it. MLA has one plane and one
         # head (the latent and rope key), the same on every TP rank.
-        self.kv = torch.zeros(len(layout.kv_layers(cfg)), cfg.kv_planes, num_pages + 1, page_size, local.num_kv_heads,
-                              cfg.cache_head_dim, dtype=self.dtype, device=self.device)
+        self.kv = self.memory.zeros((len(layout.kv_layers(cfg)), cfg.kv_planes, num_pages + 1, page_size,
+                                     local.num_kv_heads, cfg.cache_head_dim), self.dtype, self.device)
         # KDA layers (Kimi-Linear) keep no pages but a state slot per request, with a budget of
         # its own (`state_slots` requests at a time): row 0 of each tensor is scratch.
         self.state_pool: StatePool | None = None
@@ -106,8 +110,8 @@ class ModelRunner:
             self.state_pool = StatePool(state_slots)
             self.cache = HybridCache(
                 self.kv,
-                torch.zeros(n, state_slots + 1, k.num_heads, k.head_dim, k.head_dim, device=self.device),
-                torch.zeros(n, state_slots + 1, 3 * k.proj_size, k.conv_size - 1, dtype=self.dtype, device=self.device))
+                self.memory.zeros((n, state_slots + 1, k.num_heads, k.head_dim, k.head_dim), torch.float32, self.device),
+                self.memory.zeros((n, state_slots + 1, 3 * k.proj_size, k.conv_size - 1), self.dtype, self.device))
         self.scratch_slot = num_pages * page_size
         # Static steps (decode, verify) replay CUDA graphs on a GPU unless told otherwise; a rank of
         # a parallel model cannot (its collectives and the other ranks' commands are not captured).

@@ -36,6 +36,7 @@ class ModelOptions:
     nodes: Nodes = Nodes()  # the hosts the TP x PP ranks are spread over
     dist_timeout_s: float = STARTUP_TIMEOUT_S  # for every node (and rank) of the instance to join
     mem_fraction: float | None = None  # CUDA: size the KV pool from GPU memory instead of kv_pages
+    shared_kv: bool = False  # transfer buffers in memory a P on this host can open (local transfer)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ModelOptions":
@@ -161,7 +162,7 @@ def start_node(opts: ModelOptions) -> NodeAgent:
     pin_collective_interface(opts.nodes)  # before any rank process starts: they inherit it
     return NodeAgent(cfg, tensors, tp=opts.tp, pp=opts.pp, ep=opts.ep, dtype=opts.dtype, device=opts.device,
                      num_pages=pages, page_size=opts.page_size, state_slots=opts.state_slots,
-                     nodes=opts.nodes, startup_timeout_s=opts.dist_timeout_s)
+                     nodes=opts.nodes, startup_timeout_s=opts.dist_timeout_s, shared_kv=opts.shared_kv)
 
 
 def load_model(opts: ModelOptions) -> tuple[ModelRunner, Tokenizer]:
@@ -175,8 +176,10 @@ def load_model(opts: ModelOptions) -> tuple[ModelRunner, Tokenizer]:
         pin_collective_interface(opts.nodes)  # before any rank process starts: they inherit it
         runner = ParallelRunner(cfg, tensors, tp=opts.tp, pp=opts.pp, ep=opts.ep, dtype=opts.dtype,
                                 device=opts.device, num_pages=pages, page_size=opts.page_size,
-                                state_slots=opts.state_slots, nodes=opts.nodes, startup_timeout_s=opts.dist_timeout_s)
+                                state_slots=opts.state_slots, nodes=opts.nodes, startup_timeout_s=opts.dist_timeout_s,
+                                shared_kv=opts.shared_kv)
     else:
         runner = ModelRunner(cfg, tensors, dtype=opts.dtype, device=opts.device, num_pages=pages,
-                             page_size=opts.page_size, enforce_eager=opts.enforce_eager, state_slots=opts.state_slots)
+                             page_size=opts.page_size, enforce_eager=opts.enforce_eager, state_slots=opts.state_slots,
+                             shared_kv=opts.shared_kv)
     return runner, Tokenizer(src, cfg.eos_token_ids)

@@ -36,7 +36,8 @@ def meta_to_proto(meta: dict) -> pb.MetaInfo:
         spec_block_histogram=meta.get("spec_block_histogram", []),
         spec_plain_steps=meta.get("spec_plain_steps", 0),
         verified_pages=meta.get("verified_pages", 0),
-        transfer_bytes=meta.get("transfer_bytes", 0))
+        transfer_bytes=meta.get("transfer_bytes", 0),
+        transfer_transport=meta.get("transfer_transport", ""))
 
 
 def pool_health(engine: Engine) -> dict[str, int]:

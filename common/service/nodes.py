@@ -36,12 +36,13 @@ def watch_nodes(runner: ModelRunner, loop: EngineLoop, checks: health.aio.Health
     runner.on_lost = lost
 
 
-async def serve_node(args: argparse.Namespace, role: str, log: logging.Logger, stop: asyncio.Event) -> None:
+async def serve_node(args: argparse.Namespace, opts: ModelOptions, role: str, log: logging.Logger,
+                     stop: asyncio.Event) -> None:
     """Run this host's ranks until node 0 stops them (or is lost: exit code 1)."""
     nodes = args.nodes
     log.info("node %d of %d of a %s instance: waiting for node 0 at %s", nodes.node_rank, nodes.nnodes, role,
              nodes.dist_init_addr)
-    agent = await asyncio.to_thread(start_node, ModelOptions.from_args(args))
+    agent = await asyncio.to_thread(start_node, opts)
     server = await serve_grpc(args.host, args.port, lambda s: None, Tls.from_args(args))
     log.info("node %d of %d: runs ranks %d-%d of the %s instance; node 0 (%s) serves its requests, this node only "
              "its gRPC health on %s:%d", nodes.node_rank, nodes.nnodes, agent.ranks.start, agent.ranks.stop - 1, role,

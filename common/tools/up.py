@@ -72,6 +72,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="decode: seconds per attempt at prefill's Abort of a room it gave up on")
     p.add_argument("--request-timeout", type=float, default=600.0, help="router: seconds per request")
     p.add_argument("--verify-transfer", action="store_true", help="checksum every KV page P sends and D receives")
+    p.add_argument("--no-local-transfer", dest="local_transfer", action="store_false",
+                   help="pd: move KV over Mooncake even between P and D on this host (by default copied directly)")
     p.add_argument("--api-key", default=os.environ.get("PDFLASH_API_KEY") or None,
                    help="router: require `Authorization: Bearer KEY` on all but /health (default: $PDFLASH_API_KEY)")
     add_spec_args(p)
@@ -220,8 +222,9 @@ def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child
     decode_par = ["--tp", str(args.decode_tp), "--ep", str(args.decode_ep)]
     if args.mode == "pd":
         verify = ["--verify-transfer"] if args.verify_transfer else []
-        groups = [("prefill", "prefill_svc", args.prefill, verify + prefill_par),
-                  ("decode", "decode_svc", args.decode, ["--role", "decode", *decode_par,
+        transport = [] if args.local_transfer else ["--no-local-transfer"]
+        groups = [("prefill", "prefill_svc", args.prefill, verify + transport + prefill_par),
+                  ("decode", "decode_svc", args.decode, ["--role", "decode", *decode_par, *transport,
                                                          "--peer-abort-timeout", str(args.peer_abort_timeout)])]
     else:
         groups = [("replica", "decode_svc", args.replicas, ["--role", "colocated", *decode_par])]

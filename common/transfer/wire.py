@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from common.kv.buffers import PagedKVBuffer, RankEndpoint, RoomBuffers, SlotStateBuffer
+from common.kv.shared import CudaIpcHandle, SharedRegion
 from protos import pdflash_pb2 as pb
 
 PAGED_KV = "paged_kv"
@@ -85,7 +86,8 @@ def _kv_planes(info: pb.BufferInfo) -> int:
 def ranks_to_protos(ranks: list[RankEndpoint], indices: dict[str, list[int]]) -> list[pb.RankBuffers]:
     """Every rank of an instance with a room's pages (the page tables are the same on every rank)."""
     return [pb.RankBuffers(tp_rank=r.tp_rank, session_id=r.session_id,
-                           buffers=room_to_protos(RoomBuffers(r.buffers, indices))) for r in ranks]
+                           buffers=room_to_protos(RoomBuffers(r.buffers, indices)),
+                           shared=[region_to_proto(s) for s in r.shared]) for r in ranks]
 
 
 def ranks_from_bootstrap(msg: pb.BootstrapRequest) -> list[tuple[int, str, RoomBuffers]]:
@@ -94,3 +96,30 @@ def ranks_from_bootstrap(msg: pb.BootstrapRequest) -> list[tuple[int, str, RoomB
     if not msg.ranks:
         return [(msg.tp_rank, msg.session_id, room_from_protos(msg.buffers))]
     return [(r.tp_rank, r.session_id, room_from_protos(r.buffers)) for r in msg.ranks]
+
+
+def shared_from_bootstrap(msg: pb.BootstrapRequest) -> dict[str, list[SharedRegion]]:
+    """Mooncake session -> that D rank's buffers as a process on D's host opens them, for the
+    ranks that offer them."""
+    return {r.session_id: [region_from_proto(s) for s in r.shared] for r in msg.ranks if r.shared}
+
+
+def region_to_proto(region: SharedRegion) -> pb.SharedRegion:
+    msg = pb.SharedRegion(base_addr=region.base_addr, length=region.length, pid=region.pid, fd=region.fd,
+                          name=region.name, host_id=region.host)
+    if region.cuda is not None:
+        c = region.cuda
+        msg.cuda.CopyFrom(pb.CudaIpcHandle(
+            handle=c.handle, storage_size=c.storage_size, storage_offset=c.storage_offset,
+            ref_counter_handle=c.ref_counter_handle, ref_counter_offset=c.ref_counter_offset,
+            event_handle=c.event_handle, event_sync_required=c.event_sync_required))
+    return msg
+
+
+def region_from_proto(msg: pb.SharedRegion) -> SharedRegion:
+    cuda = None
+    if msg.HasField("cuda"):
+        c = msg.cuda
+        cuda = CudaIpcHandle(c.handle, c.storage_size, c.storage_offset, c.ref_counter_handle, c.ref_counter_offset,
+                             c.event_handle, c.event_sync_required)
+    return SharedRegion(msg.base_addr, msg.length, msg.pid, msg.fd, msg.name, cuda, msg.host_id)

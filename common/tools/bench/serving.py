@@ -14,6 +14,7 @@ import json
 import os
 import random
 import sys
+from collections import Counter
 from typing import Any
 
 from common.tools.bench import plot, report, rounds, stats, warmup
@@ -175,6 +176,8 @@ def summarize(results: list[Response], duration: float, bodies: list[dict[str, A
         "request_throughput": len(ok) / duration,
         "concurrency_achieved": sum(r.e2e for r in ok) / duration,
         "transfer_bytes_per_request": sum(r.meta.get("transfer_bytes", 0) for r in ok) / len(ok) if ok else None,
+        # pd: how many rooms' KV came by each transport ("local" on one host, "mooncake")
+        "transfer_transports": dict(Counter(r.meta["transfer_transport"] for r in ok if r.meta.get("transfer_transport"))),
         "ttft_s": stats.describe(r.ttft for r in ok if r.ttft is not None),
         "tpot_ms": stats.describe((r.tpot for r in ok if r.tpot is not None), 1000),
         "itl_ms": stats.describe((gap for r in ok for gap in r.itl), 1000),

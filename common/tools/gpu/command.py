@@ -26,6 +26,11 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
              and Kimi-Linear-48B decode steps against their floors (common.tools.gpu.moe_shapes;
              moe_shapes.json, moe_shapes.md); `--small` runs it at small shapes, on the CPU
              when there is no GPU
+  local-copy the local transport's CUDA IPC copy between two processes, bytes checked, and its
+             time for a 2K-token room (common/tools/gpu/local_copy.py; no Mooncake needed)
+  pd-local   a pd stack on the GPU with the local transport (CUDA IPC): greedy tokens against the
+             engine (fp32), then 2K-token TTFT against pd over Mooncake TCP and colocated
+             (common/tools/gpu/pd_local.py; needs Mooncake; pd_local_ab/)
 
 Prints each part's results as it ends, then a summary with the targets; writes summary.json
 (rewritten after every part), engine.json, floor.json and profile_*.txt to OUT_DIR. No network
@@ -54,6 +59,8 @@ from common.model.shapes import SHAPES, random_weights
 from common.runner.model_runner import ModelRunner
 from common.tools.gpu.checks import fused_check, kernel_check, tiny_static_check
 from common.tools.gpu.moe_shapes import moe_shapes
+from common.tools.gpu.local_copy import local_copy
+from common.tools.gpu.pd_local import pd_local, summary_lines
 
 TARGET_TOK_S_B1 = 1000.0  # embedded model, batch 1, decode tok/s
 TARGET_X_FLOOR = 1.25  # Llama-3-8B shape, decode step / floor
@@ -268,6 +275,12 @@ def _summary(results: dict) -> list[str]:
     m = results.get("moe-shapes")
     if isinstance(m, dict):
         lines += [f"moe      {line}" for line in m["lines"]]
+    c = results.get("local-copy")
+    if isinstance(c, dict):
+        lines.append(f"local    CUDA IPC copy to another process: {c['bytes']} bytes, decode sees them: "
+                     f"{c['decode_sees_them']}; ms per copy {c['timings_ms']}")
+    if isinstance(results.get("pd-local"), dict):
+        lines += summary_lines(results["pd-local"])
     for part, value in results.items():
         if isinstance(value, str):
             lines.append(f"ERROR    {part}: {value.splitlines()[-1] if value else value}")
@@ -305,10 +318,12 @@ def run(args: argparse.Namespace) -> int:
         "replay": _replay,
         "profile": lambda: _profile(args.out_dir),
         "moe-shapes": lambda: moe_shapes(args.out_dir, args.small),
+        "local-copy": local_copy,
     }
     if not args.skip_bench:
         parts["bench"] = lambda: _bench(args.out_dir, args.model, floor=False)
         parts["floor"] = lambda: _bench(args.out_dir, args.model, floor=True)
+        parts["pd-local"] = lambda: pd_local(args.out_dir, args.model)
     if args.small:
         parts = {"moe-shapes": parts["moe-shapes"]}
     elif args.parts:
