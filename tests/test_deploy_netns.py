@@ -123,6 +123,9 @@ def netns_settings(ns: Namespaces, results: Path) -> list[str]:
         "START_TIMEOUT=300", "STOP_TIMEOUT=15", "POLL_INTERVAL=0.5",
         f"SMOKE_PROMPT={PROMPT}", f"SMOKE_MAX_NEW_TOKENS={NEW_TOKENS}",
         "BENCH_TOOL=builtin", "BENCH_INPUT_LEN=64", "BENCH_OUTPUT_LEN=4", "BENCH_CONCURRENCY=2", "BENCH_NUM=2",
+        # The namespaces share one kernel, so P and D would see one host and copy the KV locally,
+        # past the links this test cuts: they are hosts that talk over the network here.
+        "PREFILL_EXTRA_ARGS=--no-local-transfer", "DECODE_EXTRA_ARGS=--no-local-transfer",
     ]
 
 
