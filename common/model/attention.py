@@ -133,9 +133,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return meta.static.attend(q, kv_layer)
     if meta.fresh_causal:
         # 4-D inputs: with 3-D ones PyTorch's CPU SDPA falls back to its (much slower) math path.
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], is_causal=True,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal=True)
         return out[0].transpose(0, 1)
     return attend_cached(q, kv_layer, meta)
 
@@ -155,7 +153,19 @@ def attend_cached(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttnMeta,
         kb, vb = gather_pages(kv_layer[0], pages), gather_pages(kv_layer[1], pages)
     kb = kb.view(B, -1, heads, d)[:, :meta.max_kv].transpose(1, 2)  # [B, Hkv, maxKV, d]
     vb = vb.view(B, -1, heads, d)[:, :meta.max_kv].transpose(1, 2)
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.mask, enable_gqa=q.shape[1] != heads,
-                                         scale=scale)
-    out = out.transpose(1, 2).reshape(-1, *q.shape[1:])
+    out = sdpa(qb, kb, vb, mask=meta.mask, scale=scale).transpose(1, 2).reshape(-1, *q.shape[1:])
     return out if meta.out_rows is None else out[meta.out_rows]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
+         causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """SDPA over q [B, Hq, Q, d] and k/v [B, Hkv, K, d] with grouped query heads. On CUDA the
+    fused kernels take grouped heads only in fp16/bf16 without a mask (flash); a mask or fp32
+    would send enable_gqa to the math kernel, which materialises every score in fp32 (a batched
+    prefill spent most of its time there), so there the K/V heads are repeated instead and the
+    memory-efficient kernel runs. The CPU's flash kernel takes both, so nothing is copied there."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1 and q.is_cuda and (mask is not None or q.dtype == torch.float32):
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
