@@ -39,11 +39,13 @@ from common.parallel.ports import free_port
 from common.parallel.stage import init_ranks, recv, stage_forward
 from common.parallel.worker import (
     AppendContext,
+    CommitBlock,
     Forward,
     LoadDrafter,
     PackedTensors,
     ReadPages,
     Reply,
+    ReserveBlocks,
     StartTransfer,
     Stop,
     WorkerSpec,
@@ -138,13 +140,21 @@ class ParallelRunner(ModelRunner):
         tables = attn.page_table.tolist()
         batch = StepBatch([n - T for n in kv_len], [T] * len(kv_len),
                           [table[:-(-n // page)] for table, n in zip(tables, kv_len)], token_ids.tolist(), None,
-                          None if state_slots is None else state_slots.tolist())
+                          None if state_slots is None else state_slots.tolist(),
+                          state_block=self.state_pool is not None and T > 1)
         return self.forward(batch, capture_layers)
 
     def reserve_blocks(self, rows: int, block: int) -> None:
+        if self.state_pool is not None:  # every rank keeps its KDA heads' share of a verify block
+            self._broadcast(ReserveBlocks(rows, block))
+        super().reserve_blocks(rows, block)
+
+    def commit_block(self, state_slots: torch.Tensor, count: torch.Tensor, block: int) -> None:
+        """Every rank advances its own layers' and heads' slots by the same counts; the command
+        queue runs it after the verify forward on each rank and before the next one."""
         if self.state_pool is not None:
-            # The workers' KDA layers would advance their states over whole verify blocks.
-            raise NotImplementedError("DFlash on a model with KDA layers runs in one process (no --tp yet)")
+            self._broadcast(CommitBlock(state_slots.tolist(), count.tolist(), block))
+        super().commit_block(state_slots, count, block)
 
     # ---- DFlash under pipeline parallelism ------------------------------------------------------
     def load_pipeline_drafter(self, path: str, drafter: Drafter, num_pages: int) -> None:
