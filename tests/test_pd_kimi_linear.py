@@ -8,10 +8,11 @@ runner's, step for step, in fp32. Negative controls: a zeroed state, a state sen
 last chunk, the hand-off token applied twice and P's head slice shifted by one head each make
 that comparison fail.
 
-Through the PD stack (`pdflash up --mode pd`, real processes, gRPC, Mooncake): P at TP 2 x PP 2
-(each stage sends its layers' pages and states, each TP rank its KDA head of every state, whole
-latent pages from one P rank per D rank) into D at TP 2; greedy tokens equal the single-process
-engine's, for a batch of prompts prefilled in chunks.
+Through the PD stack (`pdflash up --mode pd --spec dflash`, real processes, gRPC, Mooncake): P at
+TP 2 x PP 2 (each stage sends its layers' pages and states, each TP rank its KDA head of every
+state, whole latent pages from one P rank per D rank, the last stage the draft KV) into D at
+TP 2, which speculates; greedy tokens equal the single-process engine's without speculation, for
+one request alone and a batch of prompts prefilled in chunks.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from common.transfer.plan import TransferPlan, build_plan
 from hf_oracle import checkpoint_fixture, prefill_then_decode, tiny_runner
 from pd_stack import Stack
 from test_kimi_linear import PROMPTS, TOL, VARIANTS, write_checkpoint
+from tiny_models import save_random_drafter
 
 checkpoint = checkpoint_fixture({"checkpoint_style": VARIANTS["checkpoint_style"]}, write_checkpoint)
 
@@ -123,19 +125,26 @@ def folder(checkpoint, embedded_source, embedded_tokenizer) -> str:
 
 
 @pytest.mark.slow
-def test_pd_stack_equals_one_process(checkpoint, folder) -> None:
+def test_pd_stack_equals_one_process(checkpoint, folder, tmp_path) -> None:
     """One stack serves both layouts the brief names: P at TP 2 on each of 2 pipeline stages
-    (stage 0: KDA, KDA, MLA; stage 1: KDA, MLA), D at TP 2."""
+    (stage 0: KDA, KDA, MLA; stage 1: KDA, MLA), D at TP 2, with DFlash (a random drafter; D
+    verifies blocks of 4 over both ranks' KDA heads and commits what it accepts). One request
+    alone, then all at once."""
     _, _, cfg, tensors, _ = checkpoint
     reqs = [Request(str(i), ids, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)) for i, ids in enumerate(PROMPTS)]
     Engine(ModelRunner(cfg, tensors, num_pages=64, page_size=PAGE), cfg.eos_token_ids).run_all(reqs)
+    drafter = save_random_drafter(cfg, (0, 2), str(tmp_path / "drafter"))
     stack = Stack("--mode", "pd", "--model", folder, "--page-size", str(PAGE), "--kv-pages", "64",
                   "--state-slots", "8", "--chunk-size", "32", "--deadline", "240", "--request-timeout", "600",
-                  "--prefill-tp", "2", "--prefill-pp", "2", "--decode-tp", "2")
+                  "--prefill-tp", "2", "--prefill-pp", "2", "--decode-tp", "2",
+                  "--spec", "dflash", "--draft-model", drafter, "--spec-block", "4")
     try:
+        alone = stack.generate(PROMPTS[1], MAX_NEW, ignore_eos=True)
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched, chunked prefill
             results = list(pool.map(lambda ids: stack.generate(ids, MAX_NEW, ignore_eos=True), PROMPTS))
+        assert alone["output_ids"] == reqs[1].output_ids
         assert [r["output_ids"] for r in results] == [r.output_ids for r in reqs]
+        assert all(r["meta_info"]["spec_verify_ct"] > 0 for r in [alone] + results)  # D speculated
         stack.wait_all_pages_free()
     finally:
         stack.stop()
