@@ -8,6 +8,11 @@ runner's, step for step, in fp32. Negative controls: a zeroed state, a state sen
 last chunk, the hand-off token applied twice and P's head slice shifted by one head each make
 that comparison fail.
 
+Between parallel runners (real worker processes, the services' own bootstrap, plan_writes and
+every rank's writes, by local copy into D's shared memory): P at TP 4 -> D at TP 1 and P at TP 1
+-> D at TP 4 on a checkpoint of 4 KDA heads, and P at PP 3 (a stage boundary inside the KDA/MLA
+mix) -> D at TP 1; P's and D's logits equal transformers'.
+
 Through the PD stack (`pdflash up --mode pd --spec dflash`, real processes, gRPC, Mooncake): P at
 TP 2 x PP 2 (each stage sends its layers' pages and states, each TP rank its KDA head of every
 state, whole latent pages from one P rank per D rank, the last stage the draft KV) into D at
