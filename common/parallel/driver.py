@@ -2,9 +2,9 @@
 
 The service process is rank 0, the driver: it owns the page pool (so the Engine and the
 services are unchanged) and holds stage 0's layers and TP rank 0's heads. It starts the other
-ranks (common.parallel.worker), announces every forward pass to them, runs its own part, and gets
-the final hidden states back from the last stage, where it computes the logits itself (the
-LM head is replicated). Activations move between stages and all-reduces run within a stage
+ranks (common.parallel.worker), announces every forward pass to them (and, for KDA layers, each
+verify block's commit), runs its own part, and gets the final hidden states back from the last
+stage, where it computes the logits itself (the LM head is replicated). Activations move between stages and all-reduces run within a stage
 over torch.distributed (gloo on CPU, NCCL on GPU).
 
 Across hosts (common.parallel.cluster) the driver starts only node 0's ranks; every other node's
