@@ -7,7 +7,9 @@ for every prefix length in one mixed batch against transformers and against plai
 greedy and seeded engines with a real random drafter, batched and one at a time; and, with the
 drafter's guesses replaced by the plain run's own tokens (some spoiled), acceptance lengths over
 the whole block, requests that stop inside a block and seeded sampling. Negative controls:
-committing the whole block's state, or none of it, fails each comparison.
+committing the whole block's state, or none of it, fails each comparison. At TP 2 (a KDA head per
+rank, each committing its share) the replayed drafts equal --spec none too, and committing one
+token too many fails.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from common.engine.spec_policy import SpecConfig
 from common.kv.seq_cache import SeqCache
 from common.model.attention import table_slots
 from common.model.static_attention import StaticAttn
+from common.parallel.driver import ParallelRunner
 from common.tools.bench import stats
 from hf_oracle import checkpoint_fixture, tiny_runner
 from test_kimi_linear import PROMPTS as KIMI_PROMPTS, TOL, VARIANTS, write_checkpoint
@@ -171,6 +174,25 @@ class ReplayProposer(DFlashProposer):
         return drafts
 
 
+def replayed(runner, cfg, drafter: Drafter, params, plain: list[list[int]], concurrency: int) -> list[Request]:
+    """The first len(plain) prompts through a speculative engine whose drafts replay `plain`
+    (ReplayProposer)."""
+    reqs = [Request(str(i), p, params(i)) for i, p in enumerate(PROMPTS[:len(plain)])]
+    proposer = ReplayProposer(drafter, runner, reqs, plain)
+    Engine(runner, cfg.eos_token_ids, chunk_size=16, proposer=proposer, spec=SpecConfig(block=B)).run_all(
+        reqs, concurrency)
+    return reqs
+
+
+def assert_lossless(runner, reqs: list[Request], plain: list[list[int]], kinds: int = 3) -> None:
+    """Outputs equal `plain`, with at least `kinds` different acceptance lengths among the blocks."""
+    assert [r.output_ids for r in reqs] == plain
+    assert all(stats.check_invariants(meta_info(r)) == [] for r in reqs)
+    accepted = {k for r in reqs for k, n in enumerate(r.spec.histogram) if n}
+    assert len(accepted) >= kinds, accepted  # partly accepted blocks among them
+    assert runner.state_pool.num_free == runner.state_pool.num_slots
+
+
 @pytest.mark.parametrize("case,concurrency", [("greedy", 3), ("greedy", 1), ("seeded", 3), ("stops", 3)],
                          ids=["greedy", "alone", "seeded", "stops"])
 def test_accepted_prefixes_lossless(checkpoint, runner, drafter, cases, case, concurrency, monkeypatch):
@@ -178,22 +200,32 @@ def test_accepted_prefixes_lossless(checkpoint, runner, drafter, cases, case, co
     a block; and (once) the negative control: committing the whole block's state is caught."""
     _, _, cfg, _, _ = checkpoint
     params, plain = cases[case]
-
-    def speculative() -> list[Request]:
-        reqs = [Request(str(i), p, params(i)) for i, p in enumerate(PROMPTS)]
-        proposer = ReplayProposer(drafter, runner, reqs, plain)
-        Engine(runner, cfg.eos_token_ids, chunk_size=16, proposer=proposer, spec=SpecConfig(block=B)).run_all(
-            reqs, concurrency)
-        return reqs
-
-    reqs = speculative()
-    assert [r.output_ids for r in reqs] == plain
-    assert all(stats.check_invariants(meta_info(r)) == [] for r in reqs)
-    accepted = {k for r in reqs for k, n in enumerate(r.spec.histogram) if n}
-    assert len(accepted) >= 3, accepted  # partly accepted blocks among them
-    assert runner.state_pool.num_free == runner.state_pool.num_slots
+    assert_lossless(runner, replayed(runner, cfg, drafter, params, plain, concurrency), plain)
     if case == "greedy" and concurrency > 1:
         whole = runner.commit_block
         monkeypatch.setattr(runner, "commit_block",
                             lambda slots, count, block: whole(slots, torch.full_like(count, block), block))
-        assert [r.output_ids for r in speculative()] != plain
+        assert [r.output_ids for r in replayed(runner, cfg, drafter, params, plain, concurrency)] != plain
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoint):
+    _, _, cfg, tensors, _ = checkpoint
+    runner = ParallelRunner(cfg, tensors, tp=2, num_pages=64, page_size=8, state_slots=4)
+    yield runner
+    runner.close()
+
+
+def test_tensor_parallel_lossless(checkpoint, tp2, drafter, cases, monkeypatch):
+    """TP 2, each rank one KDA head: every rank keeps its head's share of a verify block and
+    commits the accepted prefix onto its slice of each slot (the driver tells the workers the
+    counts). Equal to --spec none batched and alone (one request); committing one token more
+    than the step keeps (where there is one more) is caught."""
+    _, _, cfg, _, _ = checkpoint
+    params, plain = cases["greedy"]
+    assert_lossless(tp2, replayed(tp2, cfg, drafter, params, plain, 3), plain)
+    assert_lossless(tp2, replayed(tp2, cfg, drafter, params, plain[:1], 1), plain[:1], kinds=2)
+    commit = tp2.commit_block
+    monkeypatch.setattr(tp2, "commit_block",
+                        lambda slots, count, block: commit(slots, (count + 1).clamp(max=block), block))
+    assert [r.output_ids for r in replayed(tp2, cfg, drafter, params, plain, 3)] != plain

@@ -47,11 +47,11 @@ VARIANTS = {
 PROMPTS = [list(range(3, 3 + 90)), [7, 9, 11, 200, 13, 5, 99, 42, 17], [5] * 3 + list(range(100, 140))]
 
 
-def write_checkpoint(name: str, folder) -> None:
+def write_checkpoint(name: str, folder, kda_heads: int = 2) -> None:
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
     v = dict(VARIANTS[name])
-    lin = {"kda_layers": KDA_LAYERS, "full_attn_layers": MLA_LAYERS, "num_heads": 2,
+    lin = {"kda_layers": KDA_LAYERS, "full_attn_layers": MLA_LAYERS, "num_heads": kda_heads,
            "head_dim": v.pop("head_dim"), "short_conv_kernel_size": 4}
     torch.manual_seed(sum(map(ord, name)))
     model = KimiLinearForCausalLM(KimiLinearConfig(**SMALL, **v, linear_attn_config=lin)).eval()

@@ -8,18 +8,26 @@ runner's, step for step, in fp32. Negative controls: a zeroed state, a state sen
 last chunk, the hand-off token applied twice and P's head slice shifted by one head each make
 that comparison fail.
 
-Through the PD stack (`pdflash up --mode pd`, real processes, gRPC, Mooncake): P at TP 2 x PP 2
-(each stage sends its layers' pages and states, each TP rank its KDA head of every state, whole
-latent pages from one P rank per D rank) into D at TP 2; greedy tokens equal the single-process
-engine's, for a batch of prompts prefilled in chunks.
+Between parallel runners (real worker processes, the services' own bootstrap, plan_writes and
+every rank's writes, by local copy into D's shared memory): P at TP 4 -> D at TP 1 and P at TP 1
+-> D at TP 4 on a checkpoint of 4 KDA heads, and P at PP 3 (a stage boundary inside the KDA/MLA
+mix) -> D at TP 1; P's and D's logits equal transformers'.
+
+Through the PD stack (`pdflash up --mode pd --spec dflash`, real processes, gRPC, Mooncake): P at
+TP 2 x PP 2 (each stage sends its layers' pages and states, each TP rank its KDA head of every
+state, whole latent pages from one P rank per D rank, the last stage the draft KV) into D at
+TP 2, which speculates; greedy tokens equal the single-process engine's without speculation, for
+one request alone and a batch of prompts prefilled in chunks.
 """
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import ctypes
 import dataclasses
 import os
 import shutil
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -30,11 +38,18 @@ from common.engine.sampling import SamplingParams
 from common.kv.buffers import RoomBuffers, SlotStateBuffer
 from common.kv.seq_cache import SeqCache
 from common.model.weights import converted_folder
+from common.parallel.cluster import Nodes
+from common.parallel.driver import ParallelRunner
 from common.runner.model_runner import ModelRunner
+from common.service.transfer_ranks import TransferRanks, add_mooncake_args
 from common.transfer.plan import TransferPlan, build_plan
-from hf_oracle import checkpoint_fixture, prefill_then_decode, tiny_runner
+from common.transfer.wire import ranks_from_bootstrap, ranks_to_protos, shared_from_bootstrap
+from hf_oracle import checkpoint_fixture, hf_logits, prefill_then_decode, tiny_runner
 from pd_stack import Stack
+from prefill_svc.kv_sender import plan_writes
+from protos import pdflash_pb2 as pb
 from test_kimi_linear import PROMPTS, TOL, VARIANTS, write_checkpoint
+from tiny_models import save_random_drafter
 
 checkpoint = checkpoint_fixture({"checkpoint_style": VARIANTS["checkpoint_style"]}, write_checkpoint)
 
@@ -57,9 +72,13 @@ def buffers_of(runner: ModelRunner, seq: SeqCache, names: set[str] | None = None
 STATE = {"kda_state", "kda_conv"}
 
 
-def handoff_logits(p: ModelRunner, d: ModelRunner, tamper: str = "") -> torch.Tensor:
+Move = Callable[[SeqCache, SeqCache], None]  # P's room into D's, every rank's share
+
+
+def handoff_logits(p: ModelRunner, d: ModelRunner, tamper: str = "", move: Move | None = None) -> torch.Tensor:
     """D's logits at the last prompt token (P's) and at each CONTINUATION token after P
-    prefilled PROMPTS[0] in chunks and the plan moved its KV and state into D."""
+    prefilled PROMPTS[0] in chunks and `move` (by default the plan applied in this process,
+    `tamper`ed) moved its KV and state into D."""
     prompt = PROMPTS[0]
     ps, ds = SeqCache(), SeqCache()
     p.reserve(ps, len(prompt))
@@ -71,13 +90,16 @@ def handoff_logits(p: ModelRunner, d: ModelRunner, tamper: str = "") -> torch.Te
             out = p.extend([ps], [prompt[start:start + CHUNK]])
             if tamper == "early" and start == 0:  # the state as it was after the first chunk only
                 copy(build_plan("r", buffers_of(p, ps, STATE), buffers_of(d, ds, STATE), ps.length))
-        names = {b.name for b in p.describe_buffers()} - (STATE if tamper == "early" else set())
-        plan = build_plan("r", buffers_of(p, ps, names), buffers_of(d, ds, names), len(prompt))
-        if tamper == "shifted":  # each state entry reads P's next head (one head's bytes on)
-            head = {b.name: b.head_bytes for b in p.describe_buffers() if isinstance(b, SlotStateBuffer)}
-            plan = TransferPlan(plan.room, [dataclasses.replace(e, src_addr=e.src_addr + head["kda_state"])
-                                            if _in(p.cache.recurrent, e.src_addr) else e for e in plan.entries])
-        copy(plan)
+        if move is not None:
+            move(ps, ds)
+        else:
+            names = {b.name for b in p.describe_buffers()} - (STATE if tamper == "early" else set())
+            plan = build_plan("r", buffers_of(p, ps, names), buffers_of(d, ds, names), len(prompt))
+            if tamper == "shifted":  # each state entry reads P's next head (one head's bytes on)
+                head = {b.name: b.head_bytes for b in p.describe_buffers() if isinstance(b, SlotStateBuffer)}
+                plan = TransferPlan(plan.room, [dataclasses.replace(e, src_addr=e.src_addr + head["kda_state"])
+                                                if _in(p.cache.recurrent, e.src_addr) else e for e in plan.entries])
+            copy(plan)
         ds.length = len(prompt)
         if tamper == "zeroed":
             d.cache.recurrent[:, ds.state_slot] = 0
@@ -111,6 +133,69 @@ def test_handoff_equals_one_process_and_controls_fail(checkpoint):
     torch.testing.assert_close(handoff_logits(p, d), ref, **TOL)  # and the runners are still fine
 
 
+def ranks_of(runner: ModelRunner, cfg) -> TransferRanks:
+    """The runner's transfer endpoints as its service starts them: a Mooncake engine per rank,
+    local copies on."""
+    parser = argparse.ArgumentParser()
+    add_mooncake_args(parser)
+    args = parser.parse_args([])
+    args.nodes = Nodes()
+    return TransferRanks.start(args, Engine(runner, cfg.eos_token_ids))
+
+
+def service_move(p: TransferRanks, d: TransferRanks) -> Move:
+    """A room's hand-off as the services make it: D's bootstrap names every D rank's buffers and
+    the room's pages and slot, P plans each (P rank, D rank) pair (plan_writes) and every P
+    rank writes its share, here by local copy into D's shared memory."""
+    def move(ps: SeqCache, ds: SeqCache) -> None:
+        boot = pb.BootstrapRequest(room="r", ranks=ranks_to_protos(d.endpoints, d.runner.room_indices(ds)))
+        jobs = plan_writes("r", p.endpoints, p.tp, p.runner.room_indices(ps), ranks_from_bootstrap(boot), d.tp,
+                           ps.length)
+        assert p.write(jobs, shared_from_bootstrap(boot)).transport == "local"
+
+    return move
+
+
+# 4 KDA heads (and 4 MLA heads): TP 4 splits every state one head per rank.
+wide_checkpoint = checkpoint_fixture({"four_kda_heads": None},
+                                     lambda name, folder: write_checkpoint("checkpoint_style", folder, kda_heads=4))
+
+
+def test_tp4_handoffs_equal_transformers(wide_checkpoint):
+    """P at TP 4 -> D at TP 1 (D's rank takes each head's state and windows from the P rank
+    holding it, the latent pages from P's rank 0) and P at TP 1 -> D at TP 4 (each D rank its
+    head from P's one rank, the latent pages whole): P's prefill and D's decode logits equal
+    transformers'. One TP 4 runner and one single-rank runner serve both directions."""
+    _, hf, cfg, tensors, _ = wide_checkpoint
+    ref = hf_logits(hf, PROMPTS[0] + CONTINUATION)[len(PROMPTS[0]) - 1:]
+    one = tiny_runner(wide_checkpoint, state_slots=4, shared_kv=True)
+    tp4 = ParallelRunner(cfg, tensors, tp=4, num_pages=64, page_size=PAGE, state_slots=4, shared_kv=True)
+    try:
+        one_ranks, tp4_ranks = ranks_of(one, cfg), ranks_of(tp4, cfg)
+        torch.testing.assert_close(handoff_logits(tp4, one, move=service_move(tp4_ranks, one_ranks)), ref, **TOL)
+        torch.testing.assert_close(handoff_logits(one, tp4, move=service_move(one_ranks, tp4_ranks)), ref, **TOL)
+    finally:
+        tp4.close()
+
+
+def test_pipeline_3_equals_transformers(checkpoint):
+    """PP 3 (KDA, KDA | MLA, KDA | MLA: both stage boundaries inside the mix): prefill and decode
+    logits equal transformers', and so do D's after each stage sent its own layers' states and
+    pages to D at TP 1."""
+    _, hf, cfg, tensors, _ = checkpoint
+    ids = PROMPTS[0] + CONTINUATION
+    ref = hf_logits(hf, ids)
+    d = tiny_runner(checkpoint, state_slots=4, shared_kv=True)
+    pp3 = ParallelRunner(cfg, tensors, pp=3, num_pages=64, page_size=PAGE, state_slots=4)
+    try:
+        assert [len(pp3.layout.with_rank(r).layers(cfg)) for r in range(3)] == [2, 2, 1]
+        torch.testing.assert_close(prefill_then_decode(pp3, ids, len(PROMPTS[0])), ref, **TOL)
+        move = service_move(ranks_of(pp3, cfg), ranks_of(d, cfg))
+        torch.testing.assert_close(handoff_logits(pp3, d, move=move), ref[len(PROMPTS[0]) - 1:], **TOL)
+    finally:
+        pp3.close()
+
+
 @pytest.fixture(scope="module")
 def folder(checkpoint, embedded_source, embedded_tokenizer) -> str:
     """The checkpoint with a tokenizer beside it (the services load one; requests here are token
@@ -123,19 +208,26 @@ def folder(checkpoint, embedded_source, embedded_tokenizer) -> str:
 
 
 @pytest.mark.slow
-def test_pd_stack_equals_one_process(checkpoint, folder) -> None:
+def test_pd_stack_equals_one_process(checkpoint, folder, tmp_path) -> None:
     """One stack serves both layouts the brief names: P at TP 2 on each of 2 pipeline stages
-    (stage 0: KDA, KDA, MLA; stage 1: KDA, MLA), D at TP 2."""
+    (stage 0: KDA, KDA, MLA; stage 1: KDA, MLA), D at TP 2, with DFlash (a random drafter; D
+    verifies blocks of 4 over both ranks' KDA heads and commits what it accepts). One request
+    alone, then all at once."""
     _, _, cfg, tensors, _ = checkpoint
     reqs = [Request(str(i), ids, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)) for i, ids in enumerate(PROMPTS)]
     Engine(ModelRunner(cfg, tensors, num_pages=64, page_size=PAGE), cfg.eos_token_ids).run_all(reqs)
+    drafter = save_random_drafter(cfg, (0, 2), str(tmp_path / "drafter"))
     stack = Stack("--mode", "pd", "--model", folder, "--page-size", str(PAGE), "--kv-pages", "64",
                   "--state-slots", "8", "--chunk-size", "32", "--deadline", "240", "--request-timeout", "600",
-                  "--prefill-tp", "2", "--prefill-pp", "2", "--decode-tp", "2")
+                  "--prefill-tp", "2", "--prefill-pp", "2", "--decode-tp", "2",
+                  "--spec", "dflash", "--draft-model", drafter, "--spec-block", "4")
     try:
+        alone = stack.generate(PROMPTS[1], MAX_NEW, ignore_eos=True)
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched, chunked prefill
             results = list(pool.map(lambda ids: stack.generate(ids, MAX_NEW, ignore_eos=True), PROMPTS))
+        assert alone["output_ids"] == reqs[1].output_ids
         assert [r["output_ids"] for r in results] == [r.output_ids for r in reqs]
+        assert all(r["meta_info"]["spec_verify_ct"] > 0 for r in [alone] + results)  # D speculated
         stack.wait_all_pages_free()
     finally:
         stack.stop()

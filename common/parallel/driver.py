@@ -2,9 +2,9 @@
 
 The service process is rank 0, the driver: it owns the page pool (so the Engine and the
 services are unchanged) and holds stage 0's layers and TP rank 0's heads. It starts the other
-ranks (common.parallel.worker), announces every forward pass to them, runs its own part, and gets
-the final hidden states back from the last stage, where it computes the logits itself (the
-LM head is replicated). Activations move between stages and all-reduces run within a stage
+ranks (common.parallel.worker), announces every forward pass to them (and, for KDA layers, each
+verify block's commit), runs its own part, and gets the final hidden states back from the last
+stage, where it computes the logits itself (the LM head is replicated). Activations move between stages and all-reduces run within a stage
 over torch.distributed (gloo on CPU, NCCL on GPU).
 
 Across hosts (common.parallel.cluster) the driver starts only node 0's ranks; every other node's
@@ -39,11 +39,13 @@ from common.parallel.ports import free_port
 from common.parallel.stage import init_ranks, recv, stage_forward
 from common.parallel.worker import (
     AppendContext,
+    CommitBlock,
     Forward,
     LoadDrafter,
     PackedTensors,
     ReadPages,
     Reply,
+    ReserveBlocks,
     StartTransfer,
     Stop,
     WorkerSpec,
@@ -138,13 +140,21 @@ class ParallelRunner(ModelRunner):
         tables = attn.page_table.tolist()
         batch = StepBatch([n - T for n in kv_len], [T] * len(kv_len),
                           [table[:-(-n // page)] for table, n in zip(tables, kv_len)], token_ids.tolist(), None,
-                          None if state_slots is None else state_slots.tolist())
+                          None if state_slots is None else state_slots.tolist(),
+                          state_block=self.state_pool is not None and T > 1)
         return self.forward(batch, capture_layers)
 
     def reserve_blocks(self, rows: int, block: int) -> None:
+        if self.state_pool is not None:  # every rank keeps its KDA heads' share of a verify block
+            self._broadcast(ReserveBlocks(rows, block))
+        super().reserve_blocks(rows, block)
+
+    def commit_block(self, state_slots: torch.Tensor, count: torch.Tensor, block: int) -> None:
+        """Every rank advances its own layers' and heads' slots by the same counts; the command
+        queue runs it after the verify forward on each rank and before the next one."""
         if self.state_pool is not None:
-            # The workers' KDA layers would advance their states over whole verify blocks.
-            raise NotImplementedError("DFlash on a model with KDA layers runs in one process (no --tp yet)")
+            self._broadcast(CommitBlock(state_slots.tolist(), count.tolist(), block))
+        super().commit_block(state_slots, count, block)
 
     # ---- DFlash under pipeline parallelism ------------------------------------------------------
     def load_pipeline_drafter(self, path: str, drafter: Drafter, num_pages: int) -> None:

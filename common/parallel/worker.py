@@ -80,6 +80,22 @@ class Forward:
 
 
 @dataclass
+class ReserveBlocks:
+    """Scratch for verify blocks of up to rows x block tokens (ModelRunner.reserve_blocks)."""
+    rows: int
+    block: int
+
+
+@dataclass
+class CommitBlock:
+    """After a verify block: row i's state slot advances by its first counts[i] tokens
+    (ModelRunner.commit_block), on this rank's KDA layers and heads."""
+    state_slots: list[int]
+    counts: list[int]
+    block: int
+
+
+@dataclass
 class LoadDrafter:
     """Pipeline parallel DFlash: every stage keeps the drafter for its fc columns; the last
     stage's TP rank 0 also holds the draft KV cache."""
@@ -166,6 +182,12 @@ def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
             if layout.is_last_stage and layout.pp > 1 and layout.tp_rank == 0 and cmd.batch.num_rows:
                 torch.distributed.send(out.hidden.contiguous(), 0)  # the driver computes the logits
             fc_sum = out.fc_sum
+        elif isinstance(cmd, ReserveBlocks):
+            runner.reserve_blocks(cmd.rows, cmd.block)
+        elif isinstance(cmd, CommitBlock):
+            with torch.inference_mode():
+                runner.commit_block(torch.tensor(cmd.state_slots, device=runner.device),
+                                    torch.tensor(cmd.counts, device=runner.device), cmd.block)
         elif isinstance(cmd, AppendContext):
             if draft is not None:
                 with torch.inference_mode():

@@ -51,6 +51,7 @@ class StepBatch:
     token_ids: list[int]
     logit_rows: list[int] | None  # rows whose final hidden state is wanted (None = all, [] = none)
     state_slots: list[int] | None = None  # each request's state slot (models with KDA layers)
+    state_block: bool = False  # a verify block: KDA layers leave the slots alone (AttnMeta.state_block)
 
     @property
     def num_tokens(self) -> int:
@@ -227,6 +228,7 @@ class ModelRunner:
             meta.state_slots = torch.tensor(batch.state_slots, dtype=torch.long, device=self.device)
             meta.state_counts = batch.counts
             meta.state_fresh = torch.tensor([s == 0 for s in batch.starts], device=self.device)
+            meta.state_block = batch.state_block
         return meta
 
     def token_tensor(self, batch: StepBatch) -> torch.Tensor:
