@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from common.dflash.drafter import Drafter
 from common.dflash.proposer import DFlashProposer
@@ -33,6 +34,7 @@ from common.engine.spec_policy import SpecConfig
 from common.kv.seq_cache import SeqCache
 from common.kv.buffers import RoomBuffers
 from common.model.attention import cache_slot
+from common.model import moe as moe_module
 from common.model.moe import MoE
 from common.model.shapes import SHAPES, RandomWeights, fill_random_
 from common.model.weights import resolve_model
@@ -118,6 +120,16 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
     ref = hf_logits(hf, ids)
     # The prompt through expanded attention, then absorbed attention one token at a time.
     torch.testing.assert_close(prefill_then_decode(runner, ids, len(PROMPTS[0])), ref, **TOL)
+
+
+def test_dense_experts_match_transformers(checkpoint, monkeypatch):
+    """The whole model with its experts on the dense path (where grouped_mm does not run: fp32
+    on CUDA) still equals transformers in prefill and decode."""
+    _, hf, _, _, _ = checkpoint
+    monkeypatch.setattr(MoE, "grouped_ok", lambda self, device, dtype: False)
+    ids = PROMPTS[1] + [60, 61, 62]
+    torch.testing.assert_close(prefill_then_decode(tiny_runner(checkpoint), ids, len(PROMPTS[1])),
+                               hf_logits(hf, ids), **TOL)
 
 
 def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):
@@ -208,41 +220,74 @@ def test_negative_controls_are_caught(checkpoint):
     assert not torch.allclose(got, hf_logits(hf, ids), **TOL)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, TOL), (torch.bfloat16, dict(rtol=2e-2, atol=5e-2))])
-def test_grouped_experts_equal_the_loop(dtype, tol):
-    """The grouped expert path (pairs sorted on the device, grouped matmuls: what a CUDA graph
-    captures) equals the per-expert loop, with every expert held and on each EP rank's half,
-    where pairs routed to the other half must add nothing; the halves sum to the whole."""
+def experts_one_by_one(moe: MoE, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts' sum as the definition says it, token by token and choice by choice
+    in fp32 (the reference: it reads the routing on the host, so no CUDA graph could capture it)."""
+    held = moe.moe.held_experts
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t, (chosen, w) in enumerate(zip(experts.tolist(), weights.tolist())):
+        for e, we in zip(chosen, w):
+            if e in held:
+                gate, up = (moe.gate_up[e - held.start].float() @ x[t].float()).chunk(2)
+                out[t] += we * (moe.down[e - held.start].float() @ (F.silu(gate) * up))
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("path", ["grouped", "dense"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, dict(rtol=1e-5, atol=5e-5)),
+                                       (torch.bfloat16, dict(rtol=2e-2, atol=0.25))])
+def test_expert_paths_equal_the_definition(path, dtype, tol):
+    """Both expert paths (grouped matmuls over pairs sorted on the device; every expert over
+    every token, weighted: what CUDA graphs capture where grouped_mm does not run) equal the
+    experts applied one by one, with every expert held and on each EP rank's half, where pairs
+    routed to the other half must add nothing; the halves sum to the whole. In fp32 the two
+    paths agree to rounding (~1e-6 of values up to ~40)."""
     cfg = SHAPES["deepseek-small"]
     n = cfg.moe.num_experts // 2
     moe = fill_random_(MoE(cfg), RandomWeights(seed=1, std=0.2)).to(dtype)
     x = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
     experts, weights = moe.route(x)
     assert moe.grouped_ok(x.device, dtype) and experts.unique().numel() > n  # both halves are used
-    whole = moe.run_loop(x, experts, weights)
-    torch.testing.assert_close(moe.run_grouped(x, experts, weights), whole, **tol)
+    run = {"grouped": MoE.run_grouped, "dense": MoE.run_dense}[path]
+    whole = run(moe, x, experts, weights)
+    torch.testing.assert_close(whole, experts_one_by_one(moe, x, experts, weights), **tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(MoE.run_dense(moe, x, experts, weights), MoE.run_grouped(moe, x, experts, weights),
+                                   rtol=1e-5, atol=5e-5)
     halves = []
     for first in (0, n):
         half = MoE(replace(cfg, moe=replace(cfg.moe, first_expert=first, local_experts=n))).to(dtype)
         half.load_state_dict(moe.state_dict() | {"gate_up": moe.gate_up[first:first + n],
                                                  "down": moe.down[first:first + n]})
-        halves.append(half.run_grouped(x, experts, weights))
-        torch.testing.assert_close(halves[-1], half.run_loop(x, experts, weights), **tol)
+        halves.append(run(half, x, experts, weights))
+        torch.testing.assert_close(halves[-1], experts_one_by_one(half, x, experts, weights), **tol)
     assert not torch.allclose(halves[0].float(), whole.float(), **tol)
     torch.testing.assert_close(halves[0] + halves[1], whole, **tol)
 
 
-def test_grouped_experts_read_nothing_on_the_host():
+def test_dense_experts_slice_long_inputs(monkeypatch):
+    """A prompt longer than one slice of the dense path gives what one slice gives."""
+    cfg = SHAPES["deepseek-small"]
+    moe = fill_random_(MoE(cfg), RandomWeights(seed=1, std=0.2))
+    x = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    experts, weights = moe.route(x)
+    whole = moe.run_dense(x, experts, weights)
+    monkeypatch.setattr(moe_module, "DENSE_SLICE_BYTES", 1)  # one token a slice
+    torch.testing.assert_close(moe.run_dense(x, experts, weights), whole, rtol=1e-5, atol=5e-5)
+
+
+def test_expert_paths_read_nothing_on_the_host():
     """On the meta device no value exists, so an op that would read one on the host (and break a
-    CUDA graph's capture) fails: the grouped path runs there, the loop does not."""
+    CUDA graph's capture) fails: both expert paths run there, the reference does not."""
     cfg = SHAPES["deepseek-small"]
     with torch.device("meta"):
         moe = MoE(cfg).to(torch.bfloat16)
         x = torch.randn(5, cfg.hidden_size, dtype=torch.bfloat16)
     experts, weights = moe.route(x)
     assert moe.run_grouped(x, experts, weights).shape == x.shape
+    assert moe.run_dense(x, experts, weights).shape == x.shape
     with pytest.raises(NotImplementedError):
-        moe.run_loop(x, experts, weights)
+        experts_one_by_one(moe, x, experts, weights)
 
 
 def test_unsupported_config_is_refused():

@@ -21,7 +21,7 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
              1, 8, 32 (engine.json)
   floor      the same with `--shape llama3-8b`: the 8B-shaped step against its memory floor
              (floor.json)
-  moe-shapes MoE and KDA models in CUDA graphs: grouped experts against the loop, greedy graphs
+  moe-shapes MoE and KDA models in CUDA graphs: grouped experts against dense, greedy graphs
              against eager on small DeepSeek-V3 and Kimi-Linear shapes, and the DeepSeek-V2-Lite
              and Kimi-Linear-48B decode steps against their floors (common.tools.gpu.moe_shapes;
              moe_shapes.json, moe_shapes.md); `--small` runs it at small shapes, on the CPU

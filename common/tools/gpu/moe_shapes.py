@@ -1,7 +1,7 @@
 """The `moe-shapes` part of `pdflash gpu-check`: MoE and KDA models decoding in CUDA graphs, and
 their decode step against its memory floor.
 
-  experts  the grouped expert path (what graphs capture) against the per-expert loop, on the
+  experts  the grouped expert path against the dense one (both captured by graphs), on the
            device, in each dtype torch._grouped_mm supports there (random inputs, a small shape)
   graphs   greedy tokens of small random DeepSeek-V3 and Kimi-Linear shapes with CUDA graphs
            against eager steps, fp32 and bf16: the first divergence of each request
@@ -44,7 +44,7 @@ MEMORY_TOKENS = 16384
 
 
 def experts_check(device: str) -> list[dict]:
-    """Max |grouped - loop| of a MoE layer's routed experts over 37 tokens, per dtype."""
+    """Max |grouped - dense| of a MoE layer's routed experts over 37 tokens, per dtype."""
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         if not grouped_mm_supported(torch.device(device).type, dtype):
@@ -54,7 +54,7 @@ def experts_check(device: str) -> list[dict]:
         x = torch.randn(37, moe.down.shape[1], generator=torch.Generator().manual_seed(0)).to(device, dtype)
         with torch.inference_mode():
             experts, weights = moe.route(x)
-            want = moe.run_loop(x, experts, weights).float()
+            want = moe.run_dense(x, experts, weights).float()
             got = moe.run_grouped(x, experts, weights).float()
         rows.append({"dtype": str(dtype).removeprefix("torch."), "grouped_mm": True,
                      "max_abs_err": (got - want).abs().max().item(), "max_abs": want.abs().max().item()})
@@ -126,7 +126,7 @@ def moe_shapes(out_dir: str, small: bool = False) -> dict:
             print(result["errors"][-1], file=sys.stderr, flush=True)
             return None
 
-    result["experts"] = attempt(f"grouped experts against the loop on {device}", lambda: experts_check(device)) or []
+    result["experts"] = attempt(f"grouped experts against dense on {device}", lambda: experts_check(device)) or []
     for shape in ("deepseek-small", "kimi-linear-small"):
         for dtype in ("fp32", "bf16"):
             row = attempt(f"graphs against eager, {shape} {dtype}", lambda: graphs_check(device, shape, dtype))
@@ -149,7 +149,7 @@ def moe_shapes(out_dir: str, small: bool = False) -> dict:
 def summary_lines(result: dict) -> list[str]:
     lines = []
     for r in result["experts"]:
-        lines.append(f"experts  {r['dtype']}: " + (f"max |grouped - loop| {r['max_abs_err']:.2e} (values up to "
+        lines.append(f"experts  {r['dtype']}: " + (f"max |grouped - dense| {r['max_abs_err']:.2e} (values up to "
                                                    f"{r['max_abs']:.2f})" if r["grouped_mm"] else "no grouped mm"))
     for r in result["graphs"]:
         lines.append(f"graphs   {r['shape']} {r['dtype']} (graphs {'on' if r['cuda_graphs'] else 'OFF'}): "
@@ -167,7 +167,7 @@ def summary_lines(result: dict) -> list[str]:
 
 def markdown(result: dict) -> str:
     parts = [f"# moe-shapes on {result['device']}" + (" (small shapes)" if result["small"] else ""), ""]
-    parts += ["## Grouped experts against the loop", "",
+    parts += ["## Grouped experts against dense", "",
               md_table(["dtype", "grouped mm", "max abs err", "max abs value"],
                        [[r["dtype"], "yes" if r["grouped_mm"] else "no", f"{r.get('max_abs_err', float('nan')):.2e}",
                          f"{r.get('max_abs', float('nan')):.2f}"] for r in result["experts"]]), ""]
