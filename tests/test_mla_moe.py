@@ -15,8 +15,6 @@ would."""
 from __future__ import annotations
 
 import ctypes
-import json
-import os
 import re
 from dataclasses import replace
 
@@ -43,56 +41,15 @@ from common.runner.layout import ParallelConfigError, RankLayout, check_parallel
 from common.runner.model_runner import ModelRunner
 from common.runner.shard import shard_tensors
 from common.tools.bench import stats
+from common.tools.tiny_hf import DEEPSEEK_VARIANTS as VARIANTS, write_deepseek as write_checkpoint
 from common.transfer.plan import TPRank, build_plan, source_ranks
 from router_svc.model_info import read_model_info
 from hf_oracle import checkpoint_fixture, hf_greedy, hf_logits, prefill_then_decode, tiny_runner
 from test_parallel_runner import FP32_TOL, check_parallel_equals_single
 from tiny_models import save_random_drafter
 
-VOCAB = 256
 TOL = dict(rtol=1e-4, atol=1e-4)
-SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-             v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1,
-             initializer_range=0.1, bos_token_id=1, eos_token_id=2,
-             tie_word_embeddings=False)
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
-VARIANTS = {
-    # q-LoRA, grouped routing (2 of 4 groups), YaRN with a softmax mscale and a cos/sin factor,
-    # written in the rope_scaling form of the released DeepSeek-V3 config.json.
-    "qlora_yarn_grouped": dict(q_lora_rank=24, n_group=4, topk_group=2, n_shared_experts=1, norm_topk_prob=True,
-                               routed_scaling_factor=2.5, rope_parameters=YARN, max_position_embeddings=128),
-    # No q-LoRA, one group, unnormalised weights, two shared experts, plain RoPE.
-    "no_qlora": dict(q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2, norm_topk_prob=False,
-                     routed_scaling_factor=1.5, max_position_embeddings=256),
-}
 PROMPTS = [list(range(3, 3 + 41)), [7, 9, 11, 200, 13, 5, 99, 42, 17], [5] * 3 + list(range(100, 160))]
-
-
-def write_checkpoint(name: str, folder) -> None:
-    """The tiny random checkpoint VARIANTS[name] as a Hugging Face folder (also served by test_pd_deepseek.py)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.manual_seed(sum(map(ord, name)))
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**SMALL, **VARIANTS[name])).eval()
-    with torch.no_grad():  # norms, router biases: not their init values (ones, zeros), so that loading them matters
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.uniform_(-0.1, 0.1)
-    model.save_pretrained(folder)
-    if "rope_parameters" in VARIANTS[name]:
-        path = os.path.join(folder, "config.json")
-        with open(path) as f:
-            raw = json.load(f)
-        params = raw.pop("rope_parameters")
-        raw["rope_theta"] = params.pop("rope_theta")
-        raw["rope_scaling"] = {"type": params.pop("rope_type"), **params}
-        with open(path, "w") as f:
-            json.dump(raw, f)
-
 
 checkpoint = checkpoint_fixture(VARIANTS, write_checkpoint)
 
