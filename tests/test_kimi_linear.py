@@ -25,6 +25,7 @@ from common.model.config import ModelConfig
 from common.model.weights import resolve_model
 from common.parallel.driver import ParallelRunner
 from common.runner.layout import ParallelConfigError, check_parallel
+from common.tools.gpu.moe_graphs import step_logits
 from common.tools.tiny_hf import KIMI_VARIANTS as VARIANTS, write_kimi_linear as write_checkpoint
 from router_svc.model_info import read_model_info
 from hf_oracle import checkpoint_fixture, hf_greedy, hf_logits, prefill_then_decode, tiny_runner
@@ -66,6 +67,15 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
     ids = PROMPTS[0] + [60, 61, 62, 63, 64, 65]
     ref = hf_logits(hf, ids)
     torch.testing.assert_close(prefill_then_decode(runner, ids, len(PROMPTS[0])), ref, **TOL)
+
+
+def test_gpu_check_step_logits_match_transformers(checkpoint):
+    """The logits the moe-graphs GPU check compares (a prefill, then static decode steps, each fed
+    the token before, the request in its state slot) equal transformers'."""
+    _, hf, _, _, _ = checkpoint
+    prompt, tokens = PROMPTS[1], [60, 61, 62, 63]
+    got = step_logits(tiny_runner(checkpoint), prompt, tokens)
+    torch.testing.assert_close(got, hf_logits(hf, prompt + tokens[:-1])[len(prompt) - 1:], **TOL)
 
 
 def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):
