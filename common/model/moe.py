@@ -31,8 +31,8 @@ from torch import nn
 from common.model.config import ModelConfig
 from common.model.transformer import MLP
 
-# Activations of one slice of run_dense's tokens, about (fp32): the prompt's length does not
-# set its memory.
+# About the bytes of activations (counted in fp32) of one slice of run_dense's tokens: a long
+# prompt runs in several slices rather than in memory that grows with its length.
 DENSE_SLICE_BYTES = 256 << 20
 
 
@@ -82,9 +82,9 @@ class MoE(nn.Module):
 
     def run_grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum over each token's chosen experts held here of weight x SwiGLU_expert(x), through
-        two grouped matmuls, every shape fixed by x's: all T*k pairs
-        take part. Pairs routed to another rank's experts go to a last, dummy group that no
-        matmul covers (grouped_mm leaves its rows unwritten) and are zeroed before the sum."""
+        two grouped matmuls, every shape fixed by x's: all T*k pairs take part. Pairs routed to
+        another rank's experts go to a last, dummy group that no matmul covers (grouped_mm leaves
+        its rows unwritten) and are zeroed before the sum."""
         k, held = experts.shape[1], self.moe.held_experts
         E = len(held)
         flat = experts.flatten() - held.start  # index into this rank's experts
@@ -103,8 +103,9 @@ class MoE(nn.Module):
 
     def run_dense(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """run_grouped's sum with plain batched matmuls: every held expert over every token, each
-        (token, expert) product weighted where the token chose that expert and dropped (selected
-        away, not multiplied by 0) where it did not.
+        (token, expert) product weighted where the token chose that expert and dropped where it
+        did not (selected away, not multiplied by 0: an unchosen product that overflows must not
+        turn the sum into NaN).
 
         Why this and not a gather of each pair's expert weights (then bmm over T*k) or a Triton
         grouped GEMM: it is exact (each chosen product is the same matmul row), it runs on any
