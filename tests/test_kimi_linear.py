@@ -13,9 +13,6 @@ zeroed state and the hand-off token applied twice would each be caught.
 """
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
@@ -28,50 +25,13 @@ from common.model.config import ModelConfig
 from common.model.weights import resolve_model
 from common.parallel.driver import ParallelRunner
 from common.runner.layout import ParallelConfigError, check_parallel
+from common.tools.gpu.moe_graphs import step_logits
+from common.tools.tiny_hf import KIMI_VARIANTS as VARIANTS, write_kimi_linear as write_checkpoint
 from router_svc.model_info import read_model_info
 from hf_oracle import checkpoint_fixture, hf_greedy, hf_logits, prefill_then_decode, tiny_runner
 
-VOCAB = 256
 TOL = dict(rtol=1e-4, atol=1e-4)
-KDA_LAYERS, MLA_LAYERS = [1, 2, 4], [3, 5]  # 1-based, as the checkpoint's config lists them
-SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=5,
-             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-             v_head_dim=16, num_experts=6, num_experts_per_token=2, first_k_dense_replace=1,
-             initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-VARIANTS = {
-    # The model's own config.json: layer lists and KDA sizes in linear_attn_config only.
-    "checkpoint_style": dict(q_lora_rank=None, routed_scaling_factor=2.446, num_shared_experts=1, head_dim=16),
-    # As transformers saves it, without linear_attn_config; q-LoRA MLA, two shared experts.
-    "transformers_style": dict(q_lora_rank=24, routed_scaling_factor=1.5, num_shared_experts=2, head_dim=32),
-}
 PROMPTS = [list(range(3, 3 + 90)), [7, 9, 11, 200, 13, 5, 99, 42, 17], [5] * 3 + list(range(100, 140))]
-
-
-def write_checkpoint(name: str, folder, kda_heads: int = 2) -> None:
-    from transformers import KimiLinearConfig, KimiLinearForCausalLM
-
-    v = dict(VARIANTS[name])
-    lin = {"kda_layers": KDA_LAYERS, "full_attn_layers": MLA_LAYERS, "num_heads": kda_heads,
-           "head_dim": v.pop("head_dim"), "short_conv_kernel_size": 4}
-    torch.manual_seed(sum(map(ord, name)))
-    model = KimiLinearForCausalLM(KimiLinearConfig(**SMALL, **v, linear_attn_config=lin)).eval()
-    with torch.no_grad():  # norms and router biases off their init values, so that loading them matters
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.uniform_(-0.1, 0.1)
-    model.save_pretrained(folder)
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        raw = json.load(f)
-    drop = (["layer_types", "mlp_layer_types", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"]
-            if name == "checkpoint_style" else ["linear_attn_config"])
-    for key in drop:
-        raw.pop(key)
-    with open(path, "w") as f:
-        json.dump(raw, f)
-
 
 checkpoint = checkpoint_fixture(VARIANTS, write_checkpoint)
 
@@ -107,6 +67,15 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
     ids = PROMPTS[0] + [60, 61, 62, 63, 64, 65]
     ref = hf_logits(hf, ids)
     torch.testing.assert_close(prefill_then_decode(runner, ids, len(PROMPTS[0])), ref, **TOL)
+
+
+def test_gpu_check_step_logits_match_transformers(checkpoint):
+    """The logits the moe-graphs GPU check compares (a prefill, then static decode steps, each fed
+    the token before, the request in its state slot) equal transformers'."""
+    _, hf, _, _, _ = checkpoint
+    prompt, tokens = PROMPTS[1], [60, 61, 62, 63]
+    got = step_logits(tiny_runner(checkpoint), prompt, tokens)
+    torch.testing.assert_close(got, hf_logits(hf, prompt + tokens[:-1])[len(prompt) - 1:], **TOL)
 
 
 def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):

@@ -15,13 +15,12 @@ would."""
 from __future__ import annotations
 
 import ctypes
-import json
-import os
 import re
 from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from common.dflash.drafter import Drafter
 from common.dflash.proposer import DFlashProposer
@@ -33,6 +32,7 @@ from common.engine.spec_policy import SpecConfig
 from common.kv.seq_cache import SeqCache
 from common.kv.buffers import RoomBuffers
 from common.model.attention import cache_slot
+from common.model import moe as moe_module
 from common.model.moe import MoE
 from common.model.shapes import SHAPES, RandomWeights, fill_random_
 from common.model.weights import resolve_model
@@ -41,56 +41,15 @@ from common.runner.layout import ParallelConfigError, RankLayout, check_parallel
 from common.runner.model_runner import ModelRunner
 from common.runner.shard import shard_tensors
 from common.tools.bench import stats
+from common.tools.tiny_hf import DEEPSEEK_VARIANTS as VARIANTS, write_deepseek as write_checkpoint
 from common.transfer.plan import TPRank, build_plan, source_ranks
 from router_svc.model_info import read_model_info
 from hf_oracle import checkpoint_fixture, hf_greedy, hf_logits, prefill_then_decode, tiny_runner
 from test_parallel_runner import FP32_TOL, check_parallel_equals_single
 from tiny_models import save_random_drafter
 
-VOCAB = 256
 TOL = dict(rtol=1e-4, atol=1e-4)
-SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-             v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1,
-             initializer_range=0.1, bos_token_id=1, eos_token_id=2,
-             tie_word_embeddings=False)
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
-VARIANTS = {
-    # q-LoRA, grouped routing (2 of 4 groups), YaRN with a softmax mscale and a cos/sin factor,
-    # written in the rope_scaling form of the released DeepSeek-V3 config.json.
-    "qlora_yarn_grouped": dict(q_lora_rank=24, n_group=4, topk_group=2, n_shared_experts=1, norm_topk_prob=True,
-                               routed_scaling_factor=2.5, rope_parameters=YARN, max_position_embeddings=128),
-    # No q-LoRA, one group, unnormalised weights, two shared experts, plain RoPE.
-    "no_qlora": dict(q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2, norm_topk_prob=False,
-                     routed_scaling_factor=1.5, max_position_embeddings=256),
-}
 PROMPTS = [list(range(3, 3 + 41)), [7, 9, 11, 200, 13, 5, 99, 42, 17], [5] * 3 + list(range(100, 160))]
-
-
-def write_checkpoint(name: str, folder) -> None:
-    """The tiny random checkpoint VARIANTS[name] as a Hugging Face folder (also served by test_pd_deepseek.py)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.manual_seed(sum(map(ord, name)))
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**SMALL, **VARIANTS[name])).eval()
-    with torch.no_grad():  # norms, router biases: not their init values (ones, zeros), so that loading them matters
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.uniform_(-0.1, 0.1)
-    model.save_pretrained(folder)
-    if "rope_parameters" in VARIANTS[name]:
-        path = os.path.join(folder, "config.json")
-        with open(path) as f:
-            raw = json.load(f)
-        params = raw.pop("rope_parameters")
-        raw["rope_theta"] = params.pop("rope_theta")
-        raw["rope_scaling"] = {"type": params.pop("rope_type"), **params}
-        with open(path, "w") as f:
-            json.dump(raw, f)
-
 
 checkpoint = checkpoint_fixture(VARIANTS, write_checkpoint)
 
@@ -118,6 +77,16 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
     ref = hf_logits(hf, ids)
     # The prompt through expanded attention, then absorbed attention one token at a time.
     torch.testing.assert_close(prefill_then_decode(runner, ids, len(PROMPTS[0])), ref, **TOL)
+
+
+def test_dense_experts_match_transformers(checkpoint, monkeypatch):
+    """The whole model with its experts on the dense path (where grouped_mm does not run: fp32
+    on CUDA) still equals transformers in prefill and decode."""
+    _, hf, _, _, _ = checkpoint
+    monkeypatch.setattr(MoE, "grouped_ok", lambda self, device, dtype: False)
+    ids = PROMPTS[1] + [60, 61, 62]
+    torch.testing.assert_close(prefill_then_decode(tiny_runner(checkpoint), ids, len(PROMPTS[1])),
+                               hf_logits(hf, ids), **TOL)
 
 
 def test_chunked_and_batched_prefill_equal_one_shot(checkpoint):
@@ -208,41 +177,74 @@ def test_negative_controls_are_caught(checkpoint):
     assert not torch.allclose(got, hf_logits(hf, ids), **TOL)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, TOL), (torch.bfloat16, dict(rtol=2e-2, atol=5e-2))])
-def test_grouped_experts_equal_the_loop(dtype, tol):
-    """The grouped expert path (pairs sorted on the device, grouped matmuls: what a CUDA graph
-    captures) equals the per-expert loop, with every expert held and on each EP rank's half,
-    where pairs routed to the other half must add nothing; the halves sum to the whole."""
+def experts_one_by_one(moe: MoE, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts' sum as the definition says it, token by token and choice by choice
+    in fp32 (the reference: it reads the routing on the host, so no CUDA graph could capture it)."""
+    held = moe.moe.held_experts
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t, (chosen, w) in enumerate(zip(experts.tolist(), weights.tolist())):
+        for e, we in zip(chosen, w):
+            if e in held:
+                gate, up = (moe.gate_up[e - held.start].float() @ x[t].float()).chunk(2)
+                out[t] += we * (moe.down[e - held.start].float() @ (F.silu(gate) * up))
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("path", ["grouped", "dense"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, dict(rtol=1e-5, atol=5e-5)),
+                                       (torch.bfloat16, dict(rtol=2e-2, atol=0.25))])
+def test_expert_paths_equal_the_definition(path, dtype, tol):
+    """Both expert paths (grouped matmuls over pairs sorted on the device; every expert over
+    every token, weighted: what CUDA graphs capture where grouped_mm does not run) equal the
+    experts applied one by one, with every expert held and on each EP rank's half, where pairs
+    routed to the other half must add nothing; the halves sum to the whole. In fp32 the two
+    paths agree to rounding (~1e-6 of values up to ~40)."""
     cfg = SHAPES["deepseek-small"]
     n = cfg.moe.num_experts // 2
     moe = fill_random_(MoE(cfg), RandomWeights(seed=1, std=0.2)).to(dtype)
     x = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
     experts, weights = moe.route(x)
     assert moe.grouped_ok(x.device, dtype) and experts.unique().numel() > n  # both halves are used
-    whole = moe.run_loop(x, experts, weights)
-    torch.testing.assert_close(moe.run_grouped(x, experts, weights), whole, **tol)
+    run = {"grouped": MoE.run_grouped, "dense": MoE.run_dense}[path]
+    whole = run(moe, x, experts, weights)
+    torch.testing.assert_close(whole, experts_one_by_one(moe, x, experts, weights), **tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(MoE.run_dense(moe, x, experts, weights), MoE.run_grouped(moe, x, experts, weights),
+                                   rtol=1e-5, atol=5e-5)
     halves = []
     for first in (0, n):
         half = MoE(replace(cfg, moe=replace(cfg.moe, first_expert=first, local_experts=n))).to(dtype)
         half.load_state_dict(moe.state_dict() | {"gate_up": moe.gate_up[first:first + n],
                                                  "down": moe.down[first:first + n]})
-        halves.append(half.run_grouped(x, experts, weights))
-        torch.testing.assert_close(halves[-1], half.run_loop(x, experts, weights), **tol)
+        halves.append(run(half, x, experts, weights))
+        torch.testing.assert_close(halves[-1], experts_one_by_one(half, x, experts, weights), **tol)
     assert not torch.allclose(halves[0].float(), whole.float(), **tol)
     torch.testing.assert_close(halves[0] + halves[1], whole, **tol)
 
 
-def test_grouped_experts_read_nothing_on_the_host():
+def test_dense_experts_slice_long_inputs(monkeypatch):
+    """A prompt longer than one slice of the dense path gives what one slice gives."""
+    cfg = SHAPES["deepseek-small"]
+    moe = fill_random_(MoE(cfg), RandomWeights(seed=1, std=0.2))
+    x = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    experts, weights = moe.route(x)
+    whole = moe.run_dense(x, experts, weights)
+    monkeypatch.setattr(moe_module, "DENSE_SLICE_BYTES", 1)  # one token a slice
+    torch.testing.assert_close(moe.run_dense(x, experts, weights), whole, rtol=1e-5, atol=5e-5)
+
+
+def test_expert_paths_read_nothing_on_the_host():
     """On the meta device no value exists, so an op that would read one on the host (and break a
-    CUDA graph's capture) fails: the grouped path runs there, the loop does not."""
+    CUDA graph's capture) fails: both expert paths run there, the reference does not."""
     cfg = SHAPES["deepseek-small"]
     with torch.device("meta"):
         moe = MoE(cfg).to(torch.bfloat16)
         x = torch.randn(5, cfg.hidden_size, dtype=torch.bfloat16)
     experts, weights = moe.route(x)
     assert moe.run_grouped(x, experts, weights).shape == x.shape
+    assert moe.run_dense(x, experts, weights).shape == x.shape
     with pytest.raises(NotImplementedError):
-        moe.run_loop(x, experts, weights)
+        experts_one_by_one(moe, x, experts, weights)
 
 
 def test_unsupported_config_is_refused():

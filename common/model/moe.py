@@ -12,11 +12,12 @@ all experts (the router is whole), computes the pairs routed to its own experts,
 that partial sum; the TP all-reduce after the layer adds the other ranks' experts (as SGLang's
 all-reduce EP does).
 
-The experts run one of two ways, equal in exact arithmetic:
+The experts run one of two ways, equal in exact arithmetic; neither reads the host nor has a
+shape that depends on the routing, so a CUDA graph captures either:
   grouped  (token, choice) pairs sorted by expert on the device, each expert's rows one group of
-           torch._grouped_mm: no host synchronisation and no shape that depends on the routing,
-           so a CUDA graph captures it (the usual way, wherever grouped_mm_supported says so)
-  loop     one matmul per expert with tokens, the group sizes read on the host (the fallback)
+           torch._grouped_mm (wherever grouped_mm_supported says it runs: the CPU, bf16 on CUDA)
+  dense    every held expert over every token, each product kept only where the token chose
+           that expert (where grouped_mm does not run: fp32 on CUDA, odd widths)
 """
 from __future__ import annotations
 
@@ -28,7 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.model.config import ModelConfig
-from common.model.transformer import MLP, linear
+from common.model.transformer import MLP
+
+# About the bytes of activations (counted in fp32) of one slice of run_dense's tokens: a long
+# prompt runs in several slices rather than in memory that grows with its length.
+DENSE_SLICE_BYTES = 256 << 20
 
 
 class MoE(nn.Module):
@@ -48,7 +53,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        run = self.run_grouped if self.grouped_ok(x.device, x.dtype) else self.run_loop
+        run = self.run_grouped if self.grouped_ok(x.device, x.dtype) else self.run_dense
         out = run(x, experts, weights)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
@@ -76,9 +81,10 @@ class MoE(nn.Module):
         return experts, weights * m.routed_scaling_factor
 
     def run_grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """run_loop's sum through two grouped matmuls, every shape fixed by x's: all T*k pairs
-        take part. Pairs routed to another rank's experts go to a last, dummy group that no
-        matmul covers (grouped_mm leaves its rows unwritten) and are zeroed before the sum."""
+        """Sum over each token's chosen experts held here of weight x SwiGLU_expert(x), through
+        two grouped matmuls, every shape fixed by x's: all T*k pairs take part. Pairs routed to
+        another rank's experts go to a last, dummy group that no matmul covers (grouped_mm leaves
+        its rows unwritten) and are zeroed before the sum."""
         k, held = experts.shape[1], self.moe.held_experts
         E = len(held)
         flat = experts.flatten() - held.start  # index into this rank's experts
@@ -95,30 +101,36 @@ class MoE(nn.Module):
         ys = torch.where(mine[order, None], ys.float() * weights.flatten()[order, None], 0).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, ys)
 
-    def run_loop(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's chosen experts held here of weight x SwiGLU_expert(x). Tokens are
-        grouped by expert so that each expert's weights are read once per step, for all its
-        tokens. (The group sizes are read on the host, so this step cannot be captured in a CUDA
-        graph.)"""
-        k, held = experts.shape[1], self.moe.held_experts
-        flat = experts.flatten() - held.start  # index into this rank's experts
-        if len(held) == self.moe.num_experts:
-            order = flat.argsort(stable=True)
-        else:  # the (token, choice) pairs routed to the held experts
-            mine = ((flat >= 0) & (flat < len(held))).nonzero()[:, 0]
-            order = mine[flat[mine].argsort(stable=True)]
-        token = order // k
-        counts = torch.bincount(flat[order], minlength=len(held)).tolist()
-        xs = x[token]
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                gate, up = linear(xs[start:start + n], self.gate_up[e]).chunk(2, dim=-1)
-                ys[start:start + n] = linear(F.silu(gate) * up, self.down[e])
-                start += n
-        ys = (ys.float() * weights.flatten()[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token, ys)
+    def run_dense(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """run_grouped's sum with plain batched matmuls: every held expert over every token, each
+        (token, expert) product weighted where the token chose that expert and dropped where it
+        did not (selected away, not multiplied by 0: an unchosen product that overflows must not
+        turn the sum into NaN).
+
+        Why this and not a gather of each pair's expert weights (then bmm over T*k) or a Triton
+        grouped GEMM: it is exact (each chosen product is the same matmul row), it runs on any
+        device in any dtype, and its memory does not grow with the weights times the pairs (a
+        gather at T*k = 512 pairs copies 512 experts). It reads every held expert once, which is
+        what a decode batch of more than a few tokens reads anyway; it computes E / k times the
+        products needed, which decode steps (bound by weight reads) hardly feel and prefill
+        does. It serves where grouped_mm does not run, fp32 on CUDA above all: a dtype for
+        checking, not for serving. Tokens go in slices so that activations stay near
+        DENSE_SLICE_BYTES whatever the prompt's length."""
+        held, (T, H) = self.moe.held_experts, x.shape
+        E, I = len(held), self.down.shape[2]
+        local = experts - held.start  # index into this rank's experts
+        mine = (local >= 0) & (local < E)
+        column = torch.where(mine, local, E)  # pairs of other ranks' experts go to a dropped last column
+        chosen = torch.zeros(T, E + 1, dtype=torch.bool, device=x.device).scatter_(1, column, mine)[:, :E].T
+        w = torch.zeros(T, E + 1, dtype=torch.float32, device=x.device).scatter_(1, column, weights)[:, :E].T
+        out = torch.empty_like(x)
+        rows = max(1, DENSE_SLICE_BYTES // (E * (3 * I + 2 * H) * 4))
+        for s in range(0, T, rows):
+            gate, up = torch.matmul(x[s:s + rows], self.gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, t, I]
+            ys = torch.matmul(F.silu(gate) * up, self.down.transpose(1, 2))  # [E, t, H]
+            keep = chosen[:, s:s + rows, None]
+            out[s:s + rows] = torch.where(keep, ys.float() * w[:, s:s + rows, None], 0).sum(0).to(x.dtype)
+        return out
 
     def hf_weights(self, tensors: dict[str, torch.Tensor], src: str) -> dict[str, torch.Tensor]:
         """This module's parameters (names relative to it) from Hugging Face tensors under `src`

@@ -12,7 +12,6 @@ This is the interface the services drive (an SGLang-backed runner can implement 
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +25,6 @@ from common.model.attention import AttnMeta, build_attn_meta
 from common.model import kda
 from common.model.config import ModelConfig
 from common.model.kimi_linear import HybridCache
-from common.model.moe import MoE
 from common.model.shapes import RandomWeights, fill_random_
 from common.model.static_attention import StaticAttn, default_backend
 from common.model.architectures import model_class
@@ -36,8 +34,6 @@ from common.runner.layout import RankLayout
 from common.runner.shard import shard_tensors
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -116,13 +112,7 @@ class ModelRunner:
         self.scratch_slot = num_pages * page_size
         # Static steps (decode, verify) replay CUDA graphs on a GPU unless told otherwise; a rank of
         # a parallel model cannot (its collectives and the other ranks' commands are not captured).
-        # MoE layers can only through grouped expert matmuls (the loop reads group sizes on the host).
         self.use_graphs = self.device.type == "cuda" and not enforce_eager and layout.world == 1
-        if self.use_graphs and not all(m.grouped_ok(self.device, self.dtype) for m in self.model.modules()
-                                       if isinstance(m, MoE)):
-            logger.warning("MoE experts: torch._grouped_mm is not usable for %s on this device; decode runs "
-                           "without CUDA graphs", self.dtype)
-            self.use_graphs = False
         self.static_backend = default_backend(self.device)
         # Page tables of static steps: enough pages for the longest context the pool or model allows.
         self.max_pages = -(-min(cfg.max_position, num_pages * page_size) // page_size)

@@ -21,11 +21,14 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
              1, 8, 32 (engine.json)
   floor      the same with `--shape llama3-8b`: the 8B-shaped step against its memory floor
              (floor.json)
-  moe-shapes MoE and KDA models in CUDA graphs: grouped experts against the loop, greedy graphs
-             against eager on small DeepSeek-V3 and Kimi-Linear shapes, and the DeepSeek-V2-Lite
-             and Kimi-Linear-48B decode steps against their floors (common.tools.gpu.moe_shapes;
-             moe_shapes.json, moe_shapes.md); `--small` runs it at small shapes, on the CPU
-             when there is no GPU
+  moe-shapes MoE and KDA models in CUDA graphs: grouped experts against dense, and the
+             DeepSeek-V2-Lite and Kimi-Linear-48B decode steps against their floors
+             (common.tools.gpu.moe_shapes; moe_shapes.json, moe_shapes.md); `--small` runs it at
+             small shapes, on the CPU when there is no GPU
+  moe-graphs tiny DeepSeek-V3 and Kimi-Linear checkpoints: greedy with graphs equals eager in fp32
+             (batch 1 and mixed) and logits equal transformers'; bf16 graphs against eager
+             logits, and whether greedy divergences are near-ties (common.tools.gpu.moe_graphs;
+             moe_graphs.json); on the CPU too when there is no GPU (nothing captured there)
   local-copy the local transport's CUDA IPC copy between two processes, bytes checked, and its
              time for a 2K-token room (common/tools/gpu/local_copy.py; no Mooncake needed)
   pd-local   a pd stack on the GPU with the local transport (CUDA IPC): greedy tokens against the
@@ -58,6 +61,7 @@ from common.engine.step_costs import step_times, synthetic_requests
 from common.model.shapes import SHAPES, random_weights
 from common.runner.model_runner import ModelRunner
 from common.tools.gpu.checks import fused_check, kernel_check, tiny_static_check
+from common.tools.gpu.moe_graphs import moe_graphs
 from common.tools.gpu.moe_shapes import moe_shapes
 from common.tools.gpu.local_copy import local_copy
 from common.tools.gpu.pd_local import pd_local, summary_lines
@@ -272,9 +276,9 @@ def _summary(results: dict) -> list[str]:
                 lines.append(f"TARGET   {r['shape']} batch-1 step <= {TARGET_X_FLOOR}x floor: "
                              f"x{r['x_floor']:.2f} {'MET' if ok else 'NOT MET'}")
         lines.append(f"device   {b.get('gpu')}: memory bandwidth {b.get('memory_bandwidth_gbs', 0):.0f} GB/s")
-    m = results.get("moe-shapes")
-    if isinstance(m, dict):
-        lines += [f"moe      {line}" for line in m["lines"]]
+    for part in ("moe-shapes", "moe-graphs"):
+        if isinstance(results.get(part), dict):
+            lines += [f"moe      {line}" for line in results[part]["lines"]]
     c = results.get("local-copy")
     if isinstance(c, dict):
         lines.append(f"local    CUDA IPC copy to another process: {c['bytes']} bytes, decode sees them: "
@@ -299,8 +303,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     cuda = torch.cuda.is_available()
-    if not cuda and not args.small:
-        print("no CUDA device: nothing to check (--small runs moe-shapes on the CPU)")
+    if not cuda and not args.small and args.parts != "moe-graphs":
+        print("no CUDA device: nothing to check (--small runs moe-shapes on the CPU, --parts moe-graphs runs there too)")
         return 1
     if args.small and args.parts not in (None, "moe-shapes"):
         raise ValueError("--small runs only the moe-shapes part")
@@ -318,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
         "replay": _replay,
         "profile": lambda: _profile(args.out_dir),
         "moe-shapes": lambda: moe_shapes(args.out_dir, args.small),
+        "moe-graphs": lambda: moe_graphs(args.out_dir),
         "local-copy": local_copy,
     }
     if not args.skip_bench:

@@ -1,10 +1,8 @@
 """The `moe-shapes` part of `pdflash gpu-check`: MoE and KDA models decoding in CUDA graphs, and
-their decode step against its memory floor.
+their decode step against its memory floor (graphs against eager: the `moe-graphs` part).
 
-  experts  the grouped expert path (what graphs capture) against the per-expert loop, on the
+  experts  the grouped expert path against the dense one (both captured by graphs), on the
            device, in each dtype torch._grouped_mm supports there (random inputs, a small shape)
-  graphs   greedy tokens of small random DeepSeek-V3 and Kimi-Linear shapes with CUDA graphs
-           against eager steps, fp32 and bf16: the first divergence of each request
   floor    `pdflash bench engine --shape deepseek-v2-lite` and `--shape kimi-linear-48b`, bf16,
            batch 1, 8 and 32 (floor_<shape>.json): step against the floor of the bytes it reads;
            Kimi-Linear cut to its first layers if the whole model does not fit, eager if a graph
@@ -23,17 +21,13 @@ import json
 import os
 import sys
 import traceback
-import uuid
 from collections.abc import Callable
 
 import torch
 
-from common.engine.engine import Engine
-from common.engine.request import Request
-from common.engine.sampling import SamplingParams
 from common.model.moe import MoE, grouped_mm_supported
-from common.model.shapes import SHAPES, RandomWeights, fill_random_, random_token_ids
-from common.runner.model_runner import DTYPES, ModelRunner
+from common.model.shapes import SHAPES, RandomWeights, fill_random_
+from common.runner.model_runner import DTYPES
 from common.tools.bench.engine import FloorRow, floor_table
 from common.tools.bench.memory import request_memory
 from common.tools.bench.report import md_table
@@ -44,7 +38,7 @@ MEMORY_TOKENS = 16384
 
 
 def experts_check(device: str) -> list[dict]:
-    """Max |grouped - loop| of a MoE layer's routed experts over 37 tokens, per dtype."""
+    """Max |grouped - dense| of a MoE layer's routed experts over 37 tokens, per dtype."""
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         if not grouped_mm_supported(torch.device(device).type, dtype):
@@ -54,31 +48,11 @@ def experts_check(device: str) -> list[dict]:
         x = torch.randn(37, moe.down.shape[1], generator=torch.Generator().manual_seed(0)).to(device, dtype)
         with torch.inference_mode():
             experts, weights = moe.route(x)
-            want = moe.run_loop(x, experts, weights).float()
+            want = moe.run_dense(x, experts, weights).float()
             got = moe.run_grouped(x, experts, weights).float()
         rows.append({"dtype": str(dtype).removeprefix("torch."), "grouped_mm": True,
                      "max_abs_err": (got - want).abs().max().item(), "max_abs": want.abs().max().item()})
     return rows
-
-
-def graphs_check(device: str, shape: str, dtype: str, new_tokens: int = 24) -> dict:
-    """Greedy tokens of 4 prompts (3 to 40 tokens) on random weights of `shape`: the runner's way
-    (CUDA graphs where it allows them) against eager steps."""
-    cfg = SHAPES[shape]
-    prompts = [random_token_ids(cfg, n, seed=n) for n in (3, 17, 40, 9)]
-
-    def greedy(eager: bool) -> tuple[list[list[int]], bool]:
-        runner = ModelRunner(cfg, RandomWeights(seed=3), dtype=dtype, device=device, num_pages=32, page_size=16,
-                             enforce_eager=eager, state_slots=len(prompts))
-        reqs = [Request(uuid.uuid4().hex, p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)) for p in prompts]
-        Engine(runner, ()).run_all(reqs)
-        return [r.output_ids for r in reqs], runner.use_graphs
-
-    graphs, used = greedy(eager=False)
-    eager, _ = greedy(eager=True)
-    first = [next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), None) for g, e in zip(graphs, eager)]
-    return {"shape": shape, "dtype": dtype, "cuda_graphs": used, "requests": len(prompts), "new_tokens": new_tokens,
-            "identical": sum(f is None for f in first), "first_divergence": first}
 
 
 def floor_rows(out_dir: str, device: str, shape: str, small: bool) -> dict:
@@ -114,7 +88,7 @@ def floor_rows(out_dir: str, device: str, shape: str, small: bool) -> dict:
 def moe_shapes(out_dir: str, small: bool = False) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "small": small,
-                    "experts": [], "graphs": [], "floor": {}, "errors": []}
+                    "experts": [], "floor": {}, "errors": []}
 
     def attempt(what: str, fn: Callable[[], object]) -> object | None:
         """fn's result; a failure is recorded and the next piece goes on."""
@@ -126,11 +100,7 @@ def moe_shapes(out_dir: str, small: bool = False) -> dict:
             print(result["errors"][-1], file=sys.stderr, flush=True)
             return None
 
-    result["experts"] = attempt(f"grouped experts against the loop on {device}", lambda: experts_check(device)) or []
-    for shape in ("deepseek-small", "kimi-linear-small"):
-        for dtype in ("fp32", "bf16"):
-            row = attempt(f"graphs against eager, {shape} {dtype}", lambda: graphs_check(device, shape, dtype))
-            result["graphs"] += [row] if row else []
+    result["experts"] = attempt(f"grouped experts against dense on {device}", lambda: experts_check(device)) or []
     for shape in ("deepseek-v2-lite", "kimi-linear-48b"):
         name = SMALL[shape] if small else shape
         rows = attempt(f"floor of {name}", lambda: floor_rows(out_dir, device, shape, small))
@@ -149,12 +119,8 @@ def moe_shapes(out_dir: str, small: bool = False) -> dict:
 def summary_lines(result: dict) -> list[str]:
     lines = []
     for r in result["experts"]:
-        lines.append(f"experts  {r['dtype']}: " + (f"max |grouped - loop| {r['max_abs_err']:.2e} (values up to "
+        lines.append(f"experts  {r['dtype']}: " + (f"max |grouped - dense| {r['max_abs_err']:.2e} (values up to "
                                                    f"{r['max_abs']:.2f})" if r["grouped_mm"] else "no grouped mm"))
-    for r in result["graphs"]:
-        lines.append(f"graphs   {r['shape']} {r['dtype']} (graphs {'on' if r['cuda_graphs'] else 'OFF'}): "
-                     f"{r['identical']}/{r['requests']} identical to eager over {r['new_tokens']} tokens, "
-                     f"first divergence {r['first_divergence']}")
     for shape, f in result["floor"].items():
         for r in f["floor"]:
             lines.append(f"floor    {r['shape']} batch {r['batch']:2}: step {r['step_ms']:.3f} ms, floor "
@@ -167,14 +133,10 @@ def summary_lines(result: dict) -> list[str]:
 
 def markdown(result: dict) -> str:
     parts = [f"# moe-shapes on {result['device']}" + (" (small shapes)" if result["small"] else ""), ""]
-    parts += ["## Grouped experts against the loop", "",
+    parts += ["## Grouped experts against dense", "",
               md_table(["dtype", "grouped mm", "max abs err", "max abs value"],
                        [[r["dtype"], "yes" if r["grouped_mm"] else "no", f"{r.get('max_abs_err', float('nan')):.2e}",
                          f"{r.get('max_abs', float('nan')):.2f}"] for r in result["experts"]]), ""]
-    parts += ["## Greedy tokens, CUDA graphs against eager", "",
-              md_table(["shape", "dtype", "CUDA graphs", "identical", "first divergence"],
-                       [[r["shape"], r["dtype"], "yes" if r["cuda_graphs"] else "no",
-                         f"{r['identical']}/{r['requests']}", str(r["first_divergence"])] for r in result["graphs"]]), ""]
     for shape, f in result["floor"].items():
         rows = [FloorRow(**{k: v for k, v in r.items() if k != "x_floor"}) for r in f["floor"]]
         parts += [f"## Decode step against its floor: {shape}", "",
