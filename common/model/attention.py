@@ -159,13 +159,13 @@ def attend_cached(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttnMeta,
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
          causal: bool = False, scale: float | None = None) -> torch.Tensor:
-    """SDPA over q [B, Hq, Q, d] and k/v [B, Hkv, K, d] with grouped query heads. On CUDA the
-    fused kernels take grouped heads only in fp16/bf16 without a mask (flash); a mask or fp32
-    would send enable_gqa to the math kernel, which materialises every score in fp32 (a batched
-    prefill spent most of its time there), so there the K/V heads are repeated instead and the
-    memory-efficient kernel runs. The CPU's flash kernel takes both, so nothing is copied there."""
+    """SDPA over q [B, Hq, Q, d] and k/v [B, Hkv, K, d] with grouped query heads. On CUDA no fused
+    kernel takes grouped heads in fp32, so enable_gqa would send fp32 to the math kernel, which
+    materialises every score (1.27 ms against 0.76 ms with the heads repeated, for 32 x 450
+    tokens of prefill on an H200); there the K/V heads are repeated instead. In bf16 cuDNN takes
+    grouped heads with a mask (0.12 ms; 0.16 ms repeated), and the CPU's flash kernel takes both."""
     rep = q.shape[1] // k.shape[1]
-    if rep > 1 and q.is_cuda and (mask is not None or q.dtype == torch.float32):
+    if rep > 1 and q.is_cuda and q.dtype == torch.float32:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from common.dflash.drafter import Drafter
 from common.kv.page_pool import OutOfPages
 from common.kv.seq_cache import SeqCache
-from common.model.attention import sdpa
 from common.runner.model_runner import ModelRunner
 
 IGNORE = -100
@@ -162,12 +161,17 @@ def draft_hidden(drafter: Drafter, embed: torch.Tensor, feats: dict[int, torch.T
     block_ids[:, :, 0] = first
     pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).clamp(max=cos.shape[0] - 1).flatten()
     mask = block_attention_mask(anchors, L, B, cfg.sliding_window)
+    rep = cfg.num_heads // cfg.num_kv_heads
 
     def attend(i, q, k, v):
         ck, cv = ctx_kv[i]
-        keys = torch.cat([ck.view(S, L, *ck.shape[1:]), k.view(S, A * B, *k.shape[1:])], 1).transpose(1, 2)
-        vals = torch.cat([cv.view(S, L, *cv.shape[1:]), v.view(S, A * B, *v.shape[1:])], 1).transpose(1, 2)
-        out = sdpa(q.view(S, A * B, *q.shape[1:]).transpose(1, 2), keys, vals, mask=mask)
+        # GQA by repeating K/V heads (SDPA's memory-efficient kernel takes a mask, not enable_gqa).
+        keys = torch.cat([ck.view(S, L, *ck.shape[1:]), k.view(S, A * B, *k.shape[1:])], 1)
+        vals = torch.cat([cv.view(S, L, *cv.shape[1:]), v.view(S, A * B, *v.shape[1:])], 1)
+        keys = keys.repeat_interleave(rep, dim=2).transpose(1, 2)
+        vals = vals.repeat_interleave(rep, dim=2).transpose(1, 2)
+        qs = q.view(S, A * B, *q.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask)
         return out.transpose(1, 2).reshape(S * A * B, *q.shape[1:])
 
     x = F.embedding(block_ids.flatten(), embed)
