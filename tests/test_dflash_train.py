@@ -303,6 +303,21 @@ def test_eval_command(target, tmp_path):
     assert sum(r["accept_histogram"]) == r["verify_steps"] and r["accept_length_weighted"] >= 1.0
 
 
+def test_profile_command(tmp_path, capsys):
+    """`pdflash dflash profile` on the tiny random shape: a row per case whose parts add up to
+    about a step, and a clear error for a malformed case."""
+    from common.tools.cli import main
+
+    out = str(tmp_path / "profile.json")
+    assert main(["dflash", "profile", "--shape", "tiny", "--device", "cpu", "--cases", "2x4x40x10",
+                 "--steps", "1", "--layers", "1", "--out", out]) == 0
+    (row,) = json.load(open(out))["cases"]
+    assert (row["sequences"], row["anchors"], row["length"], row["prompt"]) == (2, 4, 40, 10)
+    assert row["seq_per_s"] > 0 and min(row[k] for k in ("capture_ms", "forward_ms", "backward_ms")) > 0
+    assert main(["dflash", "profile", "--shape", "tiny", "--device", "cpu", "--cases", "2x4x40", "--out", out]) == 2
+    assert "SEQSxANCHORSxLxP" in capsys.readouterr().err
+
+
 def test_eval_prompts_are_the_benchmarks():
     """The few-shot set is what `pdflash bench gsm8k` sends: the first exemplars, then the question."""
     class Chars:  # a tokenizer of characters: the prompt text is visible in the ids

@@ -5,7 +5,7 @@ import argparse
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from common.tools.drafter import evaluate, train
+    from common.tools.drafter import evaluate, profile, train
 
     sub = p.add_subparsers(dest="dflash_command", required=True)
     t = sub.add_parser("train", help="self-distil a DFlash drafter for a target model",
@@ -16,7 +16,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                        description=evaluate.__doc__.splitlines()[0])
     evaluate.add_args(e)
     e.set_defaults(_run=evaluate.run)
+    f = sub.add_parser("profile", help="where a training step's time goes, on random weights of a target's shape",
+                       description=profile.__doc__.splitlines()[0])
+    profile.add_args(f)
+    f.set_defaults(_run=profile.run)
 
 
 def run(args: argparse.Namespace) -> int:  # replaced by the subcommand's run via set_defaults
-    raise SystemExit("pdflash dflash: choose a subcommand (train, eval)")
+    raise SystemExit("pdflash dflash: choose a subcommand (train, eval, profile)")
