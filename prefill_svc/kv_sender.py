@@ -18,7 +18,7 @@ from common.service.tls import Tls
 from common.service.transfer_ranks import TransferRanks
 from common.transfer.plan import TPRank, TransferPlanError, Writes, build_plan
 from common.transfer.wire import ranks_from_bootstrap, shared_from_bootstrap
-from common.transfer.writer import Moved
+from common.transfer.writer import Moved, Peers
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 
@@ -113,11 +113,7 @@ class KVSender:
         """Copy the target KV's pages of prompt tokens `tokens` (whole pages, all computed: a
         prefill chunk has ended) into D's pages while the next chunk computes. Planned and
         bounds-checked like the whole room (`send`), before any of its bytes move."""
-        jobs = await asyncio.to_thread(plan_writes, req.rid, self.ranks.endpoints, self.ranks.tp,
-                                       self.engine.room_pages(req), ranks_from_bootstrap(boot),
-                                       boot.tp_size or 1, tokens.stop, names={TARGET_KV},
-                                       starts={TARGET_KV: tokens.start})
-        peers = shared_from_bootstrap(boot)
+        jobs, peers = await self._plan(req, boot, tokens.stop, names={TARGET_KV}, starts={TARGET_KV: tokens.start})
 
         def write() -> Moved:
             if ready is not None:  # the chunk's kernels may still run; the next chunk's need not end
@@ -140,13 +136,17 @@ class KVSender:
         if req.cache.length != req.prompt_len:
             raise TransferPlanError(f"room {req.rid}: {req.cache.length} of {req.prompt_len} prompt tokens "
                                     "prefilled; the cache and state go to decode only after the last chunk")
-        # Planned off the event loop: with differing head splits a long prompt's plan has an
-        # entry per token, layer and K/V, and other rooms' RPCs must not wait for it.
+        jobs, peers = await self._plan(req, boot, req.prompt_len, starts={TARGET_KV: sent})
+        return await asyncio.to_thread(self.ranks.write, jobs, peers)
+
+    async def _plan(self, req: Request, boot: pb.BootstrapRequest, num_tokens: int, **part) -> tuple[list[Writes], Peers]:
+        """plan_writes for this room and `part` of it, and the D buffers each of our ranks opens
+        on its own host. Planned off the event loop: with differing head splits a long prompt's
+        plan has an entry per token, layer and K/V, and other rooms' RPCs must not wait for it."""
         jobs = await asyncio.to_thread(plan_writes, req.rid, self.ranks.endpoints, self.ranks.tp,
                                        self.engine.room_pages(req), ranks_from_bootstrap(boot),
-                                       boot.tp_size or 1, req.prompt_len, starts={TARGET_KV: sent})
-        peers = shared_from_bootstrap(boot)  # each of our ranks opens those on its own host
-        return await asyncio.to_thread(self.ranks.write, jobs, peers)
+                                       boot.tp_size or 1, num_tokens, **part)
+        return jobs, shared_from_bootstrap(boot)
 
     async def checksums(self, req: Request) -> list[int]:
         if not self.verify:
