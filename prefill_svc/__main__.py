@@ -33,6 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--chunk-size", type=int, default=8192, help="tokens per prefill step")
     p.add_argument("--deadline", type=float, default=60.0, help="seconds a room may take end to end")
+    p.add_argument("--no-chunk-overlap", dest="chunk_overlap", action="store_false",
+                   help="send a prompt's KV only after its last prefill chunk (by default the pages each chunk "
+                        "completes go to decode while the next chunk computes)")
     p.add_argument("--verify-transfer", action="store_true", help="send page checksums; D checks every page it received")
     add_model_args(p)
     add_parallel_args(p, pipeline=True)
@@ -54,7 +57,7 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
         loop = EngineLoop(engine, asyncio.get_running_loop())
         ranks = TransferRanks.start(args, engine)  # every rank sends its own layers' and heads' KV
         servicer = PrefillServicer(loop, KVSender(ranks, engine, args.deadline, args.verify_transfer, tls),
-                                   runner.cfg.name, args.deadline)
+                                   runner.cfg.name, args.deadline, args.chunk_overlap)
         loop.start()
         checks = health.aio.HealthServicer()
         watch_nodes(runner, loop, checks)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+from collections.abc import Mapping
+
 import grpc
+import torch
 
 from common.engine.engine import Engine
 from common.engine.request import Request
@@ -15,9 +18,11 @@ from common.service.tls import Tls
 from common.service.transfer_ranks import TransferRanks
 from common.transfer.plan import TPRank, TransferPlanError, Writes, build_plan
 from common.transfer.wire import ranks_from_bootstrap, shared_from_bootstrap
-from common.transfer.writer import Moved
+from common.transfer.writer import Moved, Peers
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
+
+TARGET_KV = "kv"  # the target model's paged KV: the one buffer each prefill chunk extends
 
 
 class Aborted(RuntimeError):
@@ -98,26 +103,50 @@ class KVSender:
         finally:
             self._boots.pop(room, None)
 
-    async def send(self, req: Request, boot: pb.BootstrapRequest) -> Moved:
+    def page_tokens(self) -> int:
+        """Tokens per page of the target's KV ("kv"), which P sends chunk by chunk; 0 if no rank
+        holds it (a model of KDA layers only)."""
+        return next((b.page_size for r in self.ranks.endpoints for b in r.buffers if b.name == TARGET_KV), 0)
+
+    async def send_pages(self, req: Request, boot: pb.BootstrapRequest, tokens: range,
+                         ready: torch.cuda.Event | None) -> Moved:
+        """Copy the target KV's pages of prompt tokens `tokens` (whole pages, all computed: a
+        prefill chunk has ended) into D's pages while the next chunk computes. Planned and
+        bounds-checked like the whole room (`send`), before any of its bytes move."""
+        jobs, peers = await self._plan(req, boot, tokens.stop, names={TARGET_KV}, starts={TARGET_KV: tokens.start})
+
+        def write() -> Moved:
+            if ready is not None:  # the chunk's kernels may still run; the next chunk's need not end
+                ready.synchronize()
+            return self.ranks.write(jobs, peers)
+
+        return await asyncio.to_thread(write)
+
+    async def send(self, req: Request, boot: pb.BootstrapRequest, sent: int = 0) -> Moved:
         """Copy the prompt's KV from each of our ranks into the pages D reserved on each of its
-        ranks: by local copy where D is on our host and its buffers open here, else over Mooncake.
+        ranks: by local copy where D is on our host and its buffers open here, else over Mooncake;
+        of the target KV only the pages from token `sent` on (those before went with `send_pages`).
         Plan errors (bounds, layouts) are raised before any byte moves; a failed write raises
         TransferError once none of its entries is in flight.
 
         The hand-off convention (D's side: Engine.add_prefilled): P has consumed every prompt
         token, so the KDA state and convolution windows sent cover the whole prompt (they are
-        taken after the last prefill chunk, never between chunks); D starts from the first
-        sampled token, which no state sent here has seen."""
+        taken after the last prefill chunk, never between chunks, and so is the draft KV); D
+        starts from the first sampled token, which no state sent here has seen."""
         if req.cache.length != req.prompt_len:
             raise TransferPlanError(f"room {req.rid}: {req.cache.length} of {req.prompt_len} prompt tokens "
                                     "prefilled; the cache and state go to decode only after the last chunk")
-        # Planned off the event loop: with differing head splits a long prompt's plan has an
-        # entry per token, layer and K/V, and other rooms' RPCs must not wait for it.
+        jobs, peers = await self._plan(req, boot, req.prompt_len, starts={TARGET_KV: sent})
+        return await asyncio.to_thread(self.ranks.write, jobs, peers)
+
+    async def _plan(self, req: Request, boot: pb.BootstrapRequest, num_tokens: int, **part) -> tuple[list[Writes], Peers]:
+        """plan_writes for this room and `part` of it, and the D buffers each of our ranks opens
+        on its own host. Planned off the event loop: with differing head splits a long prompt's
+        plan has an entry per token, layer and K/V, and other rooms' RPCs must not wait for it."""
         jobs = await asyncio.to_thread(plan_writes, req.rid, self.ranks.endpoints, self.ranks.tp,
                                        self.engine.room_pages(req), ranks_from_bootstrap(boot),
-                                       boot.tp_size or 1, req.prompt_len)
-        peers = shared_from_bootstrap(boot)  # each of our ranks opens those on its own host
-        return await asyncio.to_thread(self.ranks.write, jobs, peers)
+                                       boot.tp_size or 1, num_tokens, **part)
+        return jobs, shared_from_bootstrap(boot)
 
     async def checksums(self, req: Request) -> list[int]:
         if not self.verify:
@@ -135,9 +164,11 @@ class KVSender:
 
 
 def plan_writes(room: str, src: list[RankEndpoint], src_tp: int, pages: dict[str, list[int]],
-                dst: list[tuple[int, str, RoomBuffers]], dst_tp: int, num_tokens: int) -> list[Writes]:
-    """What each of our ranks writes to which D rank. A rank pair plans the buffers both hold
-    (the draft KV lives on one rank per side); each buffer must exist on both sides somewhere."""
+                dst: list[tuple[int, str, RoomBuffers]], dst_tp: int, num_tokens: int,
+                names: set[str] | None = None, starts: Mapping[str, int] = {}) -> list[Writes]:
+    """What each of our ranks writes to which D rank: of the buffers in `names` (all if None),
+    paged ones from the token in `starts` on (build_plan). A rank pair plans the buffers both
+    hold (the draft KV lives on one rank per side); each buffer must exist on both sides somewhere."""
     ours = {b.name for r in src for b in r.buffers}
     theirs = {b.name for _, _, d in dst for b in d.buffers}
     if ours != theirs:
@@ -147,10 +178,11 @@ def plan_writes(room: str, src: list[RankEndpoint], src_tp: int, pages: dict[str
     for rank in src:
         writes: Writes = []
         for d_rank, session, d_room in dst:
-            names = {b.name for b in rank.buffers} & {b.name for b in d_room.buffers}
-            plan = build_plan(room, RoomBuffers([b for b in rank.buffers if b.name in names], pages),
-                              RoomBuffers([b for b in d_room.buffers if b.name in names], d_room.indices),
-                              num_tokens, src_tp=TPRank(rank.tp_rank, src_tp), dst_tp=TPRank(d_rank, dst_tp))
+            both = {b.name for b in rank.buffers} & {b.name for b in d_room.buffers} & (ours if names is None else names)
+            plan = build_plan(room, RoomBuffers([b for b in rank.buffers if b.name in both], pages),
+                              RoomBuffers([b for b in d_room.buffers if b.name in both], d_room.indices),
+                              num_tokens, src_tp=TPRank(rank.tp_rank, src_tp), dst_tp=TPRank(d_rank, dst_tp),
+                              starts=starts)
             if plan.entries:
                 writes.append((session, plan.entries))
         jobs.append(writes)

@@ -2,10 +2,14 @@
 
 Prefill(room):
   1. validate and queue the prompt in the prefill engine (chunked, batched with other rooms)
-  2. the engine samples the first token; the prompt's KV stays in our pages
-  3. wait for D's Bootstrap (where to write), bounded by the deadline
-  4. plan + write of the KV pages into D's pages (local copy on one host, else Mooncake)
-  5. TransferDone to D (ok + first token, or the error); free our pages; reply to the router
+  2. after each chunk but the last, once D's Bootstrap has come: plan + write of the target KV
+     pages that chunk completed into D's pages, while the next chunk computes (off with
+     --no-chunk-overlap)
+  3. the engine samples the first token; the prompt's KV stays in our pages
+  4. wait for D's Bootstrap (where to write), bounded by the deadline
+  5. plan + write of the rest (last pages, KDA states, draft KV) into D's pages (local copy on
+     one host, else Mooncake); wait for every write of the room
+  6. TransferDone to D (ok + first token, or the error); free our pages; reply to the router
 """
 from __future__ import annotations
 
@@ -15,12 +19,14 @@ import time
 
 import grpc
 
+from common.engine.engine import StepOutput
 from common.engine.request import Request
 from common.engine.sampling import InvalidRequest
 from common.service.checks import check_bootstrap, check_room_request
 from common.service.engine_loop import EngineFailure, EngineLoop
 from common.service.messages import pool_health, sampling_from_proto
 from prefill_svc.kv_sender import KVSender
+from prefill_svc.room_writes import RoomWrites
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 
@@ -28,9 +34,12 @@ logger = logging.getLogger("prefill")
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
-    def __init__(self, loop: EngineLoop, sender: KVSender, model_name: str, default_deadline_s: float):
+    def __init__(self, loop: EngineLoop, sender: KVSender, model_name: str, default_deadline_s: float,
+                 chunk_overlap: bool = True):
         self.loop = loop
         self.sender = sender
+        # Send each chunk's pages as it ends (rooms of several chunks), not all after the last.
+        self.page_tokens = sender.page_tokens() if chunk_overlap else 0
         self.model_name = model_name
         self.default_deadline_s = default_deadline_s
         self.bytes_sent = 0
@@ -38,7 +47,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         # Rooms in Prefill -> abort reason ("" = not aborted). An Abort that lands while the
         # room is inside a step (its whole prompt may be one step) is seen at the next stage.
         self._rooms: dict[str, str] = {}
-        self._sends: dict[str, asyncio.Future] = {}  # room -> its write in flight
+        self._sends: dict[str, RoomWrites] = {}  # room -> its writes into D's pages
         self._background: set[asyncio.Task] = set()
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
@@ -51,22 +60,19 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         outputs = self.loop.open(req.rid)
         self._rooms[req.rid] = ""
-        send = boot = None
+        writes = self._sends[req.rid] = RoomWrites()
+        boot = None
         try:
             await self.loop.call(lambda e: e.add(req))
-            out = await asyncio.wait_for(outputs.get(), deadline - time.monotonic())
-            if isinstance(out, EngineFailure):
-                raise out
-            self._check_abort(req.rid)
-            if not out.prefill_done:
-                raise RuntimeError(f"room {req.rid} was aborted during prefill")
+            out = await self._prefill(req, outputs, writes, deadline)
             boot = await self.sender.wait_bootstrap(req.rid, deadline)
             self._check_abort(req.rid)
-            # Shielded: if this handler is cancelled (the router gave up), the write goes on in
-            # its thread, and our pages must not return to the pool before it has finished.
-            send = self._sends[req.rid] = asyncio.ensure_future(self.sender.send(req, boot))
-            moved = await asyncio.shield(send)
-            logger.info("room %s: %d bytes to decode by %s", req.rid, moved.bytes, moved.transport or "nothing")
+            # If this handler is cancelled (the router gave up), the writes go on in their
+            # threads, and our pages must not return to the pool before they have finished.
+            writes.submit(self.sender.send(req, boot, writes.sent))
+            moved = await writes.moved()
+            logger.info("room %s: %d bytes to decode by %s, in %d writes (%d before the last chunk ended)",
+                        req.rid, moved.bytes, moved.transport or "nothing", writes.early + 1, writes.early)
             self._check_abort(req.rid)
             done = pb.TransferDoneRequest(room=req.rid, ok=True, first_token=out.new_ids[0],
                                           prompt_tokens=req.prompt_len, bytes=moved.bytes,
@@ -84,6 +90,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             else:
                 error = str(e)
             logger.warning("room %s failed: %s", req.rid, error)
+            await writes.settle()  # D frees its pages when told: no write of ours may still land there
             boot = boot or self.sender.held_bootstrap(req.rid)
             if boot is not None:
                 await self._nack(boot.decode_addr or request.decode_addr, req.rid, boot.transfer_token, error)
@@ -92,12 +99,28 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             return pb.PrefillReply(ok=False, error=error)
         finally:
             self.loop.close(req.rid)
-            if send is not None and not send.done():
-                await asyncio.wait({send})
-                send.cancelled() or send.exception()  # retrieved: no "never retrieved" warning
+            await writes.settle()
             self._rooms.pop(req.rid, None)
             self._sends.pop(req.rid, None)
             await self.loop.call(lambda e: e.abort(req.rid) or e.release(req))
+
+    async def _prefill(self, req: Request, outputs: asyncio.Queue, writes: RoomWrites, deadline: float) -> StepOutput:
+        """The engine's output that ends the room's prefill (its first token). After each chunk
+        before it, the target KV pages that are whole are sent on, if D's bootstrap is here."""
+        while True:
+            out = await asyncio.wait_for(outputs.get(), deadline - time.monotonic())
+            if isinstance(out, EngineFailure):
+                raise out
+            self._check_abort(req.rid)
+            if out.prefill_done:
+                return out
+            if out.finished:
+                raise RuntimeError(f"room {req.rid} was aborted during prefill")
+            whole = out.cached // self.page_tokens * self.page_tokens if self.page_tokens else 0
+            boot = self.sender.held_bootstrap(req.rid)
+            if boot is not None and whole > writes.sent:
+                writes.submit(self.sender.send_pages(req, boot, range(writes.sent, whole), out.ready))
+                writes.sent = whole
 
     def _check_abort(self, room: str) -> None:
         if self._rooms.get(room):
@@ -132,9 +155,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         found = self.sender.abort(request.room, request.reason)
-        send = self._sends.get(request.room)
-        if send is not None and not send.done():
-            await asyncio.wait({send})
+        writes = self._sends.get(request.room)
+        if writes is not None:
+            await writes.settle()
         return pb.AbortReply(found=live or found)
 
     async def Health(self, request, context) -> pb.HealthReply:

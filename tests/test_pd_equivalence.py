@@ -4,11 +4,14 @@ in-process runner (`common.engine.engine.Engine` over the same weights) token fo
 time and 16 at once; pd (with --spec dflash, which is lossless, and `--verify-transfer`: every
 page D received is checksummed against what P sent) and colocated with two replicas (the
 session's shared stacks, conftest.py). Page size 16, so prompts of 15/16/17, 31/32/33, 63/64/65
-tokens start, fill and overflow pages, and decoding crosses page boundaries."""
+tokens start, fill and overflow pages, and decoding crosses page boundaries. The pd stack prefills
+in chunks of 40 tokens and sends each chunk's whole pages while the next computes: prompts of 65
+tokens and more arrive in several writes, each page once (D's byte count and checksums say so)."""
 from __future__ import annotations
 
 import concurrent.futures
 import random
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -147,3 +150,14 @@ def test_sixteen_at_once_equal_in_process(stack: Stack, expected: dict[Case, Exp
     for case, got in zip(batch, results):
         check(stack, case, got, expected[case])
     stack.wait_all_pages_free()
+
+
+def test_pages_go_to_decode_before_the_last_chunk_ends(pd_stack: Stack, expected: dict[Case, Expected]) -> None:
+    """The 200-token prompt is five chunks: P's transfer log says it wrote pages before the last
+    chunk ended (D bootstraps within the first chunks), and the output is the in-process one."""
+    case = next(c for c in CASES if c.kind == "ids" and len(c.prompt) == 200)
+    got = run_case(pd_stack, case)
+    check(pd_stack, case, got, expected[case])
+    line = next(ln for ln in pd_stack.lines if f"room {got['meta']['id']}: " in ln and "bytes to decode" in ln)
+    writes, early = map(int, re.search(r"in (\d+) writes \((\d+) before the last chunk ended\)", line).groups())
+    assert 1 <= early <= 4 and writes == early + 1, line

@@ -139,6 +139,30 @@ def test_head_range_intersection_per_token(mems, src_heads, dst_heads):
     np.testing.assert_array_equal(d_arr, expected)  # also: other heads and tokens 6, 7 untouched
 
 
+@pytest.mark.parametrize("src_heads,dst_heads", [((0, 2), (0, 2)), ((0, 4), (2, 2))])
+def test_parts_from_a_start_token_add_up_to_the_whole_plan(mems, src_heads, dst_heads):
+    """P sends a prompt's pages chunk by chunk (`starts`): pages [0, 1), then [1, 3), then the rest
+    write what one whole plan writes, no byte twice, whether whole pages or token rows move."""
+    src_mem, dst_mem = mems
+    (s0, sn), (d0, dn) = src_heads, dst_heads
+    s, _ = paged(src_mem, SRC_BASE, heads=sn, head_start=s0, total_heads=4)
+    d, d_arr = paged(dst_mem, DST_BASE, heads=dn, head_start=d0, total_heads=4)
+    src, dst, num_tokens = room({"kv": (s, [3, 0, 5, 1])}), room({"kv": (d, [6, 2, 4, 7])}), 14
+    whole = build_plan("r", src, dst, num_tokens)
+    parts = [build_plan("r", src, dst, stop, starts={"kv": start}) for start, stop in ((0, 4), (4, 12), (12, num_tokens))]
+    assert sum(p.total_bytes for p in parts) == whole.total_bytes and all(p.entries for p in parts)
+    before = d_arr.copy()
+    for p in parts:
+        apply(p, src_mem, dst_mem)
+    by_parts, d_arr[:] = d_arr.copy(), before
+    apply(whole, src_mem, dst_mem)
+    np.testing.assert_array_equal(by_parts, d_arr)
+    assert not (by_parts == before).all()
+    with pytest.raises(TransferPlanError, match="not a page boundary"):
+        build_plan("r", src, dst, num_tokens, starts={"kv": 2})
+    assert build_plan("r", src, dst, 12, starts={"kv": 12}).entries == []  # nothing left to send
+
+
 def test_disjoint_head_ranges_send_nothing(mems):
     src_mem, dst_mem = mems
     s, _ = paged(src_mem, SRC_BASE, heads=4, head_start=0, total_heads=8)

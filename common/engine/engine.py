@@ -36,6 +36,11 @@ class StepOutput:
     text: str
     finished: bool
     prefill_done: bool = False  # prefill-only engines: the prompt is cached, first token sampled
+    # Prefill-only engines, after a chunk that is not the prompt's last: how many prompt tokens
+    # are cached now (their pages may be sent while the next chunk computes), and on CUDA the
+    # point on the device's stream where that chunk's KV is written (a reader waits for it).
+    cached: int = 0
+    ready: torch.cuda.Event | None = None
 
 
 class Engine:
@@ -219,10 +224,10 @@ class Engine:
             ends = torch.tensor([len(c) for c in chunks]).cumsum(0).tolist()
             rows = [torch.arange(e - len(c), e) for c, e in zip(chunks, ends)]
             self.proposer.append_context([r.draft_cache for r in batch], out.captured, rows)
+        outputs = self._chunk_progress([r for i, r in enumerate(batch) if i not in done]) if self.prefill_only else []
         if not done:
-            return []
+            return outputs
         tokens = sample(out.logits, [batch[i].params for i in done], [0] * len(done), [batch[i].seed for i in done])
-        outputs = []
         for i, tok in zip(done, tokens):
             req = batch[i]
             self.prefilling.remove(req)
@@ -232,6 +237,16 @@ class Engine:
             else:
                 outputs.append(self.add_prefilled(req, tok))
         return outputs
+
+    def _chunk_progress(self, reqs: list[Request]) -> list[StepOutput]:
+        """An output per prompt whose prefill goes on, so that P can send what is cached already."""
+        if not reqs:
+            return []
+        ready = None
+        if self.runner.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return [StepOutput(r, [], "", False, cached=r.cache.length, ready=ready) for r in reqs]
 
     def _decode_step(self) -> list[StepOutput]:
         batch = self.running

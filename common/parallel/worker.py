@@ -210,24 +210,35 @@ def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
         elif isinstance(cmd, Stop):
             torch.distributed.destroy_process_group()
             return
-        done.advance()
+        done.advance(runner.device)
 
 
 class _Done:
-    """How many commands the main thread has finished; the write thread waits on it."""
+    """How many commands the main thread has finished; the write thread waits on it. On CUDA a
+    command has finished when its kernels are queued: the write thread also waits for the device
+    to reach the end of the last one it counted (a prefill chunk's KV), not for the next chunk."""
 
     def __init__(self) -> None:
         self.count = 0
+        self._ready: torch.cuda.Event | None = None
         self._cond = threading.Condition()
 
-    def advance(self) -> None:
+    def advance(self, device: torch.device) -> None:
+        ready = None
+        if device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
         with self._cond:
             self.count += 1
+            self._ready = ready
             self._cond.notify_all()
 
     def wait_for(self, n: int) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self.count >= n)
+            ready = self._ready
+        if ready is not None:
+            ready.synchronize()
 
 
 def _load_drafter(cmd: LoadDrafter, runner: ModelRunner):

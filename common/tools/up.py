@@ -67,6 +67,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-slots", type=int, default=64, help="models with KDA layers: requests whose state fits at a time")
     p.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: decode eagerly, without CUDA graphs")
     p.add_argument("--chunk-size", type=int, default=8192)
+    p.add_argument("--no-chunk-overlap", dest="chunk_overlap", action="store_false",
+                   help="prefill: send a prompt's KV only after its last chunk, not each chunk's pages as it ends")
     p.add_argument("--deadline", type=float, default=60.0, help="seconds for a room's bootstrap + KV transfer")
     p.add_argument("--peer-abort-timeout", type=float, default=10.0,
                    help="decode: seconds per attempt at prefill's Abort of a room it gave up on")
@@ -222,8 +224,9 @@ def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child
     decode_par = ["--tp", str(args.decode_tp), "--ep", str(args.decode_ep)]
     if args.mode == "pd":
         verify = ["--verify-transfer"] if args.verify_transfer else []
+        overlap = [] if args.chunk_overlap else ["--no-chunk-overlap"]
         transport = [] if args.local_transfer else ["--no-local-transfer"]
-        groups = [("prefill", "prefill_svc", args.prefill, verify + transport + prefill_par),
+        groups = [("prefill", "prefill_svc", args.prefill, verify + overlap + transport + prefill_par),
                   ("decode", "decode_svc", args.decode, ["--role", "decode", *decode_par, *transport,
                                                          "--peer-abort-timeout", str(args.peer_abort_timeout)])]
     else:

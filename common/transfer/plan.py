@@ -18,7 +18,9 @@ Rules:
   same rule with rep = P's TP size: whole pages from exactly one P rank per D rank. A rank's
   heads must be one of equal consecutive ranges, each on consecutive ranks (`kv_head_range`,
   or every head on every rank); `source_ranks` tells a D rank which P ranks write to it;
-- paged KV sends the pages covering `num_tokens` (the last page whole) when the heads sent
+- paged KV sends the pages covering `num_tokens` (the last page whole), from the page at
+  `starts[name]` on (tokens already sent, whole pages: P sends a prompt's pages chunk by chunk
+  while it prefills, each part planned and checked alike), when the heads sent
   are exactly the heads both sides hold (or latent KV); otherwise it sends the head range
   token by token, with each side's own strides;
 - slot state (a KDA layer's recurrent state or convolution windows) sends, for each layer
@@ -31,7 +33,7 @@ Rules:
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,8 +97,10 @@ def build_plan(
     *,
     src_tp: TPRank | None = None,
     dst_tp: TPRank | None = None,
+    starts: Mapping[str, int] = {},
 ) -> TransferPlan:
-    """Entries that copy the first `num_tokens` tokens of paged buffers and every reserved state
+    """Entries that copy the first `num_tokens` tokens of paged buffers (of a buffer named in
+    `starts`, those from that token on: a multiple of its page size) and every reserved state
     slot of `room` from `src` (one P rank) to `dst` (one D rank). `src_tp` and `dst_tp` (both or
     neither) make replicated heads go out once; see the module docstring. An empty plan means
     this P rank sends nothing to this D rank. Raises TransferPlanError before returning anything."""
@@ -112,7 +116,7 @@ def build_plan(
         s, d = src_by_name[name], dst_by_name[name]
         s_idx, d_idx = _indices(room, "source", src, name), _indices(room, "destination", dst, name)
         if isinstance(s, PagedKVBuffer) and isinstance(d, PagedKVBuffer):
-            arrays = _paged(room, s, d, s_idx, d_idx, num_tokens, ranks)
+            arrays = _paged(room, s, d, s_idx, d_idx, range(starts.get(name, 0), num_tokens), ranks)
         elif isinstance(s, SlotStateBuffer) and isinstance(d, SlotStateBuffer):
             arrays = _slots(room, s, d, s_idx, d_idx, ranks)
         else:
@@ -176,17 +180,21 @@ def _paged(
     d: PagedKVBuffer,
     s_idx: list[int],
     d_idx: list[int],
-    num_tokens: int,
+    tokens: range,
     ranks: tuple[TPRank, TPRank] | None,
 ) -> Arrays:
     where = f"room {room}, buffer {s.name}"
     _check_geometry(where, s, d)
-    n_pages = -(-num_tokens // s.page_size)
+    if tokens.start < 0 or tokens.start % s.page_size:
+        raise TransferPlanError(f"{where}: start token {tokens.start} is not a page boundary (page size {s.page_size})")
+    n_pages = -(-tokens.stop // s.page_size)
     s_pages = _checked_indices(where, "source", s_idx, n_pages, s.num_pages)
     d_pages = _checked_indices(where, "destination", d_idx, n_pages, d.num_pages)
     layers, heads = _common_layers(s, d), _sent_heads(where, s, d, ranks)
-    if not layers or not heads:  # this P rank holds nothing this D rank takes from it
+    if not layers or not heads or not tokens:  # this P rank holds nothing (more) this D rank takes from it
         return _nothing()
+    first_page = tokens.start // s.page_size
+    s_pages, d_pages = s_pages[first_page:], d_pages[first_page:]
     plane = np.arange(s.kv_planes, dtype=np.int64)
     global_layer = np.arange(layers.start, layers.stop, dtype=np.int64)[:, None]
 
@@ -201,10 +209,10 @@ def _paged(
     # Only some of a side's heads move: one entry per token, since the token strides differ
     # (each side's token row is its own num_heads wide).
     head_bytes = s.head_dim * s.elem_bytes
-    tok = np.arange(num_tokens, dtype=np.int64)
+    tok = np.arange(tokens.start, tokens.stop, dtype=np.int64)
 
     def addrs(b: PagedKVBuffer, pages: np.ndarray) -> np.ndarray:
-        page_of_tok = pages[tok // b.page_size]
+        page_of_tok = pages[tok // b.page_size - first_page]
         offset_in_page = (tok % b.page_size) * b.token_bytes + (heads.start - b.head_start) * head_bytes
         return (b.base_addr + (blocks(b) * b.num_pages + page_of_tok) * b.bytes_per_page + offset_in_page).ravel()
 
