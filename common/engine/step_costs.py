@@ -124,6 +124,10 @@ def synthetic_requests(decoder: Decoder, rows: int, block: int, context: int) ->
             reqs.append(req)
         yield reqs
     finally:
+        if proposer is not None:
+            for req in reqs:  # its pending row (the pages, maybe shared, return below)
+                req.draft_cache.pages = []
+                proposer.release(req.draft_cache)
         for pool, pages in zip(pools, held):
             for p in pages:
                 pool.free(p)
