@@ -151,14 +151,19 @@ class DFlashProposer(DraftPages):
             self._free_slots.append(seq.state_slot)
             seq.state_slot = 0
 
-    def keep(self, captured: dict[int, torch.Tensor], slot: torch.Tensor, offset: torch.Tensor) -> None:
+    def keep(self, captured: dict[int, torch.Tensor], slot: torch.Tensor, offset: torch.Tensor | None) -> None:
         """Static: the captured target states of a step's T tokens per row (rows*T, row by row)
-        become pending features T at offset[i] .. of row slot[i]."""
+        become pending features offset[i] .. offset[i]+T-1 of row slot[i] (None: 0 ..)."""
         feats = torch.cat([captured[layer] for layer in self.capture_layers], -1)
-        T = feats.shape[0] // slot.shape[0]
-        width = self.pending_width
-        at = (slot * width + offset)[:, None] + torch.arange(T, device=slot.device)[None, :]
-        self.pending.view(-1, feats.shape[1]).index_copy_(0, at.flatten(), feats)
+        rows = slot.shape[0]
+        T = feats.shape[0] // rows
+        if offset is None:
+            cols = torch.arange(T, device=slot.device)[None, :]
+        elif T == 1:  # a plain step's token: no more kernels than the copy
+            cols = offset[:, None]
+        else:
+            cols = offset[:, None] + torch.arange(T, device=slot.device)[None, :]
+        self.pending[slot[:, None], cols] = feats.view(rows, T, -1)
 
     def catch_up(self, slot: torch.Tensor, start: torch.Tensor, pages: torch.Tensor, width: int) -> None:
         """Static: the draft KV of the first `width` pending tokens of each row, at positions

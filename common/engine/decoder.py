@@ -167,13 +167,12 @@ class Decoder:
 
     def _catch_up(self, v: StepView, width: int) -> None:
         if width:
-            self.proposer.catch_up(v.draft_slot, v.draft_length, v.draft_pages, width)
+            self.proposer.catch_up(v.draft_slot, v.length - v.pending, v.draft_pages, width)
 
     def _keep(self, v: StepView, captured: dict[int, torch.Tensor], caught_up: int) -> None:
         """The step's tokens become pending features after those still pending."""
         if self.proposer is not None:
-            offset = torch.zeros_like(v.length) if caught_up else v.length - v.draft_length
-            self.proposer.keep(captured, v.draft_slot, offset)
+            self.proposer.keep(captured, v.draft_slot, None if caught_up else v.pending)
 
     def _target(self, v: StepView, token_ids: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

@@ -57,9 +57,9 @@ class Proposer(ContextProposer, Protocol):
         """A pending row (seq.state_slot) for each seq without one; True when the buffer moved
         (static steps captured over it must be captured again). release() frees it."""
 
-    def keep(self, captured: dict[int, torch.Tensor], slot: torch.Tensor, offset: torch.Tensor) -> None:
+    def keep(self, captured: dict[int, torch.Tensor], slot: torch.Tensor, offset: torch.Tensor | None) -> None:
         """Static: the captured target states of a step's T tokens per row (rows in the same
-        order) become row slot[i]'s pending tokens offset[i] .. offset[i]+T-1."""
+        order) become row slot[i]'s pending tokens offset[i] .. offset[i]+T-1 (None: from 0)."""
 
     def catch_up(self, slot: torch.Tensor, start: torch.Tensor, pages: torch.Tensor, width: int) -> None:
         """Static: the draft context of each row's first `width` pending tokens, at positions

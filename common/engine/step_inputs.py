@@ -8,8 +8,8 @@ Per row (request), int64 columns of one packed buffer:
   STEP   the output position of the next token               TEMP   temperature (float64 bits)
   LEFT   tokens it may still emit (>= 1)                     TOPP   top-p (float64 bits)
   STATE  its state slot (models with KDA layers; else 0)
-  DLEN   tokens in its draft cache (speculative engines: LEN less its pending ones)
-  DSLOT  its row of pending features (speculative engines; else 0)
+  PEND   tokens of its cache whose draft KV is not written yet (speculative engines)
+  DSLOT  its row of their pending features (speculative engines; else 0)
   STOPS  `stop_width` token ids that end it (EOS unless ignore_eos, its stop ids), padded with -1
   PAGES  its target page table, then (speculative engines) its draft page table: `width` pages
          each, padded with the scratch page; the last column is always the scratch page
@@ -30,7 +30,7 @@ import torch
 from common.engine.request import Request
 from common.engine.sampling import SamplingRows, row_values
 
-LAST, LEN, STEP, LEFT, SEED, TOPK, TEMP, TOPP, STATE, DLEN, DSLOT = range(11)
+LAST, LEN, STEP, LEFT, SEED, TOPK, TEMP, TOPP, STATE, PEND, DSLOT = range(11)
 STOPS = 11
 
 
@@ -47,7 +47,7 @@ class StepView:
     draft_pages: torch.Tensor | None  # [rows, width]
     sampling: SamplingRows
     state_slot: torch.Tensor  # [rows]
-    draft_length: torch.Tensor  # [rows]
+    pending: torch.Tensor  # [rows]
     draft_slot: torch.Tensor  # [rows]
 
     def is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -82,12 +82,12 @@ class StepInputs:
             h[i, LEFT], h[i, SEED], h[i, TOPK] = p.max_new_tokens - len(req.output_ids), seed, top_k
             floats[i, TEMP], floats[i, TOPP] = temp, top_p
             h[i, STATE] = req.cache.state_slot
-            h[i, DLEN], h[i, DSLOT] = req.draft_cache.length, req.draft_cache.state_slot
             stops = req.stop_ids(eos_ids)
             h[i, STOPS:STOPS + len(stops)] = stops
             pages = req.cache.pages[:usable]
             h[i, self.pages_at:self.pages_at + len(pages)] = pages
             if self.draft_scratch_page is not None:
+                h[i, PEND], h[i, DSLOT] = req.cache.length - req.draft_cache.length, req.draft_cache.state_slot
                 draft = req.draft_cache.pages[:usable]
                 h[i, self.draft_at:self.draft_at + len(draft)] = draft
         self.device[:rows].copy_(self.host[:rows], non_blocking=True)
@@ -120,4 +120,4 @@ class StepInputs:
                                 x[:, TOPK], x[:, SEED], x[:, STEP])
         return StepView(x[:, LAST], x[:, LEN], x[:, STEP], x[:, LEFT], x[:, STOPS:self.pages_at],
                         table(self.pages_at), table(self.draft_at) if self.draft_scratch_page is not None else None,
-                        sampling, x[:, STATE], x[:, DLEN], x[:, DSLOT])
+                        sampling, x[:, STATE], x[:, PEND], x[:, DSLOT])

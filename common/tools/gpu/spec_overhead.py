@@ -15,6 +15,8 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -29,6 +31,7 @@ from common.runner.model_runner import ModelRunner
 CASES = ((1, 100), (1, 2000), (8, 100), (8, 2000))  # (batch, context)
 STEPS = 64
 SPEC_PRICE = 1.2  # a speculative step's cost in plain steps: slower per token when drafts miss
+Out = TypeVar("Out")
 
 
 def _plain_policy(max_block: int, rows: tuple[int, ...]) -> SpecPolicy:
@@ -56,21 +59,26 @@ def _decoders(device: str) -> tuple[Decoder, Decoder]:
     return plain, spec
 
 
-def _timed_step(decoder: Decoder, reqs: list[Request]) -> tuple[float, int]:
-    """Seconds of one Decoder.step, and the host synchronisations it made (CUDA)."""
-    cuda = decoder.runner.device.type == "cuda"
+def _counted(fn: Callable[[], Out], cuda: bool) -> tuple[Out, float, int]:
+    """fn's result, its seconds, and the host synchronisations it made (CUDA)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         t0 = time.perf_counter()
-        committed = decoder.step(reqs)
+        out = fn()
         seconds = time.perf_counter() - t0
         if cuda:
             torch.cuda.set_sync_debug_mode("default")
+    return out, seconds, sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _timed_step(decoder: Decoder, reqs: list[Request]) -> tuple[float, int]:
+    """Seconds of one Decoder.step, and the host synchronisations it made."""
+    committed, seconds, syncs = _counted(lambda: decoder.step(reqs), decoder.runner.device.type == "cuda")
     if any(len(c) != 1 for c in committed):
         raise RuntimeError("the speculative decoder speculated: this part times plain steps only")
-    return seconds, sum("synchroniz" in str(w.message) for w in caught)
+    return seconds, syncs
 
 
 def spec_overhead(device: str = "cuda", steps: int = STEPS) -> list[dict]:
@@ -88,13 +96,18 @@ def spec_overhead(device: str = "cuda", steps: int = STEPS) -> list[dict]:
                         t, s = _timed_step(decoder, reqs)
                         times[name].append(t)
                         syncs[name].append(s)
+                # A speculative step (block 4) of the same requests, once captured: one host read too.
+                spec.run(b, 4)
+                spec_syncs = _counted(lambda: spec.run(b, 4), device == "cuda")[2]
         none_ms, spec_ms = (1e3 * statistics.median(times[k]) for k in ("none", "dflash"))
         rows.append({"batch": batch, "context": context, "none_ms": none_ms, "dflash_plain_ms": spec_ms,
-                     "ratio": spec_ms / none_ms, "syncs_per_step": {k: max(v) for k, v in syncs.items()}})
+                     "ratio": spec_ms / none_ms, "syncs_per_step": {k: max(v) for k, v in syncs.items()},
+                     "syncs_per_speculative_step": spec_syncs})
     return rows
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
     return [f"spec-overhead batch {r['batch']} context {r['context']:4}: plain step {r['none_ms']:.3f} ms "
             f"(--spec none), {r['dflash_plain_ms']:.3f} ms (--spec dflash, plain), x{r['ratio']:.3f}; host syncs "
-            f"per step {r['syncs_per_step']['none']} / {r['syncs_per_step']['dflash']}" for r in rows]
+            f"per step {r['syncs_per_step']['none']} / {r['syncs_per_step']['dflash']} (speculative step: "
+            f"{r['syncs_per_speculative_step']})" for r in rows]
