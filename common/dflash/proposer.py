@@ -80,7 +80,8 @@ class DFlashProposer(DraftPages):
         self._context_kv_weight = torch.cat([a.kv_proj.weight for a in attn])  # [layers * 2 * kv, H]
         self._context_k_norm = torch.stack([a.k_norm.weight for a in attn])[None, :, None, :]  # [1, layers, 1, d]
         # Pending features [slot, width, capture layers x H] (reserve_pending); slot 0 is scratch.
-        self.pending = torch.zeros(1, 0, 0, dtype=target.dtype, device=target.device)
+        features = len(self.capture_layers) * (cfg.target_hidden_size or cfg.hidden_size)
+        self.pending = torch.zeros(1, 0, features, dtype=target.dtype, device=target.device)
         self._free_slots: list[int] = []
 
     def describe_buffers(self) -> list[PagedKVBuffer]:
@@ -125,10 +126,10 @@ class DFlashProposer(DraftPages):
         return self.pending.shape[1]
 
     def reserve_pending(self, width: int, slots: int) -> None:
-        """Room for `width` pending tokens per request, `slots` requests to start with."""
-        features = len(self.capture_layers) * (self.drafter.cfg.target_hidden_size or self.drafter.cfg.hidden_size)
-        self.pending = torch.zeros(slots + 1, width, features, dtype=self.target.dtype, device=self.target.device)
-        self._free_slots = list(range(slots, 0, -1))  # pop from the end: lowest first
+        """Room for `width` pending tokens per request, `slots` requests to start with. A
+        buffer as wide already stays as it is (one engine at a time decodes with a proposer)."""
+        if width > self.pending_width:
+            self._resize(max(slots, self.pending.shape[0] - 1), width)
 
     def hold_slots(self, seqs: list[SeqCache]) -> bool:
         """A pending row for each seq without one. True when that took a larger buffer: steps
@@ -136,14 +137,17 @@ class DFlashProposer(DraftPages):
         new = [s for s in seqs if not s.state_slot]
         grew = len(new) > len(self._free_slots)
         if grew:
-            old = self.pending
-            size = 2 * (old.shape[0] - 1 + len(new))
-            self.pending = old.new_zeros(size + 1, *old.shape[1:])
-            self.pending[:old.shape[0]] = old
-            self._free_slots[:0] = range(size, old.shape[0] - 1, -1)
+            self._resize(2 * (self.pending.shape[0] - 1 + len(new)), self.pending_width)
         for s in new:
             s.state_slot = self._free_slots.pop()
         return grew
+
+    def _resize(self, slots: int, width: int) -> None:
+        """A buffer of `slots` rows (and the scratch row) of `width` tokens, holding what the old one held."""
+        old = self.pending
+        self.pending = old.new_zeros(slots + 1, width, old.shape[2])
+        self.pending[:old.shape[0], :old.shape[1]] = old
+        self._free_slots[:0] = range(slots, old.shape[0] - 1, -1)  # popped from the end: lowest first
 
     def release(self, seq: SeqCache) -> None:
         super().release(seq)
@@ -176,8 +180,8 @@ class DFlashProposer(DraftPages):
     # ---- static steps (decode) ------------------------------------------------------------
     def draft(self, last: torch.Tensor, length: torch.Tensor, pages: torch.Tensor, B: int) -> torch.Tensor:
         """Greedy drafts [rows, B-1] after each row's last committed token. Row i's block sits at
-        positions length[i] .. length[i]+B-1 (its K/V written there, past the context, where the
-        step's later catch-up overwrites it); pages [rows, W] is its draft page table."""
+        positions length[i] .. length[i]+B-1 (its K/V written there, past the context, where a
+        later catch-up writes the committed tokens' context); pages [rows, W] is its draft page table."""
         cfg = self.drafter.cfg
         rows = last.shape[0]
         positions = length[:, None] + torch.arange(B, device=last.device)[None, :]
