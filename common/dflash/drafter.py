@@ -127,7 +127,10 @@ class Drafter(nn.Module):
     # ---- context ---------------------------------------------------------------------------
     def fuse(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
         """Captured target hidden states (layer -> [T, H]) -> fused context [T, H]."""
-        feats = torch.cat([captured[layer] for layer in self.cfg.capture_layers], dim=-1)
+        return self.fuse_features(torch.cat([captured[layer] for layer in self.cfg.capture_layers], dim=-1))
+
+    def fuse_features(self, feats: torch.Tensor) -> torch.Tensor:
+        """The capture layers' hidden states side by side [T, layers x H] -> fused context [T, H]."""
         return self.hidden_norm(self.fc(feats.to(self.fc.weight.dtype)))
 
     # Under pipeline parallelism no stage holds every captured layer. fc(concat(h_i)) is the sum

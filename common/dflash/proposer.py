@@ -1,13 +1,18 @@
 """DFlashProposer: the drafter, its paged draft KV cache, and what prefill and decode need:
 
   append_context()  prefill: a chunk's captured target states -> fused context -> draft KV
+  keep()            decode: the captured states of a step's tokens, kept in the request's row
+                    of pending features (one copy: a plain step pays nothing more)
+  catch_up()        decode: the pending features -> fused context -> draft KV, for every row
+                    at once, before a step drafts (or when a row's pending features are full)
   draft()           decode: one block [last token, MASK x (B-1)] per row -> B-1 draft tokens
-  append_static()   decode: the captured states of a step's tokens -> their draft KV
 
-draft() and append_static() take static tensors (fixed shapes, no host reads), so they run
+keep(), catch_up() and draft() take static tensors (fixed shapes, no host reads), so they run
 inside the CUDA graph of a decode or speculative step. The draft KV has its own page pool and
 page tables (its head and layer counts are the drafter's), laid out like the target's:
-[layer, k/v, page, token, head, dim].
+[layer, k/v, page, token, head, dim]. A request's draft KV may lag its target KV by the tokens
+whose features are pending: draft_cache.length counts the tokens written, and its state_slot
+is its row of pending features (0: none yet).
 """
 from __future__ import annotations
 
@@ -74,6 +79,10 @@ class DFlashProposer(DraftPages):
         attn = [layer.self_attn for layer in drafter.layers]
         self._context_kv_weight = torch.cat([a.kv_proj.weight for a in attn])  # [layers * 2 * kv, H]
         self._context_k_norm = torch.stack([a.k_norm.weight for a in attn])[None, :, None, :]  # [1, layers, 1, d]
+        # Pending features [slot, width, capture layers x H] (reserve_pending); slot 0 is scratch.
+        features = len(self.capture_layers) * (cfg.target_hidden_size or cfg.hidden_size)
+        self.pending = torch.zeros(1, 0, features, dtype=target.dtype, device=target.device)
+        self._free_slots: list[int] = []
 
     def describe_buffers(self) -> list[PagedKVBuffer]:
         cfg = self.drafter.cfg
@@ -99,8 +108,8 @@ class DFlashProposer(DraftPages):
     def write_context(self, ctx: torch.Tensor, positions: list[int] | torch.Tensor,
                       slots: list[int] | torch.Tensor) -> None:
         """Draft K/V of fused context rows ctx [T, H] at these positions, into these slots: what
-        Drafter.context_kv computes layer by layer, for all layers at once (a decode step pays
-        for it on every token, speculating or not, so it is kept to a handful of kernels)."""
+        Drafter.context_kv computes layer by layer, for all layers at once (every speculative
+        step pays for it, so it is kept to a handful of kernels)."""
         cfg = self.drafter.cfg
         L, heads, d, T = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx.shape[0]
         device = self.target.device
@@ -111,11 +120,68 @@ class DFlashProposer(DraftPages):
         new = torch.stack([k, kv[:, :, 1]]).permute(2, 0, 1, 3, 4)  # [layer, k/v, T, head, dim]
         self.kv.view(L, 2, -1, heads, d).index_copy_(2, torch.as_tensor(slots, device=device), new)
 
+    # ---- pending features (decode) ---------------------------------------------------------
+    @property
+    def pending_width(self) -> int:
+        return self.pending.shape[1]
+
+    def reserve_pending(self, width: int, slots: int) -> None:
+        """Room for `width` pending tokens per request, `slots` requests to start with. A
+        buffer as wide already stays as it is (one engine at a time decodes with a proposer)."""
+        if width > self.pending_width:
+            self._resize(max(slots, self.pending.shape[0] - 1), width)
+
+    def hold_slots(self, seqs: list[SeqCache]) -> bool:
+        """A pending row for each seq without one. True when that took a larger buffer: steps
+        captured over the old one must be captured again."""
+        new = [s for s in seqs if not s.state_slot]
+        grew = len(new) > len(self._free_slots)
+        if grew:
+            self._resize(2 * (self.pending.shape[0] - 1 + len(new)), self.pending_width)
+        for s in new:
+            s.state_slot = self._free_slots.pop()
+        return grew
+
+    def _resize(self, slots: int, width: int) -> None:
+        """A buffer of `slots` rows (and the scratch row) of `width` tokens, holding what the old one held."""
+        old = self.pending
+        self.pending = old.new_zeros(slots + 1, width, old.shape[2])
+        self.pending[:old.shape[0], :old.shape[1]] = old
+        self._free_slots[:0] = range(slots, old.shape[0] - 1, -1)  # popped from the end: lowest first
+
+    def release(self, seq: SeqCache) -> None:
+        super().release(seq)
+        if seq.state_slot:
+            self._free_slots.append(seq.state_slot)
+            seq.state_slot = 0
+
+    def keep(self, captured: dict[int, torch.Tensor], slot: torch.Tensor, offset: torch.Tensor | None) -> None:
+        """Static: the captured target states of a step's T tokens per row (rows*T, row by row)
+        become pending features offset[i] .. offset[i]+T-1 of row slot[i] (None: 0 ..)."""
+        feats = torch.cat([captured[layer] for layer in self.capture_layers], -1)
+        rows = slot.shape[0]
+        T = feats.shape[0] // rows
+        if offset is None:
+            cols = torch.arange(T, device=slot.device)[None, :]
+        elif T == 1:  # a plain step's token: no more kernels than the copy
+            cols = offset[:, None]
+        else:
+            cols = offset[:, None] + torch.arange(T, device=slot.device)[None, :]
+        self.pending[slot[:, None], cols] = feats.view(rows, T, -1)
+
+    def catch_up(self, slot: torch.Tensor, start: torch.Tensor, pages: torch.Tensor, width: int) -> None:
+        """Static: the draft KV of the first `width` pending tokens of each row, at positions
+        start[i] .. (its draft length on). Rows with fewer write past their committed length,
+        where nothing reads before a later step overwrites it (the block's K/V of draft())."""
+        positions = start[:, None] + torch.arange(width, device=start.device)[None, :]
+        ctx = self.drafter.fuse_features(self.pending[slot, :width].flatten(0, 1))
+        self.write_context(ctx, positions.flatten(), table_slots(pages, positions, self.pool.page_size).flatten())
+
     # ---- static steps (decode) ------------------------------------------------------------
     def draft(self, last: torch.Tensor, length: torch.Tensor, pages: torch.Tensor, B: int) -> torch.Tensor:
         """Greedy drafts [rows, B-1] after each row's last committed token. Row i's block sits at
-        positions length[i] .. length[i]+B-1 (its K/V written there, past the context, where the
-        step's append_static overwrites it); pages [rows, W] is its draft page table."""
+        positions length[i] .. length[i]+B-1 (its K/V written there, past the context, where a
+        later catch-up writes the committed tokens' context); pages [rows, W] is its draft page table."""
         cfg = self.drafter.cfg
         rows = last.shape[0]
         positions = length[:, None] + torch.arange(B, device=last.device)[None, :]
@@ -130,14 +196,6 @@ class DFlashProposer(DraftPages):
         hidden = self.drafter.blocks(x, cos, sin, lambda i, q, k, v: paged_attention(q, k, v, self.kv[i], meta))
         drafted = hidden.view(rows, B, -1)[:, 1:].reshape(rows * (B - 1), -1)
         return self.target.model.logits(drafted).argmax(-1).view(rows, B - 1)
-
-    def append_static(self, captured: dict[int, torch.Tensor], positions: torch.Tensor, pages: torch.Tensor) -> None:
-        """Draft KV of a step's tokens at positions [rows, T] (captured rows in the same order),
-        into each row's draft pages [rows, W]. Tokens that the step does not commit are written
-        too, past the committed length: the next step's block overwrites them before any query
-        can see them."""
-        ctx = self.drafter.fuse({layer: captured[layer] for layer in self.capture_layers})
-        self.write_context(ctx, positions.flatten(), table_slots(pages, positions, self.pool.page_size).flatten())
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Positions past the table belong to tokens past a request's budget, never committed.

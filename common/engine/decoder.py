@@ -2,6 +2,8 @@
 
 A step is plain (one token per request) or speculative with a block of B:
 
+  0. catch up  draft KV of the tokens committed since the last catch-up, from their pending
+               features (below)
   1. draft     drafter: block [t, MASK x (B-1)] at positions n..n+B-1 -> drafts d1..d(B-1)
   2. verify    target: [t, d1..d(B-1)] at positions n..n+B-1, capturing the drafter's layers;
                c_j = the target's own choice after t, d1..dj (argmax, or a draw keyed by the
@@ -12,14 +14,18 @@ A step is plain (one token per request) or speculative with a block of B:
   4. stop      commit c_0..c_(m-1), m = min(k + 1, first stop token + 1, tokens left)
   5. caches    the target KV of t, d1..dk is in place (positions n..n+k); later positions hold
                rejected tokens' K/V past the new length, overwritten by the next step before any
-               query reads them. The same holds for the draft KV, appended for all B tokens.
-               A recurrent state (KDA layers) cannot be overwritten so: verify leaves it as it
-               was, and the runner advances it by the m committed tokens (commit_block).
+               query reads them. A recurrent state (KDA layers) cannot be overwritten so: verify
+               leaves it as it was, and the runner advances it by the m committed tokens
+               (commit_block). The captured states of all B tokens become the row's pending
+               features; the first m of them count.
 
-All of it is tensor operations on the device (one CUDA graph per batch size, block and sampling
-mode); the host reads the committed tokens once per step and does the bookkeeping. A plain step
-in a speculative engine appends its token's draft KV too, so that the next step can speculate.
-Steps of more requests than the largest batch size run in several steps of that size.
+All of it is tensor operations on the device (one CUDA graph per batch size, block, sampling
+mode and catch-up width); the host reads the committed tokens once per step and does the
+bookkeeping. A plain step in a speculative engine only keeps its token's captured states (one
+copy), so that it costs what a plain step without speculation costs; the draft KV of the tokens
+plain steps commit is written when the request next speculates, all of them at once, or when
+its pending features are full. Steps of more requests than the largest batch size run in
+several steps of that size.
 """
 from __future__ import annotations
 
@@ -49,7 +55,10 @@ class Decoder:
         self.sizes = sorted(batch_sizes)
         self.capture = proposer.capture_layers if proposer is not None else ()
         if proposer is not None:  # the largest verify step it may take, before any is captured
-            runner.reserve_blocks(self.sizes[-1], policy.max_block if policy is not None else proposer.block_size)
+            block = policy.max_block if policy is not None else proposer.block_size
+            runner.reserve_blocks(self.sizes[-1], block)
+            # A verify step's block, and as many plain steps again before a catch-up must run.
+            proposer.reserve_pending(2 * block, self.sizes[-1])
         self._make_inputs(stop_width=8)
 
     def _make_inputs(self, stop_width: int) -> None:
@@ -70,22 +79,53 @@ class Decoder:
         for i in range(0, len(reqs), self.max_rows):
             chunk = reqs[i:i + self.max_rows]
             block = self.policy.choose(chunk) if self.policy is not None else 0
-            committed += self._commit(chunk, self.run(chunk, block), block)
+            catch_up = self.catch_up(chunk, block)
+            out = self.launch(chunk, block, catch_up)
+            if self.policy is not None:  # host work while the device runs the step
+                self.policy.ahead(chunk)
+            committed += self._commit(chunk, self.read(out, chunk), block, catch_up)
         return committed
+
+    def catch_up(self, reqs: list[Request], block: int) -> int:
+        """How many pending tokens per row the step writes into the draft KV first (0: none).
+        A plain step keeps its token's features while every row has room for them; a
+        speculative step drafts from the whole context, reading B per row where that covers
+        every row's pending tokens (as after a step of B), else the whole buffer."""
+        if self.proposer is None:
+            return 0
+        pending = max(r.cache.length - r.draft_cache.length for r in reqs)
+        width = self.proposer.pending_width
+        if block == 0 and pending < width:
+            return 0
+        if not self.graphs.enabled:  # shapes may vary: only as wide as this step needs
+            return pending
+        return block if pending <= block else width
 
     def run(self, reqs: list[Request], block: int) -> np.ndarray:
         """One step of at most max_rows requests (0 = plain); its output rows on the host:
         plain: [token]; speculative: [c_0 .. c_(B-1), k, m]."""
+        return self.read(self.launch(reqs, block, self.catch_up(reqs, block)), reqs)
+
+    @staticmethod
+    def read(out: torch.Tensor, reqs: list[Request]) -> np.ndarray:
+        return out[:len(reqs)].cpu().numpy()  # the step's one host synchronisation
+
+    def launch(self, reqs: list[Request], block: int, catch_up: int) -> torch.Tensor:
+        """Start run()'s step, first catching up `catch_up` pending tokens per row; its output
+        rows on the device (padding rows after them)."""
         stops = max(len(r.stop_ids(self.eos_token_ids)) for r in reqs)
         if stops > self.inputs.stop_width:
             self._make_inputs(max(stops, 2 * self.inputs.stop_width))
+        if self.proposer is not None and self.proposer.hold_slots([r.draft_cache for r in reqs]):
+            self._make_inputs(self.inputs.stop_width)
         graphs = self.graphs.enabled
         rows = next(s for s in self.sizes if s >= len(reqs)) if graphs else len(reqs)
         mode = mode_of([r.params for r in reqs])
         # Without graphs shapes may vary: page tables only as wide as this step needs.
         width = None if graphs else self._width(reqs, max(block, 1))
-        key = (rows, block, mode)
-        step = (lambda: self._speculative(rows, block, mode, width)) if block else (lambda: self._plain(rows, mode, width))
+        key = (rows, block, mode, catch_up)
+        step = (lambda: self._speculative(rows, block, mode, width, catch_up)) if block else \
+            (lambda: self._plain(rows, mode, width, catch_up))
         if graphs and key not in self.graphs:
             # Capturing runs the step once eagerly first: on padding rows only (scratch pages, state
             # slot 0), so that what a step advances in place (a KDA layer's state) moves once, at
@@ -93,25 +133,25 @@ class Decoder:
             self.inputs.fill([], rows, self.eos_token_ids)
             self.graphs.capture(key, step)
         self.inputs.fill(reqs, rows, self.eos_token_ids)
-        out = self.graphs.run(key, step)
-        return out[:len(reqs)].cpu().numpy()  # the step's one host synchronisation
+        return self.graphs.run(key, step)
 
     def _width(self, reqs: list[Request], tokens: int) -> int:
         page = self.runner.page_size
         return min(max(-(-(r.cache.length + tokens) // page) for r in reqs) + 1, self.inputs.width)
 
     # ---- the steps (captured as CUDA graphs) ----------------------------------------------
-    def _plain(self, rows: int, mode: Mode, width: int | None) -> torch.Tensor:
+    def _plain(self, rows: int, mode: Mode, width: int | None, catch_up: int) -> torch.Tensor:
         v = self.inputs.view(rows, width)
+        self._catch_up(v, catch_up)
         positions = v.length[:, None]
         hidden, captured = self._target(v, v.last, positions)
         tokens = sample_rows(self.runner.model.logits(hidden), v.sampling, mode)
-        if self.proposer is not None:
-            self.proposer.append_static(captured, positions, v.draft_pages)
+        self._keep(v, captured, catch_up)
         return tokens[:, None]
 
-    def _speculative(self, rows: int, B: int, mode: Mode, width: int | None) -> torch.Tensor:
+    def _speculative(self, rows: int, B: int, mode: Mode, width: int | None, catch_up: int) -> torch.Tensor:
         v = self.inputs.view(rows, width)
+        self._catch_up(v, catch_up)                                                              # 0
         drafts = self.proposer.draft(v.last, v.length, v.draft_pages, B)                       # 1
         offsets = torch.arange(B, device=drafts.device)
         positions = v.length[:, None] + offsets[None, :]
@@ -121,9 +161,18 @@ class Decoder:
         stops = v.is_stop(choices) & (offsets[None, :] <= accepted[:, None])                     # 4
         first_stop = torch.where(stops.any(1), stops.long().argmax(1), B)
         count = torch.minimum(torch.minimum(accepted + 1, first_stop + 1), v.left)
-        self.proposer.append_static(captured, positions, v.draft_pages)                         # 5
-        self.runner.commit_block(v.state_slot, count, B)
+        self.runner.commit_block(v.state_slot, count, B)                                        # 5
+        self._keep(v, captured, catch_up)
         return torch.cat([choices, accepted[:, None], count[:, None]], 1)
+
+    def _catch_up(self, v: StepView, width: int) -> None:
+        if width:
+            self.proposer.catch_up(v.draft_slot, v.length - v.pending, v.draft_pages, width)
+
+    def _keep(self, v: StepView, captured: dict[int, torch.Tensor], caught_up: int) -> None:
+        """The step's tokens become pending features after those still pending."""
+        if self.proposer is not None:
+            self.proposer.keep(captured, v.draft_slot, None if caught_up else v.pending)
 
     def _target(self, v: StepView, token_ids: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -138,7 +187,7 @@ class Decoder:
         return runner.forward_static(token_ids, rope_positions, slots, attn, self.capture, state_slots)
 
     # ---- host bookkeeping ---------------------------------------------------------------------
-    def _commit(self, reqs: list[Request], out: np.ndarray, block: int) -> list[list[int]]:
+    def _commit(self, reqs: list[Request], out: np.ndarray, block: int, caught_up: int) -> list[list[int]]:
         committed = []
         for req, row in zip(reqs, out):
             if block:
@@ -151,8 +200,8 @@ class Decoder:
                 if req.spec is not None:
                     req.spec.plain_steps += 1
             req.append_tokens(tokens, self.eos_token_ids)
+            if caught_up:
+                req.draft_cache.length = req.cache.length
             req.cache.length += len(tokens)
-            if self.proposer is not None:
-                req.draft_cache.length += len(tokens)
             committed.append(tokens)
         return committed

@@ -116,7 +116,7 @@ class Engine:
     def release(self, req: Request) -> None:
         if req.cache.pages or req.cache.state_slot:
             self.runner.release(req.cache)
-        if req.draft_cache.pages:
+        if req.draft_cache.pages or req.draft_cache.state_slot:
             self.proposer.release(req.draft_cache)
 
     def describe_buffers(self) -> list:

@@ -46,6 +46,22 @@ class Proposer(ContextProposer, Protocol):
         """Static: drafts [rows, B-1] after each row's last token last[i], its draft context of
         length[i] tokens in the pages of row i of the table pages [rows, W]."""
 
-    def append_static(self, captured: dict[int, torch.Tensor], positions: torch.Tensor, pages: torch.Tensor) -> None:
-        """Static: the draft context of the tokens at positions [rows, T], from the captured
-        target states of a step (rows in the same order)."""
+    def reserve_pending(self, width: int, slots: int) -> None:
+        """Room for `width` pending tokens per request (features of committed tokens whose draft
+        context is not written yet), for `slots` requests to start with."""
+
+    @property
+    def pending_width(self) -> int: ...
+
+    def hold_slots(self, seqs: list[SeqCache]) -> bool:
+        """A pending row (seq.state_slot) for each seq without one; True when the buffer moved
+        (static steps captured over it must be captured again). release() frees it."""
+
+    def keep(self, captured: dict[int, torch.Tensor], slot: torch.Tensor, offset: torch.Tensor | None) -> None:
+        """Static: the captured target states of a step's T tokens per row (rows in the same
+        order) become row slot[i]'s pending tokens offset[i] .. offset[i]+T-1 (None: from 0)."""
+
+    def catch_up(self, slot: torch.Tensor, start: torch.Tensor, pages: torch.Tensor, width: int) -> None:
+        """Static: the draft context of each row's first `width` pending tokens, at positions
+        start[i] on (rows with fewer write garbage past their committed length, overwritten
+        before anything reads it)."""

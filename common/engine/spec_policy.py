@@ -16,6 +16,11 @@ global), so that when the drafts were poor and the batch decodes plainly, specul
 again once that evidence has faded, and dropped again within a few steps if the drafts still
 miss: a drafter that never hits costs about one speculative step in a hundred.
 `--spec-block N` pins every step to N.
+
+Weighing takes tens of microseconds of host time, which a GPU step of a small batch would wait
+for: the decoder has the next step weighed (ahead()) while the device runs this one, and the
+next step takes that choice if its batch is the same. The evidence of the step in flight then
+counts from the step after.
 """
 from __future__ import annotations
 
@@ -34,8 +39,7 @@ GLOBAL_KEEP = 0.998  # evidence over all requests kept per decode step (half-lif
 REQUEST_KEEP = 0.98  # a request's own evidence kept per decode step (half-life ~35 steps)
 OPTIMISM = 0.25  # standard errors the estimates lean toward speculating (acceptance.py)
 # A clear decision (one choice CLEAR times the other's rate) holds for HOLD more steps of the same
-# batch: the estimates move slowly, and weighing them takes tens of microseconds, a few percent
-# of a small batch's GPU step.
+# batch: the estimates move slowly, and weighing them takes host time.
 CLEAR, HOLD = 1.25, 6
 
 
@@ -86,9 +90,21 @@ class SpecPolicy:
         self.prior = PRIOR_REACH ** np.arange(max_block)
         self.acceptance = Acceptance(max_block)  # over all requests
         self._held: tuple[tuple[int, ...], int, int] = ((), 0, 0)  # (batch, choice, steps left)
+        self._ahead: tuple[tuple[int, ...], int] | None = None  # (batch, its next choice), weighed ahead
 
     def choose(self, reqs: list[Request]) -> int:
         """The block for the next step of these requests; 0 = a plain step."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == tuple(id(r) for r in reqs):
+            return ahead[1]
+        return self._choose(reqs)
+
+    def ahead(self, reqs: list[Request]) -> None:
+        """Weigh the next step of these requests now, for choose() to take if it is asked about
+        the same batch next."""
+        self._ahead = (tuple(id(r) for r in reqs), self._choose(reqs))
+
+    def _choose(self, reqs: list[Request]) -> int:
         self.acceptance.fade(GLOBAL_KEEP)
         for r in reqs:
             r.spec.acceptance.fade(REQUEST_KEEP)

@@ -70,7 +70,7 @@ def measure(decoder: Decoder, blocks: list[int]) -> StepCosts:
     base = {}
     for rows in rows_list:
         base |= {(rows, b): t for b, t in _times(decoder, rows, steps, short, repeats).items()}
-    rows = min(SLOPE_ROWS.get(runner.device.type, 1), rows_list[-1])
+    rows = max((r for r in rows_list if r <= SLOPE_ROWS.get(runner.device.type, 1)), default=rows_list[0])
     at_long = _times(decoder, rows, steps, long, repeats)
     slope = {b: max(0.0, (at_long[b] - base[(rows, b)]) / (rows * (long - short))) for b in steps}
     # A speculative step reads all the context a plain one reads (and the draft's): whatever
@@ -124,6 +124,10 @@ def synthetic_requests(decoder: Decoder, rows: int, block: int, context: int) ->
             reqs.append(req)
         yield reqs
     finally:
+        if proposer is not None:
+            for req in reqs:  # its pending row (the pages, maybe shared, return below)
+                req.draft_cache.pages = []
+                proposer.release(req.draft_cache)
         for pool, pages in zip(pools, held):
             for p in pages:
                 pool.free(p)

@@ -4,18 +4,21 @@ serves every step of that size.
 Per row (request), int64 columns of one packed buffer:
 
   LAST   its last committed token (not yet in the cache)     SEED   its sampling seed
-  LEN    tokens in its cache (target and draft alike)        TOPK   top-k (0 = off)
+  LEN    tokens in its target cache                          TOPK   top-k (0 = off)
   STEP   the output position of the next token               TEMP   temperature (float64 bits)
   LEFT   tokens it may still emit (>= 1)                     TOPP   top-p (float64 bits)
   STATE  its state slot (models with KDA layers; else 0)
+  PEND   tokens of its cache whose draft KV is not written yet (speculative engines)
+  DSLOT  its row of their pending features (speculative engines; else 0)
   STOPS  `stop_width` token ids that end it (EOS unless ignore_eos, its stop ids), padded with -1
   PAGES  its target page table, then (speculative engines) its draft page table: `width` pages
          each, padded with the scratch page; the last column is always the scratch page
 
 Padding rows (a batch of n padded to the graph's size) decode token 0 at position 0 with a
-context of 1, reading and writing only the scratch pages (and state slot 0, which no request
-owns): they compute garbage nobody reads and touch no page a request owns. The host fills one pinned buffer and sends it with one
-asynchronous copy; nothing in a step reads the host.
+context of 1, reading and writing only the scratch pages (and state slot 0 and pending row 0,
+which no request owns): they compute garbage nobody reads and touch no page a request owns.
+The host fills one pinned buffer and sends it with one asynchronous copy; nothing in a step
+reads the host.
 """
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ import torch
 from common.engine.request import Request
 from common.engine.sampling import SamplingRows, row_values
 
-LAST, LEN, STEP, LEFT, SEED, TOPK, TEMP, TOPP, STATE = range(9)
-STOPS = 9
+LAST, LEN, STEP, LEFT, SEED, TOPK, TEMP, TOPP, STATE, PEND, DSLOT = range(11)
+STOPS = 11
 
 
 @dataclass
@@ -44,6 +47,8 @@ class StepView:
     draft_pages: torch.Tensor | None  # [rows, width]
     sampling: SamplingRows
     state_slot: torch.Tensor  # [rows]
+    pending: torch.Tensor  # [rows]
+    draft_slot: torch.Tensor  # [rows]
 
     def is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [rows, T] -> bool [rows, T]: which of them end their request."""
@@ -82,6 +87,7 @@ class StepInputs:
             pages = req.cache.pages[:usable]
             h[i, self.pages_at:self.pages_at + len(pages)] = pages
             if self.draft_scratch_page is not None:
+                h[i, PEND], h[i, DSLOT] = req.cache.length - req.draft_cache.length, req.draft_cache.state_slot
                 draft = req.draft_cache.pages[:usable]
                 h[i, self.draft_at:self.draft_at + len(draft)] = draft
         self.device[:rows].copy_(self.host[:rows], non_blocking=True)
@@ -114,4 +120,4 @@ class StepInputs:
                                 x[:, TOPK], x[:, SEED], x[:, STEP])
         return StepView(x[:, LAST], x[:, LEN], x[:, STEP], x[:, LEFT], x[:, STOPS:self.pages_at],
                         table(self.pages_at), table(self.draft_at) if self.draft_scratch_page is not None else None,
-                        sampling, x[:, STATE])
+                        sampling, x[:, STATE], x[:, PEND], x[:, DSLOT])

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 @dataclass
 class SeqCache:
     """One request's place in the cache: its pages in token order and how many tokens are stored,
-    and (models with recurrent layers) its state slot, 0 while it holds none."""
+    and its state slot, 0 while it holds none (models with recurrent layers: their state; a
+    DFlash draft cache: its row of pending context features)."""
 
     pages: list[int] = field(default_factory=list)
     length: int = 0

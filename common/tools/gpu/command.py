@@ -17,6 +17,9 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
   replay     step times of the embedded shape (random weights) through the engine's decoder with
              graphs, fp32 and bf16, at batch 1, 8 and 32: plain, and speculative with each block
   profile    kernels per plain and speculative step and their summed time (profile_*.txt)
+  spec-overhead  a plain decode step under --spec none against a plain step under --spec dflash,
+             batch 1 and 8, context ~100 and ~2000, and host synchronisations per step
+             (common/tools/gpu/spec_overhead.py; under a minute)
   bench      `pdflash bench engine --device cuda --dtype bf16`: ours vs transformers at batch
              1, 8, 32 (engine.json)
   floor      the same with `--shape llama3-8b`: the 8B-shaped step against its memory floor
@@ -65,6 +68,7 @@ from common.tools.gpu.moe_graphs import moe_graphs
 from common.tools.gpu.moe_shapes import moe_shapes
 from common.tools.gpu.local_copy import local_copy
 from common.tools.gpu.pd_local import pd_local, summary_lines
+from common.tools.gpu import spec_overhead
 
 TARGET_TOK_S_B1 = 1000.0  # embedded model, batch 1, decode tok/s
 TARGET_X_FLOOR = 1.25  # Llama-3-8B shape, decode step / floor
@@ -257,6 +261,7 @@ def _summary(results: dict) -> list[str]:
         what = "plain" if r["block"] == 0 else f"spec B={r['block']}"
         lines.append(f"profile  {r['dtype']} {what} batch {r['batch']:2}: {r['kernels_per_step']:.0f} kernels, "
                      f"{r['kernel_ms_per_step']:.3f} ms of kernel time per step ({r['table']})")
+    lines += spec_overhead.summary_lines(_rows(results, "spec-overhead"))
     for b in (results.get("bench"), results.get("floor")):
         if not isinstance(b, dict):
             continue
@@ -321,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
         "speculative": lambda: _speculative(args.model),
         "replay": _replay,
         "profile": lambda: _profile(args.out_dir),
+        "spec-overhead": spec_overhead.spec_overhead,
         "moe-shapes": lambda: moe_shapes(args.out_dir, args.small),
         "moe-graphs": lambda: moe_graphs(args.out_dir),
         "local-copy": local_copy,
