@@ -90,7 +90,19 @@ def colocated_stack():
 SESSION_STACKS = ("pd_stack", "colocated_stack")
 
 
+# First: xdist's worker reads the groups in its own hook of this name.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         stack = next((s for s in SESSION_STACKS if s in item.fixturenames), None)
         item.add_marker(pytest.mark.xdist_group(stack or item.module.__name__))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """xdist tells the groups to its scheduler as an "@group" suffix of each test's id; where that
+    is lost (pytest 9.2, pytest-xdist#1386) every test is a group of its own and each stack starts
+    on every worker, silently doubling the suite's time: stop instead."""
+    if node.config.getvalue("dist") == "loadgroup" and ids and not any("@" in i for i in ids):
+        pytest.exit(f"--dist loadgroup: xdist cannot group the tests under pytest {pytest.__version__} "
+                    "(pyproject.toml pins a version where it can)", returncode=4)
