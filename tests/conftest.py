@@ -83,6 +83,12 @@ def colocated_stack():
         yield s
 
 
+@pytest.fixture(scope="session", params=["pd", "colocated"])
+def shared_stack(request):
+    """Each of the session's stacks in turn, for tests that hold for both."""
+    return request.getfixturevalue(f"{request.param}_stack")
+
+
 # The suite runs on two workers (pytest-xdist, `--dist loadgroup`, see the Makefile): a test
 # runs on the worker of its group. Tests on a session stack share that stack's group, so that
 # it starts once; every other test keeps to its module's group, so that a module's own stack
@@ -90,12 +96,18 @@ def colocated_stack():
 SESSION_STACKS = ("pd_stack", "colocated_stack")
 
 
+def stack_group(item) -> str | None:
+    """The session stack a test uses, named or through `shared_stack`'s parameter."""
+    if "shared_stack" in item.fixturenames:
+        return f"{item.callspec.params['shared_stack']}_stack"
+    return next((s for s in SESSION_STACKS if s in item.fixturenames), None)
+
+
 # First: xdist's worker reads the groups in its own hook of this name.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        stack = next((s for s in SESSION_STACKS if s in item.fixturenames), None)
-        item.add_marker(pytest.mark.xdist_group(stack or item.module.__name__))
+        item.add_marker(pytest.mark.xdist_group(stack_group(item) or item.module.__name__))
 
 
 @pytest.hookimpl(optionalhook=True)
