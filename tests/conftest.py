@@ -85,6 +85,12 @@ def colocated_stack():
         yield s
 
 
+@pytest.fixture(scope="session", params=["pd", "colocated"])
+def shared_stack(request):
+    """Each of the session's stacks in turn, for tests that hold for both."""
+    return request.getfixturevalue(f"{request.param}_stack")
+
+
 # The suite runs on two workers (pytest-xdist, `--dist loadgroup`, see the Makefile): a test
 # runs on the worker of its group. Tests on a session stack share that stack's group, so that
 # it starts once; every other test keeps to its module's group, so that a module's own stack
@@ -92,7 +98,25 @@ def colocated_stack():
 SESSION_STACKS = ("pd_stack", "colocated_stack")
 
 
+def stack_group(item) -> str | None:
+    """The session stack a test uses, named or through `shared_stack`'s parameter."""
+    if "shared_stack" in item.fixturenames:
+        return f"{item.callspec.params['shared_stack']}_stack"
+    return next((s for s in SESSION_STACKS if s in item.fixturenames), None)
+
+
+# First: xdist's worker reads the groups in its own hook of this name.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        stack = next((s for s in SESSION_STACKS if s in item.fixturenames), None)
-        item.add_marker(pytest.mark.xdist_group(stack or item.module.__name__))
+        item.add_marker(pytest.mark.xdist_group(stack_group(item) or item.module.__name__))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """xdist tells the groups to its scheduler as an "@group" suffix of each test's id; where that
+    is lost (pytest 9.2, pytest-xdist#1386) every test is a group of its own and each stack starts
+    on every worker, silently doubling the suite's time: stop instead."""
+    if node.config.getvalue("dist") == "loadgroup" and ids and not any("@" in i for i in ids):
+        pytest.exit(f"--dist loadgroup: xdist cannot group the tests under pytest {pytest.__version__} "
+                    "(pyproject.toml pins a version where it can)", returncode=4)

@@ -23,20 +23,13 @@ QUESTIONS = [
     "What is 7 times 8?", "Tom has 3 apples and buys 5 more. How many apples does he have?",
     "A train travels 60 miles per hour for 3 hours. How far does it go?",
     "Sara had 24 stickers. She gave 9 to her friend. How many are left?",
-    "What is 15% of 200?", "If a pencil costs $0.35, how much do 12 pencils cost?",
-    "A rectangle is 7 cm long and 4 cm wide. What is its area?", "What is 1000 divided by 8?",
-    "John is twice as old as Mary. Mary is 9. How old is John?",
-    "A baker makes 48 cookies and packs them in boxes of 6. How many boxes?",
+    "If a pencil costs $0.35, how much do 12 pencils cost?",
     "Write one sentence about the ocean.", "Name three fruits.", "Explain what a prime number is.",
-    "Translate 'good morning' to French.", "What is the capital of Japan?",
-    "Give a synonym for 'happy'.",
 ]
 RAW = [
     "The quick brown fox", "Once upon a time, in a small village,", "def fibonacci(n):",
     "The three laws of thermodynamics are", "1, 2, 3, 5, 8, 13,", "Paris is the capital of",
-    "In 1969, the first", "A recipe for pancakes:", "The mitochondria is", "Q: What is 2+2?\nA:",
-    "Dear Sir or Madam,", "import numpy as np\n", "Monday, Tuesday,", "The sun rises in the",
-    "Water boils at", "Roses are red,",
+    "A recipe for pancakes:", "Q: What is 2+2?\nA:",
 ]
 MAX_NEW = 12
 PERIOD = 30  # "." in SmolLM2's vocabulary: a stop token that shows up inside blocks
@@ -44,8 +37,10 @@ PERIOD = 30  # "." in SmolLM2's vocabulary: a stop token that shows up inside bl
 
 @pytest.fixture(scope="module")
 def prompts(embedded_tokenizer) -> list[list[int]]:
+    """Chat and raw prompts alternating, so that any first few have both."""
     tok = embedded_tokenizer
-    return [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS] + [tok.encode(t) for t in RAW]
+    chat = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    return [ids for pair in zip(chat, (tok.encode(t) for t in RAW)) for ids in pair]
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +64,10 @@ CASES = {
     # them: those must be dropped, as plain decoding never makes them.
     "stop-strings": lambda i: SamplingParams(max_new_tokens=2 * MAX_NEW, stop=(" the", ",")),
 }
-# (concurrency, prompts, case): all 32 prompts batched, and a subset one at a time.
-RUNS = [(8, 32, "greedy"), (8, 12, "seeded"), (8, 24, "stops"), (8, 24, "stop-strings"), (1, 6, "greedy"),
-        (1, 4, "nucleus"), (1, 4, "stops"), (1, 4, "stop-strings")]
+# (concurrency, prompts, case): twice as many prompts as batch slots (requests join and leave the
+# batch at different steps), and a few one at a time.
+RUNS = [(8, 16, "greedy"), (8, 12, "seeded"), (8, 16, "stops"), (8, 16, "stop-strings"), (1, 4, "greedy"),
+        (1, 3, "nucleus"), (1, 3, "stops"), (1, 3, "stop-strings")]
 
 
 def run_all(engine: Engine, prompts: list[list[int]], concurrency: int, case: str = "greedy",
@@ -87,12 +83,23 @@ def check_invariants(meta: dict) -> None:
     assert stats.check_invariants(meta) == [], meta
 
 
+class PlainOutputs(dict):
+    """case -> the plain engine's outputs for as many prompts as any run of that case uses,
+    computed when first asked for (a worker that runs only the stack's test needs only greedy)."""
+
+    def __init__(self, runner, tok: Tokenizer, prompts: list[list[int]]):
+        super().__init__()
+        self.engine, self.tok, self.prompts = Engine(runner, tok.eos_token_ids), tok, prompts
+
+    def __missing__(self, case: str) -> list[list[int]]:
+        count = max(n for _, n, c in RUNS if c == case)
+        self[case] = [r.output_ids for r in run_all(self.engine, self.prompts[:count], 8, case, self.tok)]
+        return self[case]
+
+
 @pytest.fixture(scope="module")
-def plain_outputs(runner, embedded_tokenizer, prompts) -> dict[str, list[list[int]]]:
-    engine = Engine(runner, embedded_tokenizer.eos_token_ids)
-    return {case: [r.output_ids for r in run_all(engine, prompts[:max(n for _, n, c in RUNS if c == case)], 8, case,
-                                                 embedded_tokenizer)]
-            for case in CASES}
+def plain_outputs(runner, embedded_tokenizer, prompts) -> PlainOutputs:
+    return PlainOutputs(runner, embedded_tokenizer, prompts)
 
 
 def test_drafter_predicts_something(runner, proposer, embedded_tokenizer, prompts):
@@ -105,7 +112,7 @@ def test_drafter_predicts_something(runner, proposer, embedded_tokenizer, prompt
 
 @pytest.mark.parametrize("concurrency,count,case", RUNS)
 def test_in_process_lossless(runner, proposer, embedded_tokenizer, prompts, plain_outputs, concurrency, count, case):
-    """All 32 prompts batched (requests join and leave the batch at different steps), and a
+    """All 16 prompts batched (requests join and leave the batch at different steps), and a
     subset one at a time, with the block pinned to the drafter's 16."""
     engine = Engine(runner, embedded_tokenizer.eos_token_ids, chunk_size=37, proposer=proposer, spec=SpecConfig(block=16))
     reqs = run_all(engine, prompts[:count], concurrency, case, embedded_tokenizer)
@@ -128,8 +135,8 @@ def test_mixed_blocks_and_plain_steps_lossless(runner, proposer, embedded_tokeni
     engine = Engine(runner, embedded_tokenizer.eos_token_ids, proposer=proposer, spec=SpecConfig(block=16))
     choices = itertools.cycle([0, 4, 16, 0, 8])
     engine.policy.choose = lambda reqs: next(choices)
-    reqs = run_all(engine, prompts[:12], 6)
-    assert [r.output_ids for r in reqs] == plain_outputs["greedy"][:12]
+    reqs = run_all(engine, prompts[:8], 4)
+    assert [r.output_ids for r in reqs] == plain_outputs["greedy"][:8]
     for r in reqs:
         meta = meta_info(r)
         check_invariants(meta)
@@ -153,7 +160,7 @@ def test_policy_turns_speculation_off_when_it_does_not_pay(runner, proposer, emb
 
 @pytest.mark.slow
 def test_pd_stack_lossless(pd_stack, prompts, plain_outputs):
-    """The session's pd stack (conftest.py: --spec dflash --spec-block 4 --verify-transfer): 32
+    """The session's pd stack (conftest.py: --spec dflash --spec-block 4 --verify-transfer): 16
     prompts 8 at a time, and one alone."""
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda ids: pd_stack.generate(ids, max_new_tokens=MAX_NEW), prompts))

@@ -8,9 +8,10 @@ deadline; P and D free the room's pages (every pool back to all-free, read from 
 own Health RPC); and the stack then serves the next request with the same output as before.
 
 One stack for the whole module (transfer deadline 120 s: a 3000-token prefill on a busy 2-core
-machine takes tens of seconds). The deadline cases use a second router (no model: seconds to
-start) in front of the same P and D with a 5 s transfer deadline, which the services take from
-each request."""
+machine takes tens of seconds). P prefills in chunks of 256 tokens: an abort takes effect between
+steps, so a room aborted mid-prefill stops after its chunk instead of computing the whole prompt.
+The deadline cases use a second router (no model: seconds to start) in front of the same P and D
+with a 5 s transfer deadline, which the services take from each request."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -48,7 +49,8 @@ pool = concurrent.futures.ThreadPoolExecutor(8)
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with running("--mode", "pd", "--no-local-transfer", "--page-size", "16", "--kv-pages", "512", "--deadline", str(DEADLINE_S),
+    with running("--mode", "pd", "--no-local-transfer", "--page-size", "16", "--kv-pages", "512", "--chunk-size", "256",
+                 "--deadline", str(DEADLINE_S),
                  "--request-timeout", "300", "--peer-abort-timeout", str(PEER_ABORT_TIMEOUT_S)) as s:
         yield s
 
@@ -155,7 +157,7 @@ def test_client_leaving_during_prefill_frees_both_sides(stack: Stack, reference:
                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
     # The client left before the first token. P can't stop a forward pass half way: its pages
-    # return when the step ends.
+    # return when the chunk's step ends.
     stack.wait_all_pages_free(timeout=DEADLINE_S)
     metrics = requests.get(stack.url + "/metrics", timeout=30).text
     assert 'pdflash_requests_total{endpoint="generate",status="cancelled"} 1.0' in metrics

@@ -96,9 +96,10 @@ def expected(embedded_weights, embedded_tokenizer) -> dict[Case, Expected]:
     return {case: Expected(r.prompt_ids, r.output_ids, texts[r.rid]) for case, r in reqs.items()}
 
 
-@pytest.fixture(scope="module", params=["pd", "colocated"])
-def stack(request: pytest.FixtureRequest) -> Stack:
-    return request.getfixturevalue(f"{request.param}_stack")
+@pytest.fixture
+def stack(shared_stack: Stack) -> Stack:
+    """The session's shared stacks (conftest.py): pd (with --spec dflash) and two colocated replicas."""
+    return shared_stack
 
 
 def run_case(stack: Stack, case: Case) -> dict:

@@ -42,10 +42,10 @@ def wait_all_pages_free(stack: Stack, timeout: float = 10) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module", params=["pd", "colocated"])
-def stack(request: pytest.FixtureRequest) -> Stack:
+@pytest.fixture
+def stack(shared_stack: Stack) -> Stack:
     """The session's shared stacks (conftest.py): pd (with --spec dflash) and two colocated replicas."""
-    return request.getfixturevalue(f"{request.param}_stack")
+    return shared_stack
 
 
 def generate(stack: Stack, text: str, max_new_tokens: int = 16) -> dict:

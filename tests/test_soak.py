@@ -1,4 +1,4 @@
-"""`pdflash bench soak` for 60 s against the session's shared pd stack (DFlash, every KV page
+"""`pdflash bench soak` for 30 s against the session's shared pd stack (DFlash, every KV page
 checksummed on arrival): 8 clients, prompts of 16 to 1K tokens, short outputs, streamed and not,
 greedy and sampled, a fifth of the clients leaving mid-request. No failure but the deliberate
 departures, every pool (KV pages, draft KV pages) whole at the end, each service's RSS read."""
@@ -21,7 +21,7 @@ def soak_args(url: str, out: str, **over) -> argparse.Namespace:
 
 
 def test_soak_leaves_every_pool_whole(pd_stack, tmp_path) -> None:
-    args = soak_args(pd_stack.url, str(tmp_path), concurrency=8, duration=60.0, max_len=1024, output_len=16,
+    args = soak_args(pd_stack.url, str(tmp_path), concurrency=8, duration=30.0, max_len=1024, output_len=16,
                      abort_share=0.2, drain_timeout=60.0)
     assert soak.run(args) == 0, (tmp_path / "summary.md").read_text()
     summary = json.loads((tmp_path / "summary.json").read_text())
