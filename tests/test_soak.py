@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
+import time
 
 import pytest
 
@@ -107,3 +110,19 @@ def test_fault_options_are_checked(argv: list[str], says: str, capsys) -> None:
         soak_fault.Plan.from_args(p.parse_args(argv))
     assert says in (str(e.value) if e.type is ValueError else capsys.readouterr().err)
     assert soak_fault.Target.parse("decode:1:rank3") == soak_fault.Target("decode", 1, 3)
+
+
+def test_a_worker_rank_is_found_as_a_parallel_instance_starts_it() -> None:
+    """Ranks 1 and 2 as common.parallel.local_ranks starts them: in order, from a forkserver."""
+    ctx = multiprocessing.get_context("forkserver")
+    ranks = [ctx.Process(target=time.sleep, args=(60,), daemon=True) for _ in range(2)]
+    for r in ranks:
+        r.start()
+    try:
+        assert [soak_fault.process_of(os.getpid(), i).pid for i in (0, 1, 2)] == [os.getpid()] + [r.pid for r in ranks]
+        with pytest.raises(LookupError, match="has 2 worker ranks, no rank 3"):
+            soak_fault.process_of(os.getpid(), 3)
+    finally:
+        for r in ranks:
+            r.kill()
+            r.join()

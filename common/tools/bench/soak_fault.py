@@ -164,12 +164,14 @@ class Fault:
 
 
 def process_of(instance_pid: int, rank: int) -> psutil.Process:
-    """The instance's process (rank 0) or its worker rank `rank`: the instance starts its ranks in
-    order (common.parallel.local_ranks), each a spawned child."""
+    """The instance's process (rank 0) or its worker rank `rank`. The instance starts its ranks in
+    order from a forkserver of its own (common.parallel.local_ranks): they are that server's
+    children, oldest first."""
     proc = psutil.Process(instance_pid)
     if rank == 0:
         return proc
-    ranks = sorted((c for c in proc.children() if "spawn_main" in " ".join(c.cmdline())), key=lambda c: c.create_time())
+    servers = [c for c in proc.children() if "forkserver" in " ".join(c.cmdline())]
+    ranks = sorted((r for server in servers for r in server.children()), key=lambda r: r.create_time())
     if rank > len(ranks):
         raise LookupError(f"the instance (pid {instance_pid}) has {len(ranks)} worker ranks, no rank {rank}")
     return ranks[rank - 1]
