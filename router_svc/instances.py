@@ -7,12 +7,10 @@ few seconds and one that comes back takes requests again as soon as it answers o
 to the instance in service with the fewest of this router's rooms in flight, round robin among
 equals; with none in service, it gets a 503 that says why each is out.
 
-Why not plain round robin: it gives a slow instance as many rooms as a fast one, so the slow
-one's queue grows until its rooms wait out their deadline. Past that point every room it prefills
-is already nearly out of time and fails after taking its share of the CPU, and clients that retry
-at once keep its queue full: it stays failed while its peer is idle (a soak on a loaded 2-core
-host lost every room of one of two P instances so). With equal numbers of P and D instances it
-also paired P i with D i for good, so a slow D failed the same P's rooms every time."""
+Why not plain round robin: it gives an instance that is behind (a long prompt in its queue, a
+slow host) as many new rooms as an idle one, and with as many P as D instances it paired P i
+with D i for good, so a slow D failed the rooms of the same P every time and the two could not
+be told apart."""
 from __future__ import annotations
 
 import asyncio

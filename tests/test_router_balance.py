@@ -31,8 +31,8 @@ def test_idle_instances_take_turns() -> None:
 
 
 def test_a_slow_instance_gets_no_more_rooms_until_the_others_are_as_busy() -> None:
-    """The soak that lost every room of one P: that P's rooms stayed in flight while its peer's
-    finished, and round robin kept giving it half of the new ones. Now the peer takes them."""
+    """Round robin kept giving an instance whose rooms stayed in flight half of the new ones; now
+    its peer takes them until both are as busy."""
     role = Instances("prefill", backends("prefill", 2))
     slow = [role.pick()]  # prefill-0: its rooms never end here
     for _ in range(5):
