@@ -36,7 +36,7 @@ NAMED_BACKEND = re.compile(r"\b(prefill|decode|replica) (\S+?:\d+)\b")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kill", metavar="ROLE:INDEX[:rankR]", type=Target.parse,
+    p.add_argument("--kill", metavar="ROLE:INDEX[:rankR]", type=lambda text: str(Target.parse(text)),  # kept as text
                    help="kill this instance (or worker rank) during the load; see `--kill-at`, `--freeze`")
     p.add_argument("--kill-at", type=float, help="seconds into the load (default: a third of --duration)")
     p.add_argument("--freeze", action="store_true", help="SIGSTOP instead of SIGKILL: it hangs instead of dying")
@@ -81,7 +81,7 @@ class Plan:
         if args.restart_after is not None and (not args.freeze or args.restart_after <= 0):
             raise ValueError("--restart-after needs --freeze and a positive number of seconds (a killed "
                              "instance is brought back by the stack, e.g. pdflash up, not by the soak)")
-        return cls(args.kill, at, args.freeze, args.restart_after)
+        return cls(Target.parse(args.kill), at, args.freeze, args.restart_after)
 
 
 @dataclass
@@ -108,6 +108,8 @@ class Fault:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-fault", daemon=True)
         self._frozen: psutil.Process | None = None
+        self._thaw_timer: threading.Timer | None = None
+        self._lock = threading.Lock()  # the timer's thaw and finish's
         same_role = [b["addr"] for b in info["backends"] if b["role"] == plan.target.role]
         if plan.target.index >= len(same_role):
             raise ValueError(f"--kill {plan.target}: the router has {len(same_role)} {plan.target.role} instances")
@@ -123,9 +125,16 @@ class Fault:
     def finish(self) -> Timeline:
         self._stop.set()
         self._thread.join()
-        if self._frozen is not None:  # the pools must be readable, and the stack stoppable
-            self._signal(self._frozen, signal.SIGCONT)
+        if self._thaw_timer is not None:
+            self._thaw_timer.cancel()
+        self._thaw()  # the pools must be readable, and the stack stoppable
         return self.timeline
+
+    def _thaw(self) -> None:
+        with self._lock:
+            if self._frozen is not None:
+                self._signal(self._frozen, signal.SIGCONT)
+                self._frozen, self.timeline.restart_s = None, self._now()
 
     def _now(self) -> float:
         return time.monotonic() - self._begun
@@ -142,12 +151,12 @@ class Fault:
         t.pid = proc.pid
         self._signal(proc, signal.SIGSTOP if plan.freeze else signal.SIGKILL)
         t.fault_s = self._now()
-        self._frozen = proc if plan.freeze else None
+        if plan.freeze:
+            self._frozen = proc
+            if plan.restart_after_s is not None:  # on time, whatever a read of /server_info waits for
+                self._thaw_timer = threading.Timer(plan.restart_after_s, self._thaw)
+                self._thaw_timer.start()
         while not self._stop.wait(WATCH_EVERY_S):
-            if self._frozen is not None and plan.restart_after_s is not None \
-                    and self._now() >= t.fault_s + plan.restart_after_s:
-                self._signal(self._frozen, signal.SIGCONT)
-                self._frozen, t.restart_s = None, self._now()
             ok = backend_ok(self.url, t.addr)
             t.reads.append((self._now(), ok))
             if not ok and t.out_s is None:
@@ -231,10 +240,12 @@ def markdown(r: dict[str, Any]) -> str:
     lines = [f"fault: {r['how']} to {r['target']} ({r['addr']}, pid {r['pid']}) at {r['fault_s']:.1f} s"
              + (f", SIGCONT at {r['restart_s']:.1f} s" if r["restart_s"] is not None else ""),
              f"- the router stopped routing to it after {fmt(r['out_of_service_after_s'])}, "
-             f"routed to it again after {fmt(r['back_in_service_after_s'])}",
+             f"routed to it again after {fmt(r['back_in_service_after_s'])} (read twice a second; a read waits "
+             "up to 5 s for a hung instance's Health)",
              f"- affected (in flight at the fault, or failed naming it): {a['requests']}, {a['ok']} ok, "
-             f"{a['failed']} failed, the longest after {fmt(a['longest_wait_s'])} (deadline {r['deadline_s']:.0f} s), "
-             f"{a['past_deadline']} past it, {a['not_naming_a_backend']} without a backend named",
+             f"{a['failed']} failed" + (f", the last {fmt(a['longest_wait_s'])} after the fault or its sending "
+                                        f"(deadline {r['deadline_s']:.0f} s), {a['past_deadline']} past the deadline, "
+                                        f"{a['not_naming_a_backend']} naming no backend" if a["failed"] else ""),
              f"- unaffected: {u['requests']}, {u['failed']} failed" + (f" (e.g. {u['example'][:200]})" if u["failed"] else ""),
              ""]
     if a["example"]:
