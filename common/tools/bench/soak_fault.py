@@ -22,7 +22,7 @@ import re
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -63,7 +63,7 @@ class Target:
 
 @dataclass
 class Plan:
-    """When and how, from the options; `None` when there is no --kill."""
+    """Which process, when and how: the options' (from_args gives None without --kill)."""
     target: Target
     at_s: float
     freeze: bool
@@ -94,7 +94,6 @@ class Timeline:
     out_s: float | None = None  # first read of /server_info with the instance not ok
     back_s: float | None = None  # first read after that with it ok again
     error: str = ""  # why the fault was not made
-    reads: list[tuple[float, bool]] = field(default_factory=list)  # (when, ok) from /server_info
 
 
 class Fault:
@@ -105,6 +104,7 @@ class Fault:
         self.plan = plan
         self.url = url
         self.timeline = Timeline()
+        self._begun = 0.0  # time.monotonic() when the load began
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-fault", daemon=True)
         self._frozen: psutil.Process | None = None
@@ -158,11 +158,10 @@ class Fault:
                 self._thaw_timer.start()
         while not self._stop.wait(WATCH_EVERY_S):
             ok = backend_ok(self.url, t.addr)
-            t.reads.append((self._now(), ok))
             if not ok and t.out_s is None:
-                t.out_s = t.reads[-1][0]
+                t.out_s = self._now()
             elif ok and t.out_s is not None and t.back_s is None:
-                t.back_s = t.reads[-1][0]
+                t.back_s = self._now()
 
     @staticmethod
     def _signal(proc: psutil.Process, sig: int) -> None:
