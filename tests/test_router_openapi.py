@@ -140,12 +140,14 @@ def _bodies(path: str, vocab_size: int) -> st.SearchStrategy[dict]:
     every option; leaving options out is what schemathesis's bodies do."""
     ids = st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=32)
     sampling = {"temperature": st.just(0) | st.floats(0, 4), "top_p": st.floats(0, 1, exclude_min=True),
-                "top_k": st.integers(-1, 100) | st.just(INT32_MAX), "stop": short_text | st.lists(short_text, max_size=3),
+                "top_k": st.integers(-1, 100) | st.just(INT32_MAX),
+                "stop": short_text | st.lists(short_text, max_size=3),
                 "stop_token_ids": st.lists(st.integers(0, vocab_size - 1), max_size=3),
                 "seed": st.integers(0, SEED_MAX), "ignore_eos": st.booleans()}
     stream = {"stream": st.booleans()}
     if path == "/generate":
-        prompt = st.fixed_dictionaries({"text": st.text(min_size=1, max_size=64)}) | st.fixed_dictionaries({"input_ids": ids})
+        prompt = (st.fixed_dictionaries({"text": st.text(min_size=1, max_size=64)})
+                  | st.fixed_dictionaries({"input_ids": ids}))
         params = st.fixed_dictionaries({"max_new_tokens": budget} | often(sampling))
         return st.tuples(prompt, st.fixed_dictionaries({"sampling_params": params} | often(stream))).map(_merged)
     # max_completion_tokens wins over max_tokens: either, or both with any valid max_tokens.
@@ -163,7 +165,8 @@ def _bodies(path: str, vocab_size: int) -> st.SearchStrategy[dict]:
     else:
         part = st.fixed_dictionaries({"type": st.just("text")} | often({"text": short_text}))
         message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
-                                         "content": short_text | st.lists(part, max_size=3)} | often({"name": short_text}))
+                                         "content": short_text | st.lists(part, max_size=3)}
+                                        | often({"name": short_text}))
         extra = {"logprobs": st.just(False), "top_logprobs": st.none(), "tools": st.just([]),
                  "tool_choice": st.just("none"), "response_format": st.just({"type": "text"})}
         first = st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3)})

@@ -54,8 +54,9 @@ def test_a_page_in_use_is_a_leak() -> None:
 
 
 def test_a_frozen_instance_is_taken_out_and_back_and_nothing_else_fails(pd_stack, tmp_path) -> None:
-    """`--kill decode:0 --freeze --restart-after 8`: a short load with D frozen for 8 s of it. The router must stop routing to it and take it back; the rooms it held wait and
-    then finish (the stack's deadline is long), and every pool is whole at the end."""
+    """`--kill decode:0 --freeze --restart-after 8`: a short load with D frozen for 8 s of it. The
+    router must stop routing to it and take it back; the rooms it held wait and then finish (the
+    stack's deadline is long), and every pool is whole at the end."""
     # 8 s frozen: a read of /server_info waits up to 5 s for the frozen D's Health before it says so.
     args = soak_args(pd_stack.url, str(tmp_path), concurrency=2, duration=14.0, max_len=64, output_len=4,
                      abort_share=0.0, kill="decode:0", kill_at=2.0, freeze=True, restart_after=8.0)

@@ -245,7 +245,8 @@ def markdown(r: dict[str, Any]) -> str:
              f"{a['failed']} failed" + (f", the last {fmt(a['longest_wait_s'])} after the fault or its sending "
                                         f"(deadline {r['deadline_s']:.0f} s), {a['past_deadline']} past the deadline, "
                                         f"{a['not_naming_a_backend']} naming no backend" if a["failed"] else ""),
-             f"- unaffected: {u['requests']}, {u['failed']} failed" + (f" (e.g. {u['example'][:200]})" if u["failed"] else ""),
+             f"- unaffected: {u['requests']}, {u['failed']} failed"
+             + (f" (e.g. {u['example'][:200]})" if u["failed"] else ""),
              ""]
     if a["example"]:
         lines.insert(-1, f"- an affected failure: {a['example'][:200]}")
