@@ -53,10 +53,15 @@ class Dispatcher:
         self._poller = asyncio.ensure_future(self._poll_forever())
 
     def route(self) -> Route:
-        """A decode instance (or replica) and, in pd, a prefill instance, each in service;
+        """A decode instance (or replica) and, in pd, a prefill instance, each in service and the
+        least busy of its role (instances.py), each counting the room until its `done` is called;
         raises ApiError 503 if a role has none."""
         decode = self._roles[-1].pick()
-        return Route(decode, self._roles[0].pick() if self.pd else None)
+        try:
+            return Route(decode, self._roles[0].pick() if self.pd else None)
+        except ApiError:
+            self._roles[-1].done(decode)
+            raise
 
     async def generate(self, room: str, input_ids: list[int], sampling: SamplingParams
                        ) -> AsyncIterator[pb.GenerateChunk]:
@@ -76,6 +81,7 @@ class Dispatcher:
                 room=room, input_ids=input_ids, sampling=params, decode_addr=route.decode.addr,
                 deadline_s=self.transfer_deadline_s)))
             prefill.add_done_callback(_log_late_prefill_failure)
+            prefill.add_done_callback(lambda _, p=route.prefill: self._roles[0].done(p))
         finished, reason = False, "cancelled: the client left or the router is stopping"
         try:
             chunk = await self._first_chunk(call, prefill)
@@ -94,6 +100,7 @@ class Dispatcher:
             reason = e.message
             raise
         finally:
+            self._roles[-1].done(route.decode)
             if not finished:
                 call.cancel()
                 if prefill is not None:

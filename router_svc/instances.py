@@ -3,9 +3,14 @@
 An instance is out of service while its Health says ok=false (a node of it is lost: the same
 moment its standard gRPC health turns NOT_SERVING) or does not answer within HEALTH_TIMEOUT_S;
 the dispatcher polls every instance each HEALTH_POLL_S, so one that fails is skipped within a
-few seconds and one that comes back takes requests again as soon as it answers ok. Round robin
-runs over the instances in service; with none left, a request gets a 503 that says why each is
-out."""
+few seconds and one that comes back takes requests again as soon as it answers ok. A request goes
+to the instance in service with the fewest of this router's rooms in flight, round robin among
+equals; with none in service, it gets a 503 that says why each is out.
+
+Why not plain round robin: it gives an instance that is behind (a long prompt in its queue, a
+slow host) as many new rooms as an idle one, and with as many P as D instances it paired P i
+with D i for good, so a slow D failed the rooms of the same P every time and the two could not
+be told apart."""
 from __future__ import annotations
 
 import asyncio
@@ -31,20 +36,30 @@ class Instances:
         self.backends = backends
         self._down: dict[str, str] = {}  # address -> why it is out of service
         self._next = 0  # round robin position
+        self.rooms = dict.fromkeys((b.addr for b in backends), 0)  # address -> rooms in flight there
 
     @property
     def any_in_service(self) -> bool:
         return len(self._down) < len(self.backends)
 
     def pick(self) -> Backend:
-        """The next instance in service, round robin; ApiError 503 if there is none."""
-        for _ in range(len(self.backends)):
-            backend = self.backends[self._next % len(self.backends)]
-            self._next += 1
-            if backend.addr not in self._down:
-                return backend
-        why = "; ".join(f"{addr}: {reason}" for addr, reason in self._down.items())
-        raise ApiError(503, f"no {self.role} instance in service ({why})", NO_INSTANCE, grpc.StatusCode.UNAVAILABLE)
+        """The instance in service with the fewest rooms in flight, the next in round robin order
+        among those; counts a room on it until `done`. ApiError 503 if none is in service."""
+        n = len(self.backends)
+        order = [self.backends[(self._next + i) % n] for i in range(n)]
+        live = [b for b in order if b.addr not in self._down]
+        if not live:
+            why = "; ".join(f"{addr}: {reason}" for addr, reason in self._down.items())
+            raise ApiError(503, f"no {self.role} instance in service ({why})", NO_INSTANCE,
+                           grpc.StatusCode.UNAVAILABLE)
+        backend = min(live, key=lambda b: self.rooms[b.addr])  # the first of the least loaded
+        self._next = self.backends.index(backend) + 1
+        self.rooms[backend.addr] += 1
+        return backend
+
+    def done(self, backend: Backend) -> None:
+        """A room `pick` gave `backend` is over there."""
+        self.rooms[backend.addr] -= 1
 
     async def poll(self, timeout: float = HEALTH_TIMEOUT_S) -> list[BackendHealth]:
         """Ask every instance's Health at once and take the answers as they are."""

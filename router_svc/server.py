@@ -28,7 +28,9 @@ log = logging.getLogger("router_svc")
 SHUTDOWN_GRACE_S = 5.0  # for requests in flight at SIGTERM
 
 
-async def serve(cfg: RouterConfig) -> None:
+def frontend(cfg: RouterConfig) -> Frontend:
+    """The model's facts, its tokenizer and a dispatcher polling the backends (call it on the
+    event loop that serves)."""
     src = resolve_model(cfg.model)
     model = read_model_info(src)
     tokenizer = Tokenizer(src)  # the slow step (~5 s); weights are never loaded here
@@ -37,17 +39,20 @@ async def serve(cfg: RouterConfig) -> None:
                             [b for b in backends if b.role != "prefill"], cfg.request_timeout,
                             cfg.transfer_deadline)
     dispatcher.start()
-    frontend = Frontend(model, tokenizer, dispatcher, Metrics())
+    return Frontend(model, tokenizer, dispatcher, Metrics())
 
+
+async def serve(cfg: RouterConfig) -> None:
+    front = frontend(cfg)
     info = {"policy": cfg.policy, "grpc_port": cfg.grpc_port, "request_timeout": cfg.request_timeout,
             "transfer_deadline": cfg.transfer_deadline,
             "prefill": list(cfg.prefill), "decode" if cfg.policy == "pd" else "replicas": list(cfg.decode)}
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its room.
-    runner = web.AppRunner(HttpApi(frontend, info, cfg.api_key).app(), handler_cancellation=True, access_log=None,
+    runner = web.AppRunner(HttpApi(front, info, cfg.api_key).app(), handler_cancellation=True, access_log=None,
                            shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.port).start()
-    grpc_srv = await grpc_server.start(frontend, cfg.host, cfg.grpc_port, cfg.api_key)
+    grpc_srv = await grpc_server.start(front, cfg.host, cfg.grpc_port, cfg.api_key)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -55,11 +60,11 @@ async def serve(cfg: RouterConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     backends_desc = ", ".join(f"{role} {addr}" for role, addr in cfg.roles)
     print(f"pdflash router ready: http://{cfg.host}:{cfg.port} grpc {cfg.host}:{cfg.grpc_port} "
-          f"policy={cfg.policy} model={model.name} backends: {backends_desc}", flush=True)
+          f"policy={cfg.policy} model={front.model.name} backends: {backends_desc}", flush=True)
     await stop.wait()
 
     log.info("shutting down")
     # Requests still running after the grace period are cancelled, which aborts their rooms
     # (pdflash up stops the router before the workers, so the aborts reach them).
     await asyncio.gather(grpc_srv.stop(grace=SHUTDOWN_GRACE_S), runner.cleanup())
-    await dispatcher.close()
+    await front.dispatcher.close()

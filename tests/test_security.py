@@ -281,12 +281,15 @@ def _sampling(**fields) -> pb.SamplingParams:
     return pb.SamplingParams(**({"max_new_tokens": 4} | fields))
 
 
+GOOD_REQUEST = {"room": "fuzz-room", "input_ids": PROMPT, "sampling": _sampling(), "deadline_s": 30}
+
+
 def _request_cases(kind: type) -> dict[str, object]:
-    """Malformed PrefillRequest / GenerateRequest messages (the fields both have)."""
-    good = {"room": "fuzz-room", "input_ids": PROMPT, "sampling": _sampling(), "deadline_s": 30}
+    """Malformed PrefillRequest / GenerateRequest messages (the fields both have), each GOOD_REQUEST
+    with one field changed."""
 
     def msg(**fields):
-        return kind(**(good | fields))
+        return kind(**(GOOD_REQUEST | fields))
 
     return {
         "no room": msg(room=""),
@@ -346,8 +349,19 @@ def test_malformed_control_messages_change_nothing(stack: Stack, tls: Tls, playe
                     for name in wrong}
         assert wrong == expected
 
-        # Nothing was reserved, queued or written, and both services go on serving.
+        # Nothing was reserved, queued or written.
         assert stack.pools() == free
         assert played.boots.empty()
-    assert len(stack.generate(PROMPT, max_new_tokens=4)["output_ids"]) == 4
+
+        # The negative control: the messages the cases change one field of are taken as they are
+        # (so each refusal above is its field's), and both services go on serving.
+        template = pb.BootstrapRequest()
+        template.CopyFrom(boot)
+        template.room = "fuzz-template-2"  # dropped after P's bootstrap TTL: no Prefill claims it
+        assert p.Bootstrap(template, timeout=10).ok
+        with futures.ThreadPoolExecutor(1) as pool:
+            prefilled = pool.submit(p.Prefill, pb.PrefillRequest(**GOOD_REQUEST, decode_addr=decode.addr), timeout=60)
+            chunks = list(d.Generate(pb.GenerateRequest(**GOOD_REQUEST, prefill_addr=prefill.addr), timeout=60))
+            assert prefilled.result().ok
+        assert sum(len(c.token_ids) for c in chunks) == 4 and chunks[-1].finished, chunks
     stack.wait_all_pages_free()

@@ -16,6 +16,11 @@ failures by cause (with an example message each), p50/p99 of end-to-end latency 
 first token, and the resident memory (RSS, with child processes) of every service at start and
 end, found by the ports `/server_info` names (local stacks only). Writes summary.json and
 summary.md to `--out`; exits 1 on any failure other than the deliberate aborts, or on a leak.
+
+`--kill` adds one fault in the middle of the load (soak_fault.py): then failures of the requests
+it affected are expected, and what is checked instead is that they failed within the transfer
+deadline, that every other request succeeded, and that the router stopped routing to the
+instance; its report says when it stopped and when it routed to it again.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from urllib.parse import urlparse
 import aiohttp
 import psutil
 
-from common.tools.bench import report, stats
+from common.tools.bench import report, soak_fault, stats
 from common.tools.bench.client import Response, get_json, post_generate, random_ids
 
 # (free, total) pairs of a Health reply as /server_info shows it; absent ones are pools the
@@ -56,6 +61,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds after the last answer for every pool to be whole again")
     p.add_argument("--out", default=os.path.join("bench-out", "soak"), help="output folder")
+    soak_fault.add_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                          "--min-len, --duration positive")
     if not (0 <= args.abort_share <= 1 and 0 <= args.stream_share <= 1):
         raise ValueError("--abort-share and --stream-share must be between 0 and 1")
-    summary = soak(args)
+    summary = soak(args, soak_fault.Plan.from_args(args))
     md = markdown(summary)
     report.write_json(os.path.join(args.out, "summary.json"), summary)
     report.write_text(os.path.join(args.out, "summary.md"), md)
@@ -81,38 +87,50 @@ class Outcome:
     stream: bool
     leave_after: float | None  # seconds after which the client leaves; None: it stays
     left: bool = False  # it did leave before the answer was complete
+    sent_s: float = 0.0  # seconds from the start of the load
+    ended_s: float | None = None
 
 
-def soak(args: argparse.Namespace) -> dict[str, Any]:
+def soak(args: argparse.Namespace, plan: soak_fault.Plan | None = None) -> dict[str, Any]:
     url = args.url.rstrip("/")
     info = get_json(url, "/server_info")
-    start_rss = service_rss(url, info)
+    listeners = soak_fault.listening_pids()
+    start_rss = service_rss(url, info, listeners)
     if args.max_len >= info["max_context"]:
         raise ValueError(f"--max-len {args.max_len} leaves no room for output in the model's {info['max_context']}")
+    fault = soak_fault.Fault(plan, url, info, listeners) if plan else None
     begun = time.monotonic()
-    outcomes = asyncio.run(_load(url, args, info["vocab_size"]))
+    if fault:
+        fault.start(begun)
+    outcomes = asyncio.run(_load(url, args, info["vocab_size"], begun))
     took = time.monotonic() - begun
+    timeline = fault.finish() if fault else None
     pools, drained_s = wait_pools_whole(url, args.drain_timeout)
-    return summarise(args, outcomes, took, pools, drained_s, start_rss, service_rss(url, info))
+    summary = summarise(args, outcomes, took, pools, drained_s, start_rss,
+                        service_rss(url, info, soak_fault.listening_pids()))
+    if plan and timeline:
+        summary["fault"] = soak_fault.report(timeline, plan, outcomes, info["transfer_deadline"])
+        # The failures the fault explains are expected; the fault's own checks stand in for them.
+        summary["passed"] = summary["fault"]["passed"] and not summary["leaked_backends"]
+    return summary
 
 
-async def _load(url: str, args: argparse.Namespace, vocab_size: int) -> list[Outcome]:
+async def _load(url: str, args: argparse.Namespace, vocab_size: int, begun: float) -> list[Outcome]:
     endpoint = url + "/generate"
-    stop_at = time.monotonic() + args.duration
+    stop_at = begun + args.duration
     outcomes: list[Outcome] = []
 
     async def client(rng: random.Random, session: aiohttp.ClientSession) -> None:
         while time.monotonic() < stop_at:
             o = _draw(rng, args, vocab_size)
             outcomes.append(o)
+            o.sent_s = time.monotonic() - begun
             sending = post_generate(session, endpoint, o.body, o.response)
-            if o.leave_after is None:
-                await sending
-                continue
             try:  # cancelling closes the connection: the client is gone
                 await asyncio.wait_for(sending, o.leave_after)
             except asyncio.TimeoutError:
                 o.left = True
+            o.ended_s = time.monotonic() - begun
 
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency), timeout=timeout) as s:
@@ -163,16 +181,9 @@ def backend_pools(info: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def service_rss(url: str, info: dict[str, Any]) -> dict[str, int | None]:
+def service_rss(url: str, info: dict[str, Any], listeners: dict[int, int]) -> dict[str, int | None]:
     """addr -> resident bytes of the process listening there and its children (None when it is
     not on this host or not visible), the router's under its HTTP address."""
-    listeners: dict[int, int] = {}
-    try:
-        for c in psutil.net_connections(kind="tcp"):
-            if c.status == psutil.CONN_LISTEN and c.pid:
-                listeners.setdefault(c.laddr.port, c.pid)
-    except psutil.AccessDenied:
-        pass
     router = urlparse(url)
     addrs = [f"{router.hostname}:{router.port}"] + [b["addr"] for b in info["backends"]]
     return {addr: _tree_rss(listeners.get(int(addr.rsplit(":", 1)[1]))) for addr in addrs}
@@ -245,6 +256,8 @@ def markdown(s: dict[str, Any]) -> str:
                               f"{s['leaked_backends']} backends NOT whole\n"))
     lines.append(report.md_table(["service", "in use at the end", "RSS start (MiB)", "RSS end (MiB)"], [
         [addr, _in_use(s["pools"], addr), _mib(rss["start"]), _mib(rss["end"])] for addr, rss in s["rss_bytes"].items()]))
+    if "fault" in s:
+        lines.append(soak_fault.markdown(s["fault"]))
     lines.append("PASSED\n" if s["passed"] else "FAILED\n")
     return "\n".join(lines)
 
