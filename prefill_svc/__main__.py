@@ -35,7 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deadline", type=float, default=60.0, help="seconds a room may take end to end")
     p.add_argument("--no-chunk-overlap", dest="chunk_overlap", action="store_false",
                    help="send a prompt's KV only after its last prefill chunk (by default the pages each chunk "
-                        "completes go to decode while the next chunk computes)")
+                        "completes go to decode while the next chunk computes; always off for an instance over "
+                        "several nodes)")
     p.add_argument("--verify-transfer", action="store_true", help="send page checksums; D checks every page it received")
     add_model_args(p)
     add_parallel_args(p, pipeline=True)
@@ -56,8 +57,14 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
                         proposer=load_proposer(args, runner), spec=spec_config(args))
         loop = EngineLoop(engine, asyncio.get_running_loop())
         ranks = TransferRanks.start(args, engine)  # every rank sends its own layers' and heads' KV
+        # A worker rank writes between its forwards: a write stalled by a cut link (up to the transfer
+        # timeout) would hold the next chunk's forward, and with it the heartbeats that keep an
+        # instance over several nodes alive, so there the KV goes after the last chunk only.
+        overlap = args.chunk_overlap and not args.nodes.multi
+        if args.chunk_overlap and not overlap:
+            log.info("chunk overlap off: this instance spans %d nodes", args.nodes.nnodes)
         servicer = PrefillServicer(loop, KVSender(ranks, engine, args.deadline, args.verify_transfer, tls),
-                                   runner.cfg.name, args.deadline, args.chunk_overlap)
+                                   runner.cfg.name, args.deadline, overlap)
         loop.start()
         checks = health.aio.HealthServicer()
         watch_nodes(runner, loop, checks)

@@ -234,8 +234,9 @@ def test_pd_8node_profile_spanning_hosts_loses_a_node(cluster_namespaces, tmp_pa
         for port in into_d:
             sh("ip", "netns", "exec", ns.r, "tc", "qdisc", "del", "dev", port, "root")
         deadline = time.monotonic() + 60
-        while pd("status", profile, *settings, timeout=120).returncode != 0:
-            assert time.monotonic() < deadline, "stack not healthy 60 s after the links came back"
+        while (status := pd("status", profile, *settings, timeout=120)).returncode != 0:
+            assert time.monotonic() < deadline, ("stack not healthy 60 s after the links came back:\n"
+                                                 + status.stdout[-3000:] + status.stderr[-2000:])
             time.sleep(1)
         deadline = time.monotonic() + 45
         while (pools := pools_free(ns)) and any(free != total for free, total in pools):
