@@ -178,7 +178,9 @@ def plan_writes(room: str, src: list[RankEndpoint], src_tp: int, pages: dict[str
     for rank in src:
         writes: Writes = []
         for d_rank, session, d_room in dst:
-            both = {b.name for b in rank.buffers} & {b.name for b in d_room.buffers} & (ours if names is None else names)
+            both = {b.name for b in rank.buffers} & {b.name for b in d_room.buffers}
+            if names is not None:
+                both &= names
             plan = build_plan(room, RoomBuffers([b for b in rank.buffers if b.name in both], pages),
                               RoomBuffers([b for b in d_room.buffers if b.name in both], d_room.indices),
                               num_tokens, src_tp=TPRank(rank.tp_rank, src_tp), dst_tp=TPRank(d_rank, dst_tp),
