@@ -78,7 +78,8 @@ class Dispatcher:
         picks: dict[str, int] = {}
         for part in header.split(","):
             role, _, value = part.strip().partition("=")
-            if role not in counts or role in picks or not value.isdigit() or int(value) >= counts[role]:
+            if role not in counts or role in picks or not (value.isascii() and value.isdigit()) \
+                    or int(value) >= counts[role]:
                 raise InvalidRequest(f"{ROUTE_HEADER}: {header!r} is not p=I,d=J with 0 <= I < {counts['p']} "
                                      f"prefill and 0 <= J < {counts['d']} decode instances")
             picks[role] = int(value)

@@ -99,7 +99,7 @@ def test_a_route_header_pins_its_instances_only_when_allowed() -> None:
     assert addrs([dispatcher.route(dispatcher.pin("d=1")).decode]) == ["decode-1"]  # P balanced: prefill-0
     assert prefills.rooms == {"prefill-0:1": 1, "prefill-1:1": 0, "prefill-2:1": 1}
     assert decodes.rooms == {"decode-0:1": 0, "decode-1:1": 2}
-    for bad in ("p=3", "d=-1", "p=1,p=2", "x=0", "p=1;d=0", "p=", ""):
+    for bad in ("p=3", "d=-1", "p=1,p=2", "x=0", "p=1;d=0", "p=", "", "d=\u00b2"):
         with pytest.raises(InvalidRequest, match="X-PDflash-Route"):
             dispatcher.pin(bad)
     decodes.update(BackendHealth("decode", "decode-0:1", None, "node lost"))
