@@ -23,6 +23,7 @@ class RouterConfig:
     transfer_deadline: float  # deadline_s given to P and D: bootstrap + KV transfer
     api_key: str | None  # clients must send `Authorization: Bearer <api_key>` (all but /health)
     tls: Tls | None  # mutual TLS towards P and D
+    allow_route_header: bool = False  # requests may name their instances (tests and debugging)
 
     @property
     def roles(self) -> list[tuple[str, str]]:
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
                    help="seconds P and D get for a room's bootstrap + KV transfer (the deadline_s they are sent)")
     p.add_argument("--api-key", default=os.environ.get("PDFLASH_API_KEY") or None,
                    help="require `Authorization: Bearer KEY` on every route but /health (default: $PDFLASH_API_KEY)")
+    p.add_argument("--allow-route-header", action="store_true",
+                   help="tests and debugging: let a request name its instances with the header "
+                        "`X-PDflash-Route: p=I,d=J` (0-based, in the order of --prefill and --decode)")
     add_tls_args(p)
     a = p.parse_args(argv)
     if a.policy == "pd" and (not a.prefill or not a.decode or a.replicas):
@@ -61,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         host=a.host, port=a.port, grpc_port=a.grpc_port or a.port + 1, policy=a.policy,
         prefill=a.prefill, decode=a.decode or a.replicas, model=a.model, request_timeout=a.request_timeout,
         transfer_deadline=a.transfer_deadline, api_key=a.api_key, tls=Tls.from_args(a),
+        allow_route_header=a.allow_route_header,
     )
 
 

@@ -6,6 +6,10 @@ Bootstrap; P prefills, writes the KV over Mooncake and acks D (TransferDone); D 
 round_robin: D.Generate alone with an empty prefill_addr; the replica prefills locally.
 Whatever ends a room early (P fails, D fails, the client leaves) aborts it on both sides, so
 their pages are freed.
+
+For tests and debugging, a router started with --allow-route-header lets a request name its
+instances (ROUTE_HEADER, e.g. `X-PDflash-Route: p=1,d=2`: 0-based, in the order of --prefill
+and --decode), so that every P/D pair of a mixed fleet can be exercised on purpose.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from common.engine.sampling import SamplingParams
+from common.engine.sampling import InvalidRequest, SamplingParams
 from common.service.messages import sampling_to_proto
 from protos import pdflash_pb2 as pb
 from router_svc.backend import CONTROL_RPC_TIMEOUT_S, Backend, BackendHealth
@@ -27,6 +31,8 @@ from router_svc.instances import HEALTH_POLL_S, Instances
 
 log = logging.getLogger("router_svc")
 
+ROUTE_HEADER = "X-PDflash-Route"
+
 
 @dataclass(frozen=True)
 class Route:
@@ -34,15 +40,24 @@ class Route:
     prefill: Backend | None  # None: the decode replica prefills locally
 
 
+@dataclass(frozen=True)
+class Pin:
+    """The instances a request must go to (ROUTE_HEADER): indices into the prefill and the
+    decode (or replica) instances; None leaves that role to the balancer."""
+    prefill: int | None = None
+    decode: int | None = None
+
+
 class Dispatcher:
     def __init__(self, prefills: list[Backend], decodes: list[Backend], timeout_s: float,
-                 transfer_deadline_s: float):
+                 transfer_deadline_s: float, allow_pins: bool = False):
         if not decodes:
             raise ValueError("at least one decode instance or replica is needed")
         self.backends = prefills + decodes
         self.pd = bool(prefills)
         self.timeout_s = timeout_s  # a whole request (gRPC deadlines, which the services see too)
         self.transfer_deadline_s = transfer_deadline_s  # deadline_s for P and D: bootstrap + transfer
+        self.allow_pins = allow_pins  # ROUTE_HEADER is accepted (--allow-route-header)
         self._roles = [Instances("prefill", prefills)] if prefills else []
         self._roles.append(Instances(decodes[0].role, decodes))
         self._background: set[asyncio.Task] = set()  # aborts still in flight
@@ -52,24 +67,43 @@ class Dispatcher:
         """Poll every instance's health from now on (on the running event loop)."""
         self._poller = asyncio.ensure_future(self._poll_forever())
 
-    def route(self) -> Route:
+    def pin(self, header: str | None) -> Pin | None:
+        """The instances ROUTE_HEADER names (`p=I,d=J`, either may be left out); None without
+        the header. Raises InvalidRequest if pins are not allowed or the header is malformed."""
+        if header is None:
+            return None
+        if not self.allow_pins:
+            raise InvalidRequest(f"{ROUTE_HEADER} is accepted only by a router started with --allow-route-header")
+        counts = {"p": len(self._roles[0].backends) if self.pd else 0, "d": len(self._roles[-1].backends)}
+        picks: dict[str, int] = {}
+        for part in header.split(","):
+            role, _, value = part.strip().partition("=")
+            if role not in counts or role in picks or not (value.isascii() and value.isdigit()) \
+                    or int(value) >= counts[role]:
+                raise InvalidRequest(f"{ROUTE_HEADER}: {header!r} is not p=I,d=J with 0 <= I < {counts['p']} "
+                                     f"prefill and 0 <= J < {counts['d']} decode instances")
+            picks[role] = int(value)
+        return Pin(picks.get("p"), picks.get("d"))
+
+    def route(self, pin: Pin | None = None) -> Route:
         """A decode instance (or replica) and, in pd, a prefill instance, each in service and the
-        least busy of its role (instances.py), each counting the room until its `done` is called;
-        raises ApiError 503 if a role has none."""
-        decode = self._roles[-1].pick()
+        least busy of its role (instances.py) unless `pin` names it, each counting the room until
+        its `done` is called; raises ApiError 503 if a role has none (or the pinned one is out)."""
+        pin = pin or Pin()
+        decode = self._roles[-1].pick(pin.decode)
         try:
-            return Route(decode, self._roles[0].pick() if self.pd else None)
+            return Route(decode, self._roles[0].pick(pin.prefill) if self.pd else None)
         except ApiError:
             self._roles[-1].done(decode)
             raise
 
-    async def generate(self, room: str, input_ids: list[int], sampling: SamplingParams
+    async def generate(self, room: str, input_ids: list[int], sampling: SamplingParams, pin: Pin | None = None
                        ) -> AsyncIterator[pb.GenerateChunk]:
         """Yield D's chunks for one room; raises ApiError. Must be closed (aclosing) if left early."""
         # A role with every instance out asks them once more before the request is refused: one
         # may be back since the last poll.
         await asyncio.gather(*(r.poll() for r in self._roles if not r.any_in_service))
-        route = self.route()
+        route = self.route(pin)
         params = sampling_to_proto(sampling)
         call = route.decode.stub.Generate(pb.GenerateRequest(
             room=room, input_ids=input_ids, sampling=params,

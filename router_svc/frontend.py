@@ -12,7 +12,7 @@ from jinja2 import TemplateError
 from common.engine.sampling import InvalidRequest, SamplingParams
 from common.model.tokenizer import Tokenizer
 from protos import pdflash_pb2 as pb
-from router_svc.dispatch import Dispatcher
+from router_svc.dispatch import Dispatcher, Pin
 from router_svc.errors import INVALID, ApiError, invalid
 from router_svc.generation import Generation
 from router_svc.instances import NO_INSTANCE
@@ -60,12 +60,12 @@ class Frontend:
         self.metrics.request_done(endpoint, INVALID)
         return invalid(str(err))
 
-    async def run(self, gen: Generation) -> AsyncIterator[pb.GenerateChunk]:
-        """Dispatch `gen` and yield its chunks; raises ApiError. Close it (aclosing) when leaving
-        early: that aborts the room on the backends."""
+    async def run(self, gen: Generation, pin: Pin | None = None) -> AsyncIterator[pb.GenerateChunk]:
+        """Dispatch `gen` (to the instances `pin` names, if any) and yield its chunks; raises
+        ApiError. Close it (aclosing) when leaving early: that aborts the room on the backends."""
         status = "cancelled"  # unless it ends otherwise: the client left mid-request
         try:
-            async with aclosing(self.dispatcher.generate(gen.room, gen.input_ids, gen.sampling)) as chunks:
+            async with aclosing(self.dispatcher.generate(gen.room, gen.input_ids, gen.sampling, pin)) as chunks:
                 async for chunk in chunks:
                     gen.add(chunk)
                     yield chunk

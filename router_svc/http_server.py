@@ -14,6 +14,7 @@ from google.protobuf.json_format import MessageToDict
 from common.engine.sampling import InvalidRequest
 from protos import pdflash_pb2 as pb
 from router_svc import auth, openai_api, openapi, sglang_api, sse
+from router_svc.dispatch import ROUTE_HEADER
 from router_svc.errors import INVALID, ApiError, internal, invalid
 from router_svc.frontend import Frontend, Job
 from router_svc.generation import Generation
@@ -66,8 +67,9 @@ class HttpApi:
 
     async def _serve(self, request: web.Request, endpoint: str, job: Job, stream: bool,
                      events: FormatEvents, response: Callable[[Generation], dict]) -> web.StreamResponse:
+        pin = self.frontend.dispatcher.pin(request.headers.get(ROUTE_HEADER))
         gen = self.frontend.start(endpoint, job)
-        chunks = self.frontend.run(gen)
+        chunks = self.frontend.run(gen, pin)
         if stream:
             return await sse.stream(request, chunks, lambda chunk: events(gen, chunk))
         async with aclosing(chunks):

@@ -42,9 +42,12 @@ class Instances:
     def any_in_service(self) -> bool:
         return len(self._down) < len(self.backends)
 
-    def pick(self) -> Backend:
+    def pick(self, index: int | None = None) -> Backend:
         """The instance in service with the fewest rooms in flight, the next in round robin order
-        among those; counts a room on it until `done`. ApiError 503 if none is in service."""
+        among those, or the `index`th if given (a pinned route); counts a room on it until
+        `done`. ApiError 503 if none (or the pinned one) is in service."""
+        if index is not None:
+            return self._take(self.backends[index])
         n = len(self.backends)
         order = [self.backends[(self._next + i) % n] for i in range(n)]
         live = [b for b in order if b.addr not in self._down]
@@ -54,6 +57,13 @@ class Instances:
                            grpc.StatusCode.UNAVAILABLE)
         backend = min(live, key=lambda b: self.rooms[b.addr])  # the first of the least loaded
         self._next = self.backends.index(backend) + 1
+        return self._take(backend)
+
+    def _take(self, backend: Backend) -> Backend:
+        why = self._down.get(backend.addr)
+        if why is not None:
+            raise ApiError(503, f"{self.role} {backend.addr} is not in service ({why})", NO_INSTANCE,
+                           grpc.StatusCode.UNAVAILABLE)
         self.rooms[backend.addr] += 1
         return backend
 

@@ -27,7 +27,7 @@ from router_svc.generation import Generation
 
 if TYPE_CHECKING:
     from router_svc.backend import BackendHealth
-    from router_svc.dispatch import Dispatcher
+    from router_svc.dispatch import Dispatcher, Pin, Route
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -186,8 +186,8 @@ class Metrics:
         so that the route it picks is remembered for the task serving the request."""
         pick = dispatcher.route
 
-        def route():
-            r = pick()
+        def route(pin: Pin | None = None) -> Route:
+            r = pick(pin)
             _route.set(tuple((b.role, b.addr) for b in (r.prefill, r.decode) if b is not None))
             return r
 

@@ -37,7 +37,7 @@ def frontend(cfg: RouterConfig) -> Frontend:
     backends = [Backend.connect(role, addr, cfg.tls) for role, addr in cfg.roles]
     dispatcher = Dispatcher([b for b in backends if b.role == "prefill"],
                             [b for b in backends if b.role != "prefill"], cfg.request_timeout,
-                            cfg.transfer_deadline)
+                            cfg.transfer_deadline, cfg.allow_route_header)
     dispatcher.start()
     return Frontend(model, tokenizer, dispatcher, Metrics())
 

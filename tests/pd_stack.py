@@ -114,8 +114,9 @@ class Stack(UpStack):
             time.sleep(0.5)
 
     # ---- requests ------------------------------------------------------------------------------
-    def generate(self, input_ids: list[int], max_new_tokens: int = 8, timeout: float = 300, **params) -> dict:
-        resp = requests.post(self.url + "/generate", headers=self.headers, timeout=timeout, json={
+    def generate(self, input_ids: list[int], max_new_tokens: int = 8, timeout: float = 300,
+                 headers: dict[str, str] | None = None, **params) -> dict:
+        resp = requests.post(self.url + "/generate", headers=self.headers | (headers or {}), timeout=timeout, json={
             "input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, **params}})
         assert resp.status_code == 200, resp.text
         return resp.json()

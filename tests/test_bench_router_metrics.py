@@ -29,7 +29,7 @@ class FakeDispatcher:
     def __init__(self, routes: list[Route]):
         self.routes, self.i = routes, 0
 
-    def route(self) -> Route:
+    def route(self, pin: object = None) -> Route:
         r = self.routes[self.i % len(self.routes)]
         self.i += 1
         return r

@@ -343,10 +343,13 @@ def test_expert_parallel_refused_where_it_does_not_fit(checkpoint):
     (["--decode-ep", "2"], "--decode-ep 2 must divide --decode-tp 1"),
     (["--prefill-tp", "4", "--prefill-ep", "3"], "--prefill-ep 3 must divide --prefill-tp 4"),
     (["--mode", "colocated", "--prefill-ep", "2"], "apply to --mode pd"),
+    (["--decode", "2", "--decode-tp", "2,4", "--decode-ep", "4"], "--decode-ep 4 must divide --decode-tp 2"),
+    (["--prefill", "2", "--prefill-tp", "1,2,4"], "--prefill-tp gives 3 sizes for 2 prefill instances"),
 ])
 def test_up_refuses_ep_that_does_not_divide_tp(flags, message):
     """Before it starts anything (whether EP divides the model's experts each instance checks
-    when it loads the model, with check_parallel above)."""
+    when it loads the model, with check_parallel above); per-instance sizes (N,M,...) likewise,
+    and their count must be the instances'."""
     import argparse
 
     from common.tools import up

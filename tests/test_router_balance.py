@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.engine.sampling import InvalidRequest
 from router_svc.backend import Backend, BackendHealth
 from router_svc.dispatch import Dispatcher
 from router_svc.errors import ApiError
@@ -84,3 +85,27 @@ def test_a_refused_route_counts_nothing() -> None:
     with pytest.raises(ApiError):
         dispatcher.route()
     assert decodes.rooms == {"decode-0:1": 0}
+
+
+def test_a_route_header_pins_its_instances_only_when_allowed() -> None:
+    """X-PDflash-Route (tests and debugging) names a P and a D by index; a role it leaves out is
+    balanced as usual. Refused (a 400, before dispatch) unless the router allows it, or malformed."""
+    dispatcher = Dispatcher(backends("prefill", 3), backends("decode", 2), timeout_s=60, transfer_deadline_s=30,
+                            allow_pins=True)
+    prefills, decodes = dispatcher._roles
+    assert dispatcher.pin(None) is None
+    route = dispatcher.route(dispatcher.pin("p=2, d=1"))
+    assert addrs([route.prefill, route.decode]) == ["prefill-2", "decode-1"]
+    assert addrs([dispatcher.route(dispatcher.pin("d=1")).decode]) == ["decode-1"]  # P balanced: prefill-0
+    assert prefills.rooms == {"prefill-0:1": 1, "prefill-1:1": 0, "prefill-2:1": 1}
+    assert decodes.rooms == {"decode-0:1": 0, "decode-1:1": 2}
+    for bad in ("p=3", "d=-1", "p=1,p=2", "x=0", "p=1;d=0", "p=", "", "d=\u00b2"):
+        with pytest.raises(InvalidRequest, match="X-PDflash-Route"):
+            dispatcher.pin(bad)
+    decodes.update(BackendHealth("decode", "decode-0:1", None, "node lost"))
+    with pytest.raises(ApiError) as e:  # a pinned instance out of service is not swapped for another
+        dispatcher.route(dispatcher.pin("d=0"))
+    assert e.value.status == 503 and "decode-0:1 is not in service (node lost)" in e.value.message
+    closed = Dispatcher(backends("prefill", 1), backends("decode", 1), timeout_s=60, transfer_deadline_s=30)
+    with pytest.raises(InvalidRequest, match="--allow-route-header"):
+        closed.pin("p=0,d=0")

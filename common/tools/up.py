@@ -3,6 +3,9 @@
 Starts prefill instances, then decode instances (or colocated replicas), then the router,
 each group only once the previous one answers its health check; prints the URL; on Ctrl-C or
 SIGTERM stops every child (router first, so no new work arrives) and waits for them.
+
+The instances of a role may differ in shape: `--prefill 3 --prefill-tp 1,2,4` starts P at TP 1,
+2 and 4 (each --*-tp/-pp/-ep flag is one size for all, or one per instance).
 """
 from __future__ import annotations
 
@@ -49,13 +52,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill instances (pd)")
     p.add_argument("--decode", type=int, default=1, help="decode instances (pd)")
     p.add_argument("--replicas", type=int, default=1, help="colocated replicas (colocated)")
-    p.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel processes per prefill instance")
-    p.add_argument("--prefill-pp", type=int, default=1, help="pipeline stages (processes) per prefill instance")
-    p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel processes per decode instance (or replica)")
-    p.add_argument("--prefill-ep", type=int, default=1,
-                   help="expert parallel (MoE models): routed experts sharded over each prefill stage's TP ranks")
-    p.add_argument("--decode-ep", type=int, default=1,
-                   help="expert parallel (MoE models): routed experts sharded over the decode TP ranks")
+    each = " (N for all, or N,M,... one per instance)"
+    p.add_argument("--prefill-tp", type=_sizes, default=(1,), help="tensor-parallel processes per prefill instance" + each)
+    p.add_argument("--prefill-pp", type=_sizes, default=(1,),
+                   help="pipeline stages (processes) per prefill instance" + each)
+    p.add_argument("--decode-tp", type=_sizes, default=(1,),
+                   help="tensor-parallel processes per decode instance (or replica)" + each)
+    p.add_argument("--prefill-ep", type=_sizes, default=(1,),
+                   help="expert parallel (MoE models): routed experts sharded over each prefill stage's TP ranks" + each)
+    p.add_argument("--decode-ep", type=_sizes, default=(1,),
+                   help="expert parallel (MoE models): routed experts sharded over the decode TP ranks" + each)
     p.add_argument("--host", default="127.0.0.1",
                    help="address every service listens on; another host's address serves that network (docs/DEPLOY.md)")
     p.add_argument("--port", type=int, default=30000, help="router HTTP port (gRPC on port+1)")
@@ -78,8 +84,49 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="pd: move KV over Mooncake even between P and D on this host (by default copied directly)")
     p.add_argument("--api-key", default=os.environ.get("PDFLASH_API_KEY") or None,
                    help="router: require `Authorization: Bearer KEY` on all but /health (default: $PDFLASH_API_KEY)")
+    p.add_argument("--allow-route-header", action="store_true",
+                   help="router: tests and debugging, let a request name its P and D instance (X-PDflash-Route)")
     add_spec_args(p)
     add_tls_args(p)
+
+
+def _sizes(value: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not N or N,M,... (one per instance)") from None
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: every size must be at least 1")
+    return sizes
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One instance's processes: TP ranks per stage, pipeline stages, EP ranks among the TP ranks."""
+    tp: int
+    pp: int
+    ep: int
+
+    def flags(self) -> list[str]:
+        return ["--tp", str(self.tp), "--ep", str(self.ep)] + (["--pp", str(self.pp)] if self.pp > 1 else [])
+
+
+def shapes(args: argparse.Namespace, side: str, count: int) -> list[Shape]:
+    """The shapes of `count` instances of `side` ("prefill" or "decode") from its --SIDE-tp/-pp/-ep
+    sizes (one for all, or one per instance); ValueError if they do not fit."""
+    per: dict[str, tuple[int, ...]] = {}
+    for dim in ("tp", "pp", "ep"):
+        sizes = getattr(args, f"{side}_{dim}", (1,))
+        if len(sizes) not in (1, count):
+            raise ValueError(f"--{side}-{dim} gives {len(sizes)} sizes for {count} {side} instances")
+        per[dim] = sizes * count if len(sizes) == 1 else sizes
+    out = [Shape(*dims) for dims in zip(per["tp"], per["pp"], per["ep"])]
+    # EP shards the experts over the TP ranks (SGLang's --ep-size): it must divide TP. Whether it
+    # divides the model's experts each instance checks when it loads the model (and exits with the reason).
+    for s in out:
+        if s.tp % s.ep:
+            raise ValueError(f"--{side}-ep {s.ep} must divide --{side}-tp {s.tp}: the experts are sharded over the TP ranks")
+    return out
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
@@ -151,14 +198,15 @@ def stop_all(children: list[Child], timeout: float = 15.0) -> None:
 def run(args: argparse.Namespace) -> int:
     if min(args.prefill, args.decode, args.replicas) < 1:
         raise ValueError("--prefill, --decode and --replicas must be at least 1")
-    if args.mode == "colocated" and (args.prefill_tp, args.prefill_pp, args.prefill_ep) != (1, 1, 1):
+    if args.mode == "colocated" and {args.prefill_tp, args.prefill_pp, args.prefill_ep} != {(1,)}:
         raise ValueError("--prefill-tp/--prefill-pp/--prefill-ep apply to --mode pd; a colocated replica is split "
                          "with --decode-tp/--decode-ep")
-    # EP shards the experts over the TP ranks (SGLang's --ep-size): it must divide TP. Whether it
-    # divides the model's experts each instance checks when it loads the model (and exits with the reason).
-    for side, tp, ep in (("prefill", args.prefill_tp, args.prefill_ep), ("decode", args.decode_tp, args.decode_ep)):
-        if ep < 1 or tp % ep:
-            raise ValueError(f"--{side}-ep {ep} must divide --{side}-tp {tp}: the experts are sharded over the TP ranks")
+    # Sizes that do not fit are refused before anything starts.
+    if args.mode == "pd":
+        shapes(args, "prefill", args.prefill)
+        shapes(args, "decode", args.decode)
+    else:
+        shapes(args, "decode", args.replicas)
     children: list[Child] = []
     stopping = False
 
@@ -174,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
                        "--transfer-deadline", str(args.deadline), *tls_flags(args)]
         if args.model:
             router_args += ["--model", args.model]
+        if args.allow_route_header:
+            router_args.append("--allow-route-header")
         if args.mode == "pd":
             prefills = ",".join(c.addr for c in workers if c.name.startswith("prefill"))
             decodes = ",".join(c.addr for c in workers if c.name.startswith("decode"))
@@ -220,21 +270,22 @@ def supervise(children: list[Child], router: Child) -> None:
 def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child]:
     common = model_flags(args) + spec_flags(args) + tls_flags(args) + [
         "--host", args.host, "--chunk-size", str(args.chunk_size), "--deadline", str(args.deadline)]
-    prefill_par = ["--tp", str(args.prefill_tp), "--pp", str(args.prefill_pp), "--ep", str(args.prefill_ep)]
-    decode_par = ["--tp", str(args.decode_tp), "--ep", str(args.decode_ep)]
     if args.mode == "pd":
         verify = ["--verify-transfer"] if args.verify_transfer else []
         overlap = [] if args.chunk_overlap else ["--no-chunk-overlap"]
         transport = [] if args.local_transfer else ["--no-local-transfer"]
-        groups = [("prefill", "prefill_svc", args.prefill, verify + overlap + transport + prefill_par),
-                  ("decode", "decode_svc", args.decode, ["--role", "decode", *decode_par, *transport,
-                                                         "--peer-abort-timeout", str(args.peer_abort_timeout)])]
+        groups = [("prefill", "prefill_svc", [verify + overlap + transport + s.flags()
+                                              for s in shapes(args, "prefill", args.prefill)]),
+                  ("decode", "decode_svc", [["--role", "decode", *s.flags(), *transport,
+                                             "--peer-abort-timeout", str(args.peer_abort_timeout)]
+                                            for s in shapes(args, "decode", args.decode)])]
     else:
-        groups = [("replica", "decode_svc", args.replicas, ["--role", "colocated", *decode_par])]
+        groups = [("replica", "decode_svc", [["--role", "colocated", *s.flags()]
+                                             for s in shapes(args, "decode", args.replicas)])]
     workers: list[Child] = []
-    for kind, module, count, extra in groups:  # P before D: P owns the bootstrap
+    for kind, module, extras in groups:  # P before D: P owns the bootstrap
         group = []
-        for i in range(count):
+        for i, extra in enumerate(extras):
             port = free_port(args.host)
             c = Child(f"{kind}{i}", f"{args.host}:{port}", module, ["--port", str(port), *common, *extra]).start()
             children.append(c)
