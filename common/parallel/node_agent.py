@@ -3,8 +3,8 @@ host's worker ranks and relays between them and the driver on node 0, over the c
 (common.parallel.node_link). It serves no requests.
 
 It ends when the driver says Stop (exit code 0) or when it loses the driver, or one of its own
-ranks dies (exit code 1, its ranks killed at once: the instance restarts whole, see
-ParallelRunner._node_lost).
+ranks dies (exit code 1, `why` says what, its ranks killed at once: the instance re-forms, see
+common.parallel.rejoin).
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ class NodeAgent:
         nodes.check(layout.world)
         self.ranks = nodes.ranks(layout.world)
         self.exit_code = 0
+        self.why = ""  # what ended it, with exit code 1
         self.done = threading.Event()
         self._stopping = False
         self._local: LocalRanks | None = None
@@ -57,10 +58,10 @@ class NodeAgent:
         if isinstance(msg, RemoteWrite):
             self._local.write(msg.rank, msg.job)
             return
-        self._local.put(msg)
-        if isinstance(msg, Stop):
+        if isinstance(msg, Stop):  # ranks that exit and a link that closes from now on are this stop
             self._stopping = True
             threading.Thread(target=self._finish, name="stop", daemon=True).start()
+        self._local.put(msg)
 
     def _finish(self) -> None:
         self._local.join(30)
@@ -78,11 +79,12 @@ class NodeAgent:
             self._lost(f"worker {dead.name} exited with code {dead.exitcode}")
 
     def _lost(self, why: str) -> None:
-        if self.done.is_set():
+        if self.done.is_set() or self._stopping:
             return
-        logger.critical("%s; stopping this node's ranks %d-%d (the instance restarts whole)", why,
+        logger.critical("%s; stopping this node's ranks %d-%d (the instance re-forms)", why,
                         self.ranks.start, self.ranks.stop - 1)
         if self._local is not None:
             self._local.kill()
+        self.why = why
         self.exit_code = 1
         self.done.set()
