@@ -13,7 +13,7 @@ control link (common.parallel.node_link): the same commands, writes and replies.
 
 A worker that dies leaves the model incomplete: the driver logs which rank and how it ended,
 and exits non-zero, so that `pdflash up` restarts the whole instance (its gRPC health goes with it). An instance
-over several nodes that has been up starts over in place instead (common.parallel.rejoin), and so does it when
+over several nodes starts over in place instead (common.parallel.rejoin), and so does it when
 a node is lost (dead, or its link cut), after failing what waited on it (_node_lost): it comes back as soon as
 every node has joined again.
 """
@@ -84,16 +84,16 @@ class ParallelRunner(ModelRunner):
         self._pending: dict[tuple, Future] = {}
         self._lock = threading.Lock()
         self._closing = False
-        self._up = False  # every rank has joined: a failure from now on re-forms a multi-node instance
         self._sent = 0  # commands broadcast so far (WriteJob.after)
         self._jobs = itertools.count()
         ready = [self._expect(("ready", r)) for r in range(1, layout.world)]
+        # Before the links to other nodes start: their heartbeats must not wait behind this copy.
+        packed = PackedTensors.pack(tensors)
         self._links: dict[int, Link] = {}  # node rank -> link, nodes other than this one
         if nodes.multi:  # before our own ranks start: a node that does not fit fails the start at once
             for node, (conn, ip) in accept_nodes(nodes, instance_key(nodes, layout, cfg.name, num_pages), startup_timeout_s).items():
                 self._links[node] = Link(conn, f"node {node} ({ip})", self._deliver, self._node_lost)
                 self._links[node].start()  # heartbeats from now on: the start-up below takes a while
-        packed = PackedTensors.pack(tensors)
         self._local = LocalRanks([
             WorkerSpec(layout.with_rank(r), cfg, packed, dtype, local_device(device, r - nodes.ranks(layout.world).start), num_pages, page_size,
                        init_method, backend, state_slots, nodes.host_ip, shared_kv)
@@ -107,7 +107,6 @@ class ParallelRunner(ModelRunner):
                          shared_kv=shared_kv)
         for f in ready:
             f.result(startup_timeout_s)
-        self._up = True
         self.drafter = None  # pipeline-parallel DFlash: this stage's share of the fused context
 
     # ---- forward -----------------------------------------------------------------------------
@@ -284,14 +283,14 @@ class ParallelRunner(ModelRunner):
     def _stop_instance(self, why: str, exc_info: bool = False) -> None:
         """Exit non-zero (so `pdflash up` restarts the instance), naming a dead worker if any:
         its death is the cause whatever failed on rank 0 because of it. A multi-node instance that
-        was up, and is not being stopped, starts over in place and waits for its nodes: restarting a
-        lost one is enough."""
+        is not being stopped starts over in place instead and waits for its nodes: restarting a lost
+        one is enough."""
         dead = self._local.dead()
         if dead:
             why, exc_info = f"worker {dead[0].name} exited with code {dead[0].exitcode}; the model is incomplete", False
         logger.critical("%s, stopping this instance", why, exc_info=exc_info)
         self._local.kill()
-        if self.nodes.multi and self._up and not self._closing:
+        if self.nodes.multi and not self._closing:
             restart_in_place(why)
         os._exit(1)
 

@@ -36,13 +36,13 @@ class NodeAgent:
         self.done = threading.Event()
         self._stopping = False
         self._local: LocalRanks | None = None
+        packed = PackedTensors.pack(tensors)  # before the link: its heartbeats must not wait behind this copy
         conn = connect_head(nodes, instance_key(nodes, layout, cfg.name, num_pages), startup_timeout_s)
         # Heartbeats from now on (the ranks' start-up takes a while); the driver sends nothing
         # else before our ranks have joined its process group.
         self._link = Link(conn, f"node 0 ({nodes.control_addr[0]})", self._on_message, self._lost)
         self._link.start()
         backend = "nccl" if device.startswith("cuda") else "gloo"
-        packed = PackedTensors.pack(tensors)
         self._local = LocalRanks([
             WorkerSpec(layout.with_rank(r), cfg, packed, dtype, local_device(device, r - self.ranks.start), num_pages,
                        page_size, nodes.init_method, backend, state_slots, nodes.host_ip, shared_kv)
