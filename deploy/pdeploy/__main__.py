@@ -7,8 +7,8 @@ Commands:
   logs    collect every service's log into results/<RUN_ID>/logs
   stop    stop the stack (router -> D -> P) and record what is left on each node
   status  health of every service of the run
-  restart start the named services of the run again, each healthy (or running) before the next,
-          e.g. a lost node of an instance over several nodes: deploy/pd.sh restart [PROFILE] NAME...
+  restart start the named services of the run again and wait until they are up, e.g. the lost
+          node of an instance over several nodes: deploy/pd.sh restart [PROFILE] NAME...
           (names as `status` lists them; the instance's other nodes wait for it, docs/DEPLOY.md)
 
 PROFILE: a name in deploy/profiles/ or a path to an .env file (default: $PROFILE, else the
@@ -74,7 +74,7 @@ def main(argv: list[str], environ=os.environ) -> int:
         return _usage(f"unknown command {command!r}")
     sets = dict(a.split("=", 1) for a in rest if "=" in a)
     positional = [a for a in rest if "=" not in a]
-    names = []  # restart: the services, told from a profile by having none of that name
+    names = []  # restart: the services, i.e. the arguments that name no profile
     if command == "restart":
         names = [a for a in positional if not profile_path(a).is_file()]
         positional = [a for a in positional if a not in names]
