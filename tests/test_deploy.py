@@ -123,6 +123,15 @@ def test_status_dry_run_and_bench_reuse_note():
     assert "client.py bench --url http://10.10.0.1:30000 --input-len 16384" in out and "pdflash bench" not in out
 
 
+def test_restart_dry_run_touches_only_the_named_services():
+    rc, out, _ = dry_run("restart", "pd-8node", "prefill0-rank1")
+    assert rc == 0, out
+    assert "down -t" in out and "up -d" in out and "wait until prefill0-rank1 is running" in out
+    assert "pdflash-prefill0-rank1" in out and not any(f"pdflash-{s}" in out for s in ("prefill0-rank0", "decode0", "router"))
+    rc, out, _ = dry_run("restart", "pd-8node", "prefill9-rank0")
+    assert rc == 2 and "no service prefill9-rank0 in this stack" in out
+
+
 def test_failed_start_is_recorded_and_cleaned_up(tmp_path):
     """A service that dies during start-up fails `all` at once (not at START_TIMEOUT); the step's
     exit code is recorded, the logs collected, the stack stopped."""

@@ -12,8 +12,10 @@ agent (common.parallel.node_agent) starts its own, and the driver reaches them o
 control link (common.parallel.node_link): the same commands, writes and replies.
 
 A worker that dies leaves the model incomplete: the driver logs which rank and how it ended,
-and exits non-zero, so that `pdflash up` restarts the whole instance (its gRPC health goes with it). A node that
-is lost (dead, or its link cut) does the same, after failing what waited on it (_node_lost).
+and exits non-zero, so that `pdflash up` restarts the whole instance (its gRPC health goes with it). An instance
+over several nodes starts over in place instead (common.parallel.rejoin), and so does it when
+a node is lost (dead, or its link cut), after failing what waited on it (_node_lost): it comes back as soon as
+every node has joined again.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from common.parallel.cluster import STARTUP_TIMEOUT_S, Nodes, local_device
 from common.parallel.local_ranks import LocalRanks
 from common.parallel.node_link import LOST_GRACE_S, Link, RemoteWrite, accept_nodes, instance_key
 from common.parallel.ports import free_port
+from common.parallel.rejoin import restart_in_place
 from common.parallel.stage import init_ranks, recv, stage_forward
 from common.parallel.worker import (
     AppendContext,
@@ -84,12 +87,13 @@ class ParallelRunner(ModelRunner):
         self._sent = 0  # commands broadcast so far (WriteJob.after)
         self._jobs = itertools.count()
         ready = [self._expect(("ready", r)) for r in range(1, layout.world)]
+        # Before the links to other nodes start: their heartbeats must not wait behind this copy.
+        packed = PackedTensors.pack(tensors)
         self._links: dict[int, Link] = {}  # node rank -> link, nodes other than this one
         if nodes.multi:  # before our own ranks start: a node that does not fit fails the start at once
             for node, (conn, ip) in accept_nodes(nodes, instance_key(nodes, layout, cfg.name, num_pages), startup_timeout_s).items():
                 self._links[node] = Link(conn, f"node {node} ({ip})", self._deliver, self._node_lost)
                 self._links[node].start()  # heartbeats from now on: the start-up below takes a while
-        packed = PackedTensors.pack(tensors)
         self._local = LocalRanks([
             WorkerSpec(layout.with_rank(r), cfg, packed, dtype, local_device(device, r - nodes.ranks(layout.world).start), num_pages, page_size,
                        init_method, backend, state_slots, nodes.host_ip, shared_kv)
@@ -262,7 +266,7 @@ class ParallelRunner(ModelRunner):
         """Another node is gone: the model is incomplete and the ranks left may be stuck in a
         collective with it, for good. Out of service at once (the service's on_lost); after the
         grace, in which the lost node's ranks stop themselves, fail whatever waited on it (KV writes
-        in flight: D may then reuse those pages); then exit, so that the instance restarts whole."""
+        in flight: D may then reuse those pages); then start over (_stop_instance)."""
         if self._closing:
             return
         logger.critical("%s; this instance is out of service", why)
@@ -278,11 +282,15 @@ class ParallelRunner(ModelRunner):
 
     def _stop_instance(self, why: str, exc_info: bool = False) -> None:
         """Exit non-zero (so `pdflash up` restarts the instance), naming a dead worker if any:
-        its death is the cause whatever failed on rank 0 because of it."""
+        its death is the cause whatever failed on rank 0 because of it. A multi-node instance that
+        is not being stopped starts over in place instead and waits for its nodes: restarting a lost
+        one is enough."""
         dead = self._local.dead()
         if dead:
             why, exc_info = f"worker {dead[0].name} exited with code {dead[0].exitcode}; the model is incomplete", False
         logger.critical("%s, stopping this instance", why, exc_info=exc_info)
         self._local.kill()
+        if self.nodes.multi and not self._closing:
+            restart_in_place(why)
         os._exit(1)
 

@@ -4,6 +4,7 @@ queue. The driver (node 0) and the node agent (other nodes) both start theirs he
 from __future__ import annotations
 
 import multiprocessing.connection
+import time
 
 import torch.multiprocessing as mp
 
@@ -57,6 +58,11 @@ class LocalRanks:
             if p.is_alive():
                 p.kill()
 
-    def kill(self) -> None:
+    def kill(self, wait_s: float = 10.0) -> None:
+        """SIGKILL every rank, then wait up to wait_s until they are gone: a GPU's memory is free
+        only then, and a process starting over in place (common.parallel.rejoin) needs it."""
         for p in self.procs:
             p.kill()
+        deadline = time.monotonic() + wait_s
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))

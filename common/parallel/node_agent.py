@@ -3,8 +3,8 @@ host's worker ranks and relays between them and the driver on node 0, over the c
 (common.parallel.node_link). It serves no requests.
 
 It ends when the driver says Stop (exit code 0) or when it loses the driver, or one of its own
-ranks dies (exit code 1, its ranks killed at once: the instance restarts whole, see
-ParallelRunner._node_lost).
+ranks dies (exit code 1, `why` says what, its ranks killed at once: the instance re-forms, see
+common.parallel.rejoin).
 """
 from __future__ import annotations
 
@@ -32,16 +32,17 @@ class NodeAgent:
         nodes.check(layout.world)
         self.ranks = nodes.ranks(layout.world)
         self.exit_code = 0
+        self.why = ""  # what ended it, with exit code 1
         self.done = threading.Event()
         self._stopping = False
         self._local: LocalRanks | None = None
+        packed = PackedTensors.pack(tensors)  # before the link: its heartbeats must not wait behind this copy
         conn = connect_head(nodes, instance_key(nodes, layout, cfg.name, num_pages), startup_timeout_s)
         # Heartbeats from now on (the ranks' start-up takes a while); the driver sends nothing
         # else before our ranks have joined its process group.
         self._link = Link(conn, f"node 0 ({nodes.control_addr[0]})", self._on_message, self._lost)
         self._link.start()
         backend = "nccl" if device.startswith("cuda") else "gloo"
-        packed = PackedTensors.pack(tensors)
         self._local = LocalRanks([
             WorkerSpec(layout.with_rank(r), cfg, packed, dtype, local_device(device, r - self.ranks.start), num_pages,
                        page_size, nodes.init_method, backend, state_slots, nodes.host_ip, shared_kv)
@@ -57,10 +58,10 @@ class NodeAgent:
         if isinstance(msg, RemoteWrite):
             self._local.write(msg.rank, msg.job)
             return
-        self._local.put(msg)
-        if isinstance(msg, Stop):
+        if isinstance(msg, Stop):  # ranks that exit and a link that closes from now on are this stop
             self._stopping = True
             threading.Thread(target=self._finish, name="stop", daemon=True).start()
+        self._local.put(msg)
 
     def _finish(self) -> None:
         self._local.join(30)
@@ -78,11 +79,12 @@ class NodeAgent:
             self._lost(f"worker {dead.name} exited with code {dead.exitcode}")
 
     def _lost(self, why: str) -> None:
-        if self.done.is_set():
+        if self.done.is_set() or self._stopping:
             return
-        logger.critical("%s; stopping this node's ranks %d-%d (the instance restarts whole)", why,
+        logger.critical("%s; stopping this node's ranks %d-%d (the instance re-forms)", why,
                         self.ranks.start, self.ranks.stop - 1)
         if self._local is not None:
             self._local.kill()
+        self.why = why
         self.exit_code = 1
         self.done.set()

@@ -87,7 +87,7 @@ class Link:
         while not self._done.is_set():
             try:
                 msg = self._conn.recv()
-            except (EOFError, OSError) as e:
+            except (EOFError, OSError, TypeError) as e:  # TypeError: close() took the socket from under recv
                 self._lose(f"{self.peer}: link closed ({type(e).__name__})")
                 return
             self._heard = time.monotonic()

@@ -47,7 +47,8 @@ class PackedTensors:
         for name, t in tensors.items():
             index.append((name, t.dtype, tuple(t.shape), offset))
             offset += -(-t.numel() * t.element_size() // 64) * 64  # keep every tensor aligned
-        flat = torch.empty(offset, dtype=torch.uint8)
+        # In shared memory from the start: else the first worker's start copies it there.
+        flat = torch.empty(offset, dtype=torch.uint8).share_memory_()
         for (name, dtype, shape, start), t in zip(index, tensors.values()):
             flat[start:start + t.numel() * t.element_size()].view(dtype).view(shape).copy_(t)
         return cls(flat, index)

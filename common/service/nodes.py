@@ -2,10 +2,12 @@
 
 Node 0 serves the instance; when a node of it is lost, `watch_nodes` takes it out of service:
 health NOT_SERVING at once (the router stops routing to it), the requests in flight failed with
-the reason once the lost node's ranks have stopped, then the driver exits (ParallelRunner).
+the reason once the lost node's ranks have stopped, then the driver starts over in place and
+waits for the nodes again (ParallelRunner, common.parallel.rejoin).
 
 Every other node runs `serve_node`: its ranks, and the standard gRPC health on --host:--port
-(SERVING once joined to node 0), nothing else.
+(SERVING once joined to node 0), nothing else; it starts over in place too when it loses node 0
+or a rank of its own, unless it was told to stop.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from grpc_health.v1 import health, health_pb2
 
 from common.parallel.driver import ParallelRunner
 from common.parallel.node_link import LOST_GRACE_S
+from common.parallel.rejoin import restart_in_place
 from common.runner.model_runner import ModelRunner
 from common.service.engine_loop import EngineLoop
 from common.service.grpc_process import serve_grpc
@@ -38,7 +41,7 @@ def watch_nodes(runner: ModelRunner, loop: EngineLoop, checks: health.aio.Health
 
 async def serve_node(args: argparse.Namespace, opts: ModelOptions, role: str, log: logging.Logger,
                      stop: asyncio.Event) -> None:
-    """Run this host's ranks until node 0 stops them (or is lost: exit code 1)."""
+    """Run this host's ranks until node 0 stops them, or this node is stopped (exit code 1)."""
     nodes = args.nodes
     log.info("node %d of %d of a %s instance: waiting for node 0 at %s", nodes.node_rank, nodes.nnodes, role,
              nodes.dist_init_addr)
@@ -54,5 +57,7 @@ async def serve_node(args: argparse.Namespace, opts: ModelOptions, role: str, lo
         agent.stop()
     stopped.cancel()
     await server.stop(grace=1)
+    if agent.exit_code and not stop.is_set():
+        restart_in_place(agent.why)
     if agent.exit_code:
         raise SystemExit(agent.exit_code)

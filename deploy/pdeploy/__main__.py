@@ -7,6 +7,9 @@ Commands:
   logs    collect every service's log into results/<RUN_ID>/logs
   stop    stop the stack (router -> D -> P) and record what is left on each node
   status  health of every service of the run
+  restart start the named services of the run again and wait until they are up, e.g. the lost
+          node of an instance over several nodes: deploy/pd.sh restart [PROFILE] NAME...
+          (names as `status` lists them; the instance's other nodes wait for it, docs/DEPLOY.md)
 
 PROFILE: a name in deploy/profiles/ or a path to an .env file (default: $PROFILE, else the
 profile the run was started with). KEY=VALUE overrides a setting of deploy/config.env.
@@ -23,12 +26,12 @@ import time
 from pathlib import Path
 
 from pdeploy import guards
-from pdeploy.config import REPO_ROOT, ConfigError, load_config, read_env_file
+from pdeploy.config import REPO_ROOT, ConfigError, load_config, profile_path, read_env_file
 from pdeploy.runner import Runner, StepFailed
 from pdeploy.steps import ACTIVE, Deployment
 from pdeploy.topology import build_topology
 
-COMMANDS = ("all", "start", "bench", "logs", "stop", "status")
+COMMANDS = ("all", "start", "bench", "logs", "stop", "status", "restart")
 
 
 def _usage(message: str) -> int:
@@ -71,6 +74,12 @@ def main(argv: list[str], environ=os.environ) -> int:
         return _usage(f"unknown command {command!r}")
     sets = dict(a.split("=", 1) for a in rest if "=" in a)
     positional = [a for a in rest if "=" not in a]
+    names = []  # restart: the services, i.e. the arguments that name no profile
+    if command == "restart":
+        names = [a for a in positional if not profile_path(a).is_file()]
+        positional = [a for a in positional if a not in names]
+        if not names:
+            return _usage("restart: which services? e.g. deploy/pd.sh restart prefill0-rank1")
     if len(positional) > 1:
         return _usage(f"one profile at most, got {positional}")
     try:
@@ -97,16 +106,16 @@ def main(argv: list[str], environ=os.environ) -> int:
     if command == "status":
         return 0 if dep.status() or dry else 1
     steps = {"all": ["start", "smoke", "bench", "logs", "stop"], "bench": ["start", "bench"]}.get(command, [command])
-    return _run_steps(dep, runner, steps, command)
+    return _run_steps(dep, runner, steps, command, names)
 
 
-def _run_steps(dep: Deployment, runner: Runner, steps: list[str], command: str) -> int:
+def _run_steps(dep: Deployment, runner: Runner, steps: list[str], command: str, names: list[str]) -> int:
     done: list[str] = []
     for step in steps:
         runner.begin(step)
         t0 = time.monotonic()
         try:
-            getattr(dep, step)()
+            getattr(dep, step)(*([names] if step == "restart" else []))
             runner.log_step(step, 0, time.monotonic() - t0)
             done.append(step)
         except (StepFailed, KeyboardInterrupt) as e:

@@ -6,6 +6,8 @@
 3. bench   warm every instance, then the serving benchmark          -> bench/
 4. logs    every service's log                                      -> logs/
 5. stop    router -> D -> P; what is left on each node afterwards   -> metadata/after-stop-*.txt
+
+`restart NAME...` starts services of a running stack again, e.g. the node an instance lost.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 from pdeploy.commands import Cmd, ComposeLauncher, launcher, local, on
 from pdeploy.config import REPO_ROOT, Config, read_env_file
 from pdeploy.runner import Runner, StepFailed
-from pdeploy.topology import ROLE_ORDER, Topology
+from pdeploy.topology import ROLE_ORDER, Service, Topology
 
 ACTIVE = "ACTIVE"  # results/ACTIVE: the run whose stack is up (RUN_ID, PROFILE, DIGEST)
 
@@ -45,19 +47,35 @@ class Deployment:
             probe = ("hostname; nproc; free -g | head -2; nvidia-smi -L 2>/dev/null; "
                      "ls /dev/infiniband 2>/dev/null; ip -br addr 2>/dev/null")
             self.r.run(on(self.cfg, node, probe, out=f"{self.results}/metadata/before-{node.label}.txt", check=False))
-        interval, timeout = float(self.cfg["POLL_INTERVAL"]), float(self.cfg["START_TIMEOUT"])
         for role in ROLE_ORDER:
-            group = self.topo.role(role)
-            for s in group:
-                self.r.note(f"{s.name} on {s.node.target} ({s.node.ip}), rank {s.rank}/{s.nnodes}")
-                for cmd in self.launch.prepare(s) + self.launch.start(s):
-                    self.r.run(cmd)
-            for s in group:
-                if s.head:
-                    self.r.poll(self.launch.healthy(s), self.launch.alive(s), f"{s.name} is healthy", interval, timeout)
-                else:  # joins its head through torch.distributed; the head's health covers it
-                    self.r.poll(self.launch.alive(s), None, f"{s.name} is running", interval, timeout)
+            self._start_group(self.topo.role(role))
         self.r.note(f"stack up: {self.url}")
+
+    def _start_group(self, group: list[Service]) -> None:
+        """Start these services, then wait until each is up."""
+        interval, timeout = float(self.cfg["POLL_INTERVAL"]), float(self.cfg["START_TIMEOUT"])
+        for s in group:
+            self.r.note(f"{s.name} on {s.node.target} ({s.node.ip}), rank {s.rank}/{s.nnodes}")
+            for cmd in self.launch.prepare(s) + self.launch.start(s):
+                self.r.run(cmd)
+        for s in group:
+            if s.head:
+                self.r.poll(self.launch.healthy(s), self.launch.alive(s), f"{s.name} is healthy", interval, timeout)
+            else:  # joins its head through torch.distributed; the head's health covers it
+                self.r.poll(self.launch.alive(s), None, f"{s.name} is running", interval, timeout)
+
+    def restart(self, names: list[str]) -> None:
+        """Stop what is left of these services and start them again; the rest of the stack stays
+        (an instance's surviving nodes wait for a lost one: docs/DEPLOY.md)."""
+        by_name = {s.name: s for s in self.topo.services}
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise StepFailed(f"no service {', '.join(unknown)} in this stack; it has {', '.join(by_name)}", 2)
+        group = [by_name[n] for n in names]
+        for s in group:
+            for cmd in self.launch.stop(s):
+                self.r.run(Cmd(cmd.text, check=False))
+        self._start_group(group)
 
     def _reuse(self) -> bool:
         """True when this run's stack is already up with the same settings; refuses a different one."""
