@@ -74,7 +74,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             # Whatever ended the stream (finish, error, client gone), the room's pages go back.
             self.loop.close(req.rid)
             if not req.finished or req.cache.pages:
-                await self.loop.call(lambda e: e.abort(req.rid) or e.release(req))
+                await self.loop.release(lambda e: e.abort(req.rid) or e.release(req))
 
     async def _handoff(self, req: Request, prefill_addr: str, deadline: float, context) -> int:
         try:

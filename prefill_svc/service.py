@@ -102,7 +102,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await writes.settle()
             self._rooms.pop(req.rid, None)
             self._sends.pop(req.rid, None)
-            await self.loop.call(lambda e: e.abort(req.rid) or e.release(req))
+            await self.loop.release(lambda e: e.abort(req.rid) or e.release(req))
 
     async def _prefill(self, req: Request, outputs: asyncio.Queue, writes: RoomWrites, deadline: float) -> StepOutput:
         """The engine's output that ends the room's prefill (its first token). After each chunk

@@ -52,7 +52,8 @@ class Instances:
         order = [self.backends[(self._next + i) % n] for i in range(n)]
         live = [b for b in order if b.addr not in self._down]
         if not live:
-            why = "; ".join(f"{addr}: {reason}" for addr, reason in self._down.items())
+            # "ROLE ADDR: ..." as every error that names a backend (errors.from_grpc)
+            why = "; ".join(f"{self.role} {addr}: {reason}" for addr, reason in self._down.items())
             raise ApiError(503, f"no {self.role} instance in service ({why})", NO_INSTANCE,
                            grpc.StatusCode.UNAVAILABLE)
         backend = min(live, key=lambda b: self.rooms[b.addr])  # the first of the least loaded

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,6 +31,8 @@ NEW_TOKENS = 12
 DEADLINE_S = 15
 SUBNET = "10.200.0"
 STARTS_OVER = "starts over in place"  # a node process re-forming its instance (common.parallel.rejoin)
+# A clear failure: the router's 5xx naming the P or D that failed ("decode 10.200.0.3:32000: ...")
+NAMES_A_BACKEND = re.compile(r"HTTP 5\d\d: .*\b(prefill|decode) 10\.200\.0\.\d+:\d+")
 
 
 def _netns_available() -> str | None:
@@ -180,6 +183,13 @@ def client(ns: Namespaces, *args: str, timeout: float = 120) -> tuple[int, dict,
         raise AssertionError(f"client printed no JSON (rc {r.returncode}): {r.stdout}\n{r.stderr}")
 
 
+def smoke_from_router(ns: Namespaces, url: str, prompt: str, max_new_tokens: int) -> subprocess.Popen:
+    """One request from the router's namespace, in the background; it prints its answer or error as JSON."""
+    return subprocess.Popen(["ip", "netns", "exec", ns.r, sys.executable, "deploy/tools/client.py", "smoke", "--url", url,
+                             "--prompt", prompt, "--max-new-tokens", str(max_new_tokens), "--timeout", "60"],
+                            stdout=subprocess.PIPE, text=True, cwd=REPO)
+
+
 def pools_free(ns: Namespaces, prefill: bool = True) -> list[tuple[int, int]]:
     """(free, total) KV pages of P (unless not `prefill`) and D, asked from the router's namespace."""
     targets = ([f"('{ns.ip[ns.p]}:31000', g.PrefillServiceStub)"] if prefill else []) \
@@ -207,9 +217,10 @@ def test_pd_8node_profile_spanning_hosts_loses_a_node(reference, cluster_namespa
     three (--nnodes), router in a sixth, DFlash:
     1. started P -> D -> router; a greedy request equals `pdflash generate` (DFlash is lossless:
        the plain reference)
-    2. the P <-> D links are slowed, a long prompt's KV transfer starts, they are cut: the client
-       gets an HTTP 5xx within the deadline; once they are back the stack is healthy, every KV
-       pool is all free and the next request answers correctly
+    2. the P <-> D links are slowed, a long prompt's KV transfer starts, a burst of short requests
+       follows, the links are cut: the long one's client gets an HTTP 5xx within the deadline, and
+       each short one answers correctly or fails likewise naming its P or D; once the links are
+       back the stack is healthy, every KV pool is all free and a burst of requests answers correctly
     3. the link between the two P hosts is cut while a prompt's activations cross it: the client
        gets an HTTP 5xx within the deadline, the router sees P down and refuses the next request
        at once (503: no prefill instance in service), both P nodes start over in place (same
@@ -250,21 +261,25 @@ def test_pd_8node_profile_spanning_hosts_loses_a_node(reference, cluster_namespa
         long_prompt = " ".join(f"item {i}," for i in range(150))  # ~600 tokens: ~27 MB of fp32 KV
         base = ns.tx_bytes(into_d)
         t0 = time.monotonic()
-        req = subprocess.Popen(["ip", "netns", "exec", ns.r, sys.executable, "deploy/tools/client.py", "smoke",
-                                "--url", url, "--prompt", long_prompt, "--max-new-tokens", "4", "--timeout", "60"],
-                               stdout=subprocess.PIPE, text=True, cwd=REPO)
+        req = smoke_from_router(ns, url, long_prompt, 4)
         while ns.tx_bytes(into_d) - base < 2_000_000:  # KV bytes are flowing into D
-            assert req.poll() is None, "the request ended before its transfer was cut"
+            assert req.poll() is None, f"the request ended before its transfer was cut: {req.communicate()[0]}"
             assert time.monotonic() - t0 < 90, "the KV transfer never started"
             time.sleep(0.05)
+        burst = [smoke_from_router(ns, url, PROMPT, NEW_TOKENS) for _ in range(3)]  # in flight at the cut too
         cut = time.monotonic()
         routes = ns.cross_routes(ns.prefill, ns.decode)
         for host, peer in routes:
             sh("ip", "-n", host, "route", "add", "blackhole", f"{ns.ip[peer]}/32")
         failed = json.loads(req.communicate(timeout=90)[0])
         took = time.monotonic() - cut
-        assert req.returncode == 1 and failed["error"].startswith("HTTP 5"), failed  # a clean error, not a hang
+        assert req.returncode == 1 and NAMES_A_BACKEND.match(failed["error"]), failed  # a clean error, not a hang
         assert took < DEADLINE_S + 3, f"the error came {took:.1f} s after the cut (deadline {DEADLINE_S} s)"
+        for r in burst:  # each answered before the cut, or failed as clearly and in time
+            got = json.loads(r.communicate(timeout=90)[0])
+            assert got.get("output_ids") == ref or NAMES_A_BACKEND.match(got.get("error", "")), got
+        took = time.monotonic() - cut
+        assert took < DEADLINE_S + 3, f"the burst ended {took:.1f} s after the cut (deadline {DEADLINE_S} s)"
         for host, peer in routes:
             sh("ip", "-n", host, "route", "del", "blackhole", f"{ns.ip[peer]}/32")
         for port in into_d:
@@ -280,8 +295,10 @@ def test_pd_8node_profile_spanning_hosts_loses_a_node(reference, cluster_namespa
         while (pools := pools_free(ns)) and any(free != total for free, total in pools):
             assert time.monotonic() < deadline, f"KV pages still held after the failed room: {pools}"
             time.sleep(1)
-        rc, got, _ = client(ns, "smoke", "--url", url, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS))
-        assert rc == 0 and got["output_ids"] == ref, got
+        burst = [smoke_from_router(ns, url, PROMPT, NEW_TOKENS) for _ in range(3)]
+        for r in burst:
+            got = json.loads(r.communicate(timeout=120)[0])
+            assert r.returncode == 0 and got["output_ids"] == ref, got
 
         # 3. cut P0 <-> P1 (routes to nothing, both ways: packets vanish, nothing is reset) once a
         # long prompt's activations are crossing it

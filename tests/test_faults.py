@@ -14,6 +14,7 @@ The deadline cases use a second router (no model: seconds to start) in front of 
 with a 5 s transfer deadline, which the services take from each request."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -26,12 +27,14 @@ import time
 import uuid
 from collections.abc import Iterator
 
+import aiohttp
 import grpc
 import pytest
 import requests
 from test_router_process import RouterProcess
 
 from common.parallel.ports import free_port
+from common.tools.bench.client import Response, post_generate
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 
@@ -307,6 +310,8 @@ def test_transfer_fails_when_decode_dies_under_it(stack: Stack, reference: list[
     P's Mooncake write fails; P frees its pages and reports the failure in its reply."""
     d = stack.worker("decode")
     pid = stack.pid(d)
+    streamed, streaming = stream_in_background(stack.url, SHORT)  # decoding on D when it dies
+    wait_until("the streamed request's first tokens", lambda: streamed.ttft is not None, 60, stack)
     room, prefill, generate = direct_room(stack, LONG)
     wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
     time.sleep(1)  # D's Bootstrap (sent right after its reservation) has reached P
@@ -322,6 +327,11 @@ def test_transfer_fails_when_decode_dies_under_it(stack: Stack, reference: list[
     with pytest.raises(grpc.RpcError) as info:
         generate.result(timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    # A stream D dies under ends with an SSE error event naming D (then [DONE]), which the
+    # soak's client reports as such.
+    streaming.result(timeout=30)
+    assert streamed.error is not None and streamed.error.startswith("error mid-stream: ") \
+        and f"decode {d.addr}" in streamed.error, streamed.error
     wait_until("P's pages back", lambda: all_free(health(stack, "prefill")), 30, stack)
 
     # D dead (until pdflash up has restarted it): a request through the router fails cleanly and
@@ -333,6 +343,19 @@ def test_transfer_fails_when_decode_dies_under_it(stack: Stack, reference: list[
     wait_until("a new D process", lambda: _new_pid(stack, d, pid), 30, stack, every=0.5)
     _wait_serving(stack, d)
     serves_next_request(stack, reference)
+
+
+def stream_in_background(url: str, ids: list[int]) -> tuple[Response, concurrent.futures.Future]:
+    """A streamed greedy request of many tokens, read by the soak's client in a thread; the
+    Response fills in as events arrive."""
+    r = Response(0)
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}}
+
+    async def send() -> None:
+        async with aiohttp.ClientSession() as session:
+            await post_generate(session, url + "/generate", body, r)
+    return r, pool.submit(asyncio.run, send())
 
 
 def _new_pid(stack: Stack, worker, old: int) -> bool:

@@ -134,8 +134,9 @@ def test_unsplittable_tp_refused_before_any_process(embedded_weights) -> None:
 
 
 DRIVER = """
+import os
 import sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, os.path.dirname({tests!r})]  # this checkout's packages, not an installed one's
 from tiny_models import random_model
 from common.parallel.driver import ParallelRunner
 from common.kv.seq_cache import SeqCache
@@ -143,6 +144,7 @@ from common.kv.seq_cache import SeqCache
 if __name__ == "__main__":
     cfg, tensors = random_model(num_layers=4)
     runner = ParallelRunner(cfg, tensors, pp=2, num_pages=4, page_size=8)
+    runner.on_lost = lambda why, grace_s: print(f"out of service ({{grace_s}} s): {{why}}", flush=True)
     print(runner.worker_pids[0], flush=True)
     while True:  # steps keep coming, as in a busy service
         seq = SeqCache()
@@ -153,8 +155,9 @@ if __name__ == "__main__":
 
 
 def test_dead_worker_stops_the_driver_with_an_error(tmp_path) -> None:
-    """A killed worker rank must not leave the service hanging in a collective: the driver
-    exits non-zero naming the rank (so `pdflash up` restarts the instance)."""
+    """A killed worker rank must not leave the service hanging in a collective: the driver takes
+    the instance out of service at once naming the rank (the service then fails its requests in
+    flight with that), and exits non-zero (so `pdflash up` restarts the instance)."""
     import os
     import signal
     import subprocess
@@ -172,3 +175,4 @@ def test_dead_worker_stops_the_driver_with_an_error(tmp_path) -> None:
         if proc.poll() is None:
             proc.kill()
     assert "worker pdflash-rank1 exited with code -9" in proc.stderr.read()
+    assert proc.stdout.read() == "out of service (0.0 s): worker pdflash-rank1 exited with code -9; the model is incomplete\n"

@@ -89,10 +89,13 @@ def test_the_fault_report_sorts_requests_and_judges_them() -> None:
                              "not_naming_a_backend": 0, "example": "HTTP 502: prefill h:2: prefill failed"}
     assert r["unaffected"]["requests"] == 2 and r["unaffected"]["failed"] == 0
     assert (r["out_of_service_after_s"], r["back_in_service_after_s"], r["passed"]) == (2.0, 30.0, True)
-    # The negative controls: a failure elsewhere, one past the deadline, an instance never taken out.
+    # The negative controls: a failure elsewhere, one past the deadline, an affected one naming no
+    # backend, an instance never taken out.
     other = "HTTP 504: decode h:3: KV transfer from prefill h:1 did not finish within the deadline"
     assert not soak_fault.report(t, plan, outcomes + [_outcome(20, 21, other)], 60.0)["passed"]
     assert not soak_fault.report(t, plan, outcomes + [_outcome(12, 80, named)], 60.0)["passed"]
+    assert not soak_fault.report(t, plan, outcomes + [_outcome(9, 13, "the response ended without a final event")],
+                                 60.0)["passed"]
     never_out = soak_fault.Timeline(addr="h:2", pid=7, fault_s=10.0)
     assert not soak_fault.report(never_out, plan, outcomes, 60.0)["passed"]
     assert "NOT made" in soak_fault.markdown(soak_fault.report(soak_fault.Timeline(addr="h:2"), plan, [], 60.0))

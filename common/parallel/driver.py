@@ -11,11 +11,13 @@ Across hosts (common.parallel.cluster) the driver starts only node 0's ranks; ev
 agent (common.parallel.node_agent) starts its own, and the driver reaches them over that node's
 control link (common.parallel.node_link): the same commands, writes and replies.
 
-A worker that dies leaves the model incomplete: the driver logs which rank and how it ended,
-and exits non-zero, so that `pdflash up` restarts the whole instance (its gRPC health goes with it). An instance
-over several nodes starts over in place instead (common.parallel.rejoin), and so does it when
-a node is lost (dead, or its link cut), after failing what waited on it (_node_lost): it comes back as soon as
-every node has joined again.
+A worker that dies leaves the model incomplete: the driver logs which rank and how it ended, takes
+the instance out of service (the service's on_lost: health NOT_SERVING, the requests in flight
+failed naming the rank, so clients learn why rather than see a connection reset), and exits
+non-zero, so that `pdflash up` restarts the whole instance. A node that is lost (dead, or its link
+cut) does the same, after a grace in which its ranks stop themselves (_node_lost). An instance over
+several nodes starts over in place instead of exiting (common.parallel.rejoin): it comes back as
+soon as every node has joined again.
 """
 from __future__ import annotations
 
@@ -80,10 +82,12 @@ class ParallelRunner(ModelRunner):
         backend = "nccl" if device.startswith("cuda") else "gloo"
         init_method = nodes.init_method if nodes.multi else f"tcp://127.0.0.1:{free_port()}"
         self.nodes = nodes
-        self.on_lost: Callable[[str], None] | None = None  # the service: out of service, why
+        # The service: out of service now, why, and after how many seconds to fail its requests in flight
+        self.on_lost: Callable[[str, float], None] | None = None
         self._pending: dict[tuple, Future] = {}
         self._lock = threading.Lock()
         self._closing = False
+        self._stopping = threading.Lock()  # held by the one thread that stops the instance
         self._sent = 0  # commands broadcast so far (WriteJob.after)
         self._jobs = itertools.count()
         ready = [self._expect(("ready", r)) for r in range(1, layout.world)]
@@ -264,33 +268,35 @@ class ParallelRunner(ModelRunner):
 
     def _node_lost(self, why: str) -> None:
         """Another node is gone: the model is incomplete and the ranks left may be stuck in a
-        collective with it, for good. Out of service at once (the service's on_lost); after the
-        grace, in which the lost node's ranks stop themselves, fail whatever waited on it (KV writes
-        in flight: D may then reuse those pages); then start over (_stop_instance)."""
+        collective with it, for good. Stop the instance, with a grace in which the lost node's
+        ranks stop themselves before what waited on them fails (KV writes in flight: D may then
+        reuse those pages)."""
         if self._closing:
             return
-        logger.critical("%s; this instance is out of service", why)
+        self._stop_instance(why, grace_s=LOST_GRACE_S)
+
+    def _stop_instance(self, why: str, exc_info: bool = False, grace_s: float = 0.0) -> None:
+        """Out of service at once (the service's on_lost); after grace_s this host's ranks are
+        killed and whatever waited on the ranks fails, the requests in flight too; EXIT_GRACE_S
+        later exit non-zero, so that `pdflash up` restarts the instance whole (an instance over several
+        nodes that is not being closed starts over in place instead). Names a dead worker
+        if any: its death is the cause whatever failed on rank 0 because of it. Never returns."""
+        if not self._stopping.acquire(blocking=False):
+            threading.Event().wait()  # another thread (rank watch, node link, engine) is stopping it
+        dead = self._local.dead()
+        if dead:
+            why, exc_info = f"worker {dead[0].name} exited with code {dead[0].exitcode}; the model is incomplete", False
+        logger.critical("%s; this instance is out of service, stopping it", why, exc_info=exc_info)
         if self.on_lost is not None:
-            self.on_lost(why)
-        time.sleep(LOST_GRACE_S)
+            self.on_lost(why, grace_s)
+        time.sleep(grace_s)
+        self._local.kill()  # before anything fails: no rank of ours writes into pages D may reuse
         with self._lock:
             pending, self._pending = self._pending, {}
         for fut in pending.values():
             fut.set_exception(WorkerError(why))
         time.sleep(EXIT_GRACE_S)  # for the failures to reach D and the router
-        self._stop_instance(why)
-
-    def _stop_instance(self, why: str, exc_info: bool = False) -> None:
-        """Exit non-zero (so `pdflash up` restarts the instance), naming a dead worker if any:
-        its death is the cause whatever failed on rank 0 because of it. A multi-node instance that
-        is not being stopped starts over in place instead and waits for its nodes: restarting a lost
-        one is enough."""
-        dead = self._local.dead()
-        if dead:
-            why, exc_info = f"worker {dead[0].name} exited with code {dead[0].exitcode}; the model is incomplete", False
-        logger.critical("%s, stopping this instance", why, exc_info=exc_info)
-        self._local.kill()
         if self.nodes.multi and not self._closing:
-            restart_in_place(why)
+            restart_in_place(why)  # waits for the nodes again: restarting a lost one is enough
         os._exit(1)
 

@@ -72,9 +72,19 @@ class EngineLoop:
             q.put_nowait(error)
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Raises EngineFailure once out of service: the engine thread may be stuck in a step for
+        good (a rank or node of the instance is gone), so nothing new waits on it."""
+        if self.out_of_service is not None:
+            raise EngineFailure(self.out_of_service)
         fut = self._loop.create_future()
         self._calls.put((fn, fut))
         return await fut
+
+    async def release(self, fn: Callable[[Engine], Any]) -> None:
+        """`call` for a request's clean-up, skipped once out of service: the pages go with the
+        instance, which is stopping, and its failure must still reach the client."""
+        if self.out_of_service is None:
+            await self.call(fn)
 
     # ---- engine thread -----------------------------------------------------------------
     def _run(self) -> None:

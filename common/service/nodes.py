@@ -1,9 +1,10 @@
-"""What a service does about the other nodes of a multi-node instance (--nnodes > 1).
+"""What a service does about the other ranks and nodes of a parallel instance.
 
-Node 0 serves the instance; when a node of it is lost, `watch_nodes` takes it out of service:
-health NOT_SERVING at once (the router stops routing to it), the requests in flight failed with
-the reason once the lost node's ranks have stopped, then the driver starts over in place and
-waits for the nodes again (ParallelRunner, common.parallel.rejoin).
+Node 0 serves the instance; when a worker rank dies or a node of it is lost, `watch_nodes` takes
+it out of service: health NOT_SERVING at once (the router stops routing to it), the requests in
+flight failed with the reason (once a lost node's ranks have stopped), then the driver exits, or,
+for an instance over several nodes, starts over in place and waits for the nodes again
+(ParallelRunner, common.parallel.rejoin).
 
 Every other node runs `serve_node`: its ranks, and the standard gRPC health on --host:--port
 (SERVING once joined to node 0), nothing else; it starts over in place too when it loses node 0
@@ -18,7 +19,6 @@ import logging
 from grpc_health.v1 import health, health_pb2
 
 from common.parallel.driver import ParallelRunner
-from common.parallel.node_link import LOST_GRACE_S
 from common.parallel.rejoin import restart_in_place
 from common.runner.model_runner import ModelRunner
 from common.service.engine_loop import EngineLoop
@@ -28,12 +28,12 @@ from common.service.tls import Tls
 
 
 def watch_nodes(runner: ModelRunner, loop: EngineLoop, checks: health.aio.HealthServicer) -> None:
-    if not isinstance(runner, ParallelRunner) or not runner.nodes.multi:
+    if not isinstance(runner, ParallelRunner):
         return
     aio = asyncio.get_running_loop()
 
-    def lost(why: str) -> None:  # on the link's thread
-        loop.take_out_of_service(why, LOST_GRACE_S)
+    def lost(why: str, grace_s: float) -> None:  # on the thread that saw it
+        loop.take_out_of_service(why, grace_s)
         aio.call_soon_threadsafe(aio.create_task, checks.set("", health_pb2.HealthCheckResponse.NOT_SERVING))
 
     runner.on_lost = lost

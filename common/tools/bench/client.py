@@ -130,11 +130,13 @@ async def post_generate(session: aiohttp.ClientSession, endpoint: str, body: dic
                 return
             final = await _read_stream(resp, r, t0) if body.get("stream") else await resp.json()
         r.e2e = time.monotonic() - t0
+        if r.error is not None:  # an error event mid-stream, which says more than its absent final event
+            return
         if final is None or not final.get("meta_info") or final["meta_info"].get("finish_reason") is None:
             r.error = "the response ended without a final event"
             return
         r.text, r.output_ids, r.meta = final["text"], final["output_ids"], final["meta_info"]
-        r.ok = r.error is None
+        r.ok = True
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         r.error = f"{type(e).__name__}: {e}"
 

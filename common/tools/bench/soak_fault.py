@@ -13,7 +13,8 @@ While the load runs, the router's `/server_info` (a fresh Health of each backend
 where the router sends a room) is read twice a second: when the instance was out of the
 router's service and when it was back. Then the requests are sorted: affected ones are those
 whose failure names the instance or that were in flight at the fault; each must fail with a
-message and within the transfer deadline, and every other request must succeed.
+message that names a backend and within the transfer deadline, and every other request must
+succeed.
 """
 from __future__ import annotations
 
@@ -227,7 +228,7 @@ def report(t: Timeline, plan: Plan, outcomes: list[Any], deadline_s: float) -> d
         "unaffected": {"requests": len(unaffected), "failed": len(unaffected_failed),
                        "example": unaffected_failed[0].response.error if unaffected_failed else None},
         "deadline_s": deadline_s,
-        "passed": not late and not unaffected_failed and t.out_s is not None,
+        "passed": not late and not unclear and not unaffected_failed and t.out_s is not None,
     }
 
 
