@@ -1,7 +1,37 @@
 """Shared fixtures. The embedded model (SmolLM2-135M-Instruct) is read once per session."""
 from __future__ import annotations
 
+import os
+import pickle
+from collections.abc import Callable
+from typing import TypeVar
+
 import pytest
+from filelock import FileLock
+
+# The suite runs two xdist workers on two cores, each next to the service processes of its stacks:
+# one compute thread per process. With torch's default (a thread per core) every process's
+# threads spin waiting on each other on the busy cores, several times the CPU for the same work.
+# Before torch is imported, here and in every process the tests start (they inherit it).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+T = TypeVar("T")
+
+
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, compute: Callable[[], T]) -> T:
+    """compute() once per test run however many xdist workers ask: a reference output that tests
+    on both workers compare against (the session stacks' groups may land on either) is computed by
+    the first to ask and read by the other from the run's own temporary folder, never from an
+    earlier run's."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return compute()
+    path = tmp_path_factory.getbasetemp().parent / f"{name}.pickle"  # the run's folder, above each worker's
+    with FileLock(f"{path}.lock"):
+        if path.exists():
+            return pickle.loads(path.read_bytes())
+        value = compute()
+        path.write_bytes(pickle.dumps(value))
+        return value
 
 
 @pytest.fixture(scope="session")

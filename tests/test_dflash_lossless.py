@@ -8,6 +8,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import once_per_run
 
 from common.dflash.drafter import SHIPPED, Drafter
 from common.dflash.proposer import DFlashProposer
@@ -93,21 +94,23 @@ def check_invariants(meta: dict) -> None:
 
 class PlainOutputs(dict):
     """case -> the plain engine's outputs for as many prompts as any run of that case uses,
-    computed when first asked for (a worker that runs only the stack's test needs only greedy)."""
+    computed when first asked for (a worker that runs only the stack's test needs only greedy),
+    once per run: the stack's test may run on the other worker."""
 
-    def __init__(self, runner, tok: Tokenizer, prompts: list[list[int]]):
+    def __init__(self, runner, tok: Tokenizer, prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory):
         super().__init__()
-        self.engine, self.tok, self.prompts = Engine(runner, tok.eos_token_ids), tok, prompts
+        self.engine, self.tok, self.prompts, self.tmp = Engine(runner, tok.eos_token_ids), tok, prompts, tmp_path_factory
 
     def __missing__(self, case: str) -> list[list[int]]:
         count = max(n for _, n, c in RUNS if c == case)
-        self[case] = [r.output_ids for r in run_all(self.engine, self.prompts[:count], 8, case, self.tok)]
+        self[case] = once_per_run(self.tmp, f"lossless-plain-{case}", lambda: [
+            r.output_ids for r in run_all(self.engine, self.prompts[:count], 8, case, self.tok)])
         return self[case]
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(runner, embedded_tokenizer, prompts) -> PlainOutputs:
-    return PlainOutputs(runner, embedded_tokenizer, prompts)
+def plain_outputs(runner, embedded_tokenizer, prompts, tmp_path_factory) -> PlainOutputs:
+    return PlainOutputs(runner, embedded_tokenizer, prompts, tmp_path_factory)
 
 
 def test_drafter_predicts_something(runner, proposer, embedded_tokenizer, prompts):

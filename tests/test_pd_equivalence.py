@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import openai
 import pytest
 import requests
+from conftest import once_per_run
 
 from pd_stack import Stack
 
@@ -64,10 +65,16 @@ class Expected:
 
 
 @pytest.fixture(scope="module")
-def expected(embedded_weights, embedded_tokenizer) -> dict[Case, Expected]:
-    """Every case through an in-process Engine: the reference. All at once: decoding in a batch
-    gives each request what it gives alone (the sixteen-at-once test below holds the stacks to
-    that as well), and one batch is several times faster on a CPU."""
+def expected(embedded_weights, embedded_tokenizer, tmp_path_factory) -> dict[Case, Expected]:
+    """Every case through an in-process Engine: the reference, once per run (the two stacks'
+    tests may run on different workers). All at once: decoding in a batch gives each request what
+    it gives alone (the sixteen-at-once test below holds the stacks to that as well), and one
+    batch is several times faster on a CPU."""
+    return once_per_run(tmp_path_factory, "pd-equivalence-expected",
+                        lambda: in_process(embedded_weights, embedded_tokenizer))
+
+
+def in_process(embedded_weights, embedded_tokenizer) -> dict[Case, Expected]:
     from common.engine.engine import Engine
     from common.engine.request import Request
     from common.engine.sampling import SamplingParams
