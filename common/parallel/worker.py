@@ -167,7 +167,7 @@ def worker_main(spec: WorkerSpec, commands, writes, replies) -> None:
 def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
     layout = spec.layout
     if spec.backend == "gloo":  # ranks compute in lock step: share the cores, don't oversubscribe them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world))
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, (os.cpu_count() or 1) // layout.world))
     reduce = init_ranks(layout, spec.init_method, spec.backend, spec.device)
     runner = ModelRunner(spec.cfg, spec.tensors.unpack(), dtype=spec.dtype, device=spec.device, num_pages=spec.num_pages,
                          page_size=spec.page_size, layout=layout, reduce=reduce, state_slots=spec.state_slots,

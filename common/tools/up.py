@@ -20,6 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.parallel.ports import free_port
@@ -195,6 +196,16 @@ def stop_all(children: list[Child], timeout: float = 15.0) -> None:
             c.proc.wait()
 
 
+def threads_env(args: argparse.Namespace, ranks: int) -> dict[str, str]:
+    """On the CPU the stack's `ranks` compute processes share the host's cores: one share each,
+    unless OMP_NUM_THREADS says otherwise. torch's default, a thread per core in every process,
+    has them spin waiting on each other: several times the CPU for the same work on a small host."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
+
+
 def run(args: argparse.Namespace) -> int:
     if min(args.prefill, args.decode, args.replicas) < 1:
         raise ValueError("--prefill, --decode and --replicas must be at least 1")
@@ -270,6 +281,7 @@ def supervise(children: list[Child], router: Child) -> None:
 def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child]:
     common = model_flags(args) + spec_flags(args) + tls_flags(args) + [
         "--host", args.host, "--chunk-size", str(args.chunk_size), "--deadline", str(args.deadline)]
+    sides = [("prefill", args.prefill), ("decode", args.decode)] if args.mode == "pd" else [("decode", args.replicas)]
     if args.mode == "pd":
         verify = ["--verify-transfer"] if args.verify_transfer else []
         overlap = [] if args.chunk_overlap else ["--no-chunk-overlap"]
@@ -282,12 +294,14 @@ def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child
     else:
         groups = [("replica", "decode_svc", [["--role", "colocated", *s.flags()]
                                              for s in shapes(args, "decode", args.replicas)])]
+    ranks = sum(s.tp * s.pp for side, count in sides for s in shapes(args, side, count))
+    env = threads_env(args, ranks)
     workers: list[Child] = []
     for kind, module, extras in groups:  # P before D: P owns the bootstrap
         group = []
         for i, extra in enumerate(extras):
             port = free_port(args.host)
-            c = Child(f"{kind}{i}", f"{args.host}:{port}", module, ["--port", str(port), *common, *extra]).start()
+            c = Child(f"{kind}{i}", f"{args.host}:{port}", module, ["--port", str(port), *common, *extra], env=env).start()
             children.append(c)
             group.append(c)
         wait_grpc_healthy(group, STARTUP_TIMEOUT_S, Tls.from_args(args))
