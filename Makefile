@@ -10,7 +10,8 @@ ARGS    ?=
 # imported; those that are get compiled on first import (a third less CPU for the set-up).
 PIP_FLAGS := --no-compile
 # Test workers: most of the suite's time is spent waiting on the stacks it starts (start-up,
-# deadlines, faults), which a second worker overlaps; tests/conftest.py keeps each stack on one.
+# deadlines, faults), which a second worker overlaps; tests/conftest.py keeps each stack on one
+# and orders the groups longest first (xdist's own order, by number of tests, is turned off).
 WORKERS ?= 2
 
 .PHONY: setup run test protos clean
@@ -38,7 +39,7 @@ run: setup
 	$(BIN)/pdflash up $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup $(ARGS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup --no-loadscope-reorder $(ARGS)
 
 protos: setup
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/pdflash.proto

@@ -135,11 +135,24 @@ def stack_group(item) -> str | None:
     return next((s for s in SESSION_STACKS if s in item.fixturenames), None)
 
 
+# The groups that take longest (their stacks: minutes each on two cores), handed out first: xdist
+# hands groups out in collection order (the Makefile turns its own by-size order off), and a long
+# group handed out last would run alone at the end while the other worker idles.
+LONGEST_FIRST = ("test_pd_kimi_linear", "test_deploy_netns", "pd_stack", "test_pd_parallel", "test_faults",
+                 "colocated_stack", "test_dflash_lossless", "test_pd_deepseek")
+
+
+def group_of(item) -> str:
+    return stack_group(item) or item.module.__name__
+
+
 # First: xdist's worker reads the groups in its own hook of this name.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(stack_group(item) or item.module.__name__))
+        item.add_marker(pytest.mark.xdist_group(group_of(item)))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(group_of(item), len(rank)))  # stable: the rest keep their order
 
 
 @pytest.hookimpl(optionalhook=True)
