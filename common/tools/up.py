@@ -281,21 +281,19 @@ def supervise(children: list[Child], router: Child) -> None:
 def start_workers(args: argparse.Namespace, children: list[Child]) -> list[Child]:
     common = model_flags(args) + spec_flags(args) + tls_flags(args) + [
         "--host", args.host, "--chunk-size", str(args.chunk_size), "--deadline", str(args.deadline)]
-    sides = [("prefill", args.prefill), ("decode", args.decode)] if args.mode == "pd" else [("decode", args.replicas)]
     if args.mode == "pd":
         verify = ["--verify-transfer"] if args.verify_transfer else []
         overlap = [] if args.chunk_overlap else ["--no-chunk-overlap"]
         transport = [] if args.local_transfer else ["--no-local-transfer"]
-        groups = [("prefill", "prefill_svc", [verify + overlap + transport + s.flags()
-                                              for s in shapes(args, "prefill", args.prefill)]),
+        prefill, decode = shapes(args, "prefill", args.prefill), shapes(args, "decode", args.decode)
+        groups = [("prefill", "prefill_svc", [verify + overlap + transport + s.flags() for s in prefill]),
                   ("decode", "decode_svc", [["--role", "decode", *s.flags(), *transport,
-                                             "--peer-abort-timeout", str(args.peer_abort_timeout)]
-                                            for s in shapes(args, "decode", args.decode)])]
+                                             "--peer-abort-timeout", str(args.peer_abort_timeout)] for s in decode])]
+        every = prefill + decode
     else:
-        groups = [("replica", "decode_svc", [["--role", "colocated", *s.flags()]
-                                             for s in shapes(args, "decode", args.replicas)])]
-    ranks = sum(s.tp * s.pp for side, count in sides for s in shapes(args, side, count))
-    env = threads_env(args, ranks)
+        every = shapes(args, "decode", args.replicas)
+        groups = [("replica", "decode_svc", [["--role", "colocated", *s.flags()] for s in every])]
+    env = threads_env(args, sum(s.tp * s.pp for s in every))
     workers: list[Child] = []
     for kind, module, extras in groups:  # P before D: P owns the bootstrap
         group = []
