@@ -283,6 +283,10 @@ def test_head_range_intersection_over_two_batches():
 
 
 def _start_rdma(conn: Any) -> None:
+    # A fresh process as a service starts: a TCP engine started earlier in this test worker set
+    # MC_FORCE_TCP in its environment (MooncakeEngine does, for Mooncake to read), which the
+    # spawned child inherits.
+    os.environ.pop("MC_FORCE_TCP", None)
     try:
         MooncakeEngine(MooncakeConfig(protocol="rdma")).start()
         conn.send("started")
