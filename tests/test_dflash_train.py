@@ -287,6 +287,17 @@ def test_train_save_and_resume(target, dataset, tmp_path):
     assert snap["step"] == 2 and 0 < snap["trained_response_tokens"] < info["trained_response_tokens"]
     assert Drafter.load(os.path.join(straight, "snapshots", "step-2")).cfg == whole.cfg
 
+    # --init: a run starts from a trained drafter (at learning rate 0 it saves that drafter back),
+    # and one of another shape is refused.
+    tuned = str(tmp_path / "tuned")
+    assert train(parse(*common, "--out", tuned, "--init", os.path.join(straight, "drafter"), "--lr", "0"),
+                 runner, tok) == 0
+    for name, w in Drafter.load(os.path.join(tuned, "drafter")).state_dict().items():
+        assert torch.equal(w, whole.state_dict()[name]), name
+    wider = [*common[:common.index("--layers")], "--layers", "2", *common[common.index("--layers") + 2:]]
+    with pytest.raises(ValueError, match="differs"):
+        train(parse(*wider, "--out", str(tmp_path / "wider"), "--init", os.path.join(straight, "drafter")), runner, tok)
+
 
 def test_eval_command(target, tmp_path):
     """`pdflash dflash eval` through the CLI on the users' few-shot format (stop strings), the

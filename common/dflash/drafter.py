@@ -157,15 +157,19 @@ class Drafter(nn.Module):
         """x [N, H]: embedded block tokens (all blocks flattened). attend(layer_idx, q, k, v)
         runs attention of the block queries over context + block keys and returns [N, Hq, d].
         Returns the final-normed hidden states [N, H] (logits via the target's LM head)."""
+        delta = None  # the feed-forward output, added in the next norm's kernel (as the target does)
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
+            a, norm = layer.self_attn, layer.input_layernorm
+            if delta is None:
+                h = norm(x)
+            else:
+                x, h = fused.add_rms_norm(x, delta, norm.weight, norm.eps)
             k, v = a.kv(h, cos, sin)
             out = attend(i, a.q(h, cos, sin), k, v)
             post = layer.post_attention_layernorm
             x, h = fused.add_rms_norm(x, a.o_proj(out.reshape(x.shape[0], -1)), post.weight, post.eps)
-            x = x + layer.mlp(h)
-        return self.norm(x)
+            delta = layer.mlp(h)
+        return fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
 
     # ---- files -----------------------------------------------------------------------------
     def save(self, folder: str) -> None:

@@ -39,7 +39,7 @@ from common.tools.drafter.trainer import EpochOrder, Trainer, load_checkpoint, r
 
 # Flags that steer one invocation but not what it produces: left out of the reproduce command.
 RUN_CONTROL = {"resume", "stop_at", "time_limit", "no_progress", "log_every", "save_every", "stage", "gen_time_limit"}
-PATHS = {"prompts", "data", "out", "model"}
+PATHS = {"prompts", "data", "out", "model", "init"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -69,6 +69,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--greedy-repeat", type=int, default=1,
                    help="an epoch sees each greedy answer this many times (the engine verifies at T=0)")
     m = p.add_argument_group("drafter")
+    m.add_argument("--init", default=None, metavar="DRAFTER",
+                   help="start from this drafter folder's weights (same shape), e.g. to train a shipped drafter on more data")
     m.add_argument("--layers", type=int, default=2, help="draft layers")
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--mask-token-id", type=int, default=16, help="MASK token (16 = <empty_output> in SmolLM2, unused in chat)")
@@ -167,6 +169,9 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
     total = args.steps or max(1, round(args.epochs * order.steps_per_epoch))
     torch.manual_seed(args.seed)
     drafter = Drafter(cfg).to(device)
+    if args.init:
+        init_from(drafter, args.init)
+        print(f"initialised from the drafter at {args.init}", flush=True)
     amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
     trainer = Trainer(runner, drafter, lr=args.lr, total_steps=total, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
                       weight_decay=args.weight_decay, gamma=args.gamma, anchors=args.anchors,
@@ -282,6 +287,16 @@ def save_snapshot(folder: str, trainer: Trainer, order: EpochOrder, step: int, a
     with open(os.path.join(folder, "train_info.json"), "w") as f:
         json.dump({"step": step, "trained_response_tokens": order.response_tokens_through(step),
                    "command": reproduce_command(args)}, f, indent=2)
+
+def init_from(drafter: Drafter, folder: str) -> None:
+    """The weights of the drafter in `folder` (more steps or data for a trained drafter); its
+    shape and what it reads from the target must be those this run trains."""
+    start = Drafter.load(folder)
+    if start.cfg != drafter.cfg:
+        diff = {k: (v, getattr(drafter.cfg, k)) for k, v in asdict(start.cfg).items() if getattr(drafter.cfg, k) != v}
+        raise ValueError(f"--init {folder}: that drafter differs from this run's (theirs, ours): {diff}")
+    drafter.load_state_dict(start.state_dict())
+
 
 def drafter_config(args, runner: ModelRunner) -> DrafterConfig:
     target = runner.cfg
