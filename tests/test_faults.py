@@ -7,9 +7,10 @@ For each: the client gets a clear error (HTTP status + message, or a gRPC status
 deadline; P and D free the room's pages (every pool back to all-free, read from each service's
 own Health RPC); and the stack then serves the next request with the same output as before.
 
-One stack for the whole module (transfer deadline 120 s: a 3000-token prefill on a busy 2-core
-machine takes tens of seconds). P prefills in chunks of 256 tokens: an abort takes effect between
-steps, so a room aborted mid-prefill stops after its chunk instead of computing the whole prompt.
+One stack for the whole module (transfer deadline 120 s: the long prompt's prefill on a busy
+2-core machine takes tens of seconds). P prefills in chunks of 256 tokens: an abort takes effect
+between steps, so a room aborted mid-prefill stops after its chunk instead of computing the whole
+prompt.
 The deadline cases use a second router (no model: seconds to start) in front of the same P and D
 with a 5 s transfer deadline, which the services take from each request."""
 from __future__ import annotations
@@ -45,7 +46,9 @@ pytestmark = pytest.mark.slow
 DEADLINE_S = 120.0  # the stack's transfer deadline
 PEER_ABORT_TIMEOUT_S = 2.0  # D's attempts at P's Abort (10 s by default): short, so the test waits less
 SHORT_DEADLINE_S = 5.0  # the second router's
-LONG = [random.Random(1).randrange(100, 49000) for _ in range(3000)]  # prefill takes seconds
+# Prefill takes seconds (~8 s of one core): long enough to be seen prefilling, frozen or aborted
+# mid-way, and for a short room to start decoding before it ends; three tests compute it whole.
+LONG = [random.Random(1).randrange(100, 49000) for _ in range(1500)]
 SHORT = [504, 3458, 314, 4649, 314, 13, 198]  # "The capital of France is ..."-like ids
 pool = concurrent.futures.ThreadPoolExecutor(8)
 
@@ -392,6 +395,13 @@ MOONCAKE_TIMEOUT_S = 5  # the second P's write deadline (Mooncake's floor): 1 s 
 
 
 @pytest.fixture(scope="module")
+def long_reference(stack: Stack) -> list[int]:
+    """The short prompt's greedy output over B_TOKENS tokens, which the rooms decoding across a
+    fault (B, C) must reproduce: computed once for the two tests that need it."""
+    return stack.generate(SHORT, max_new_tokens=B_TOKENS, ignore_eos=True)["output_ids"]
+
+
+@pytest.fixture(scope="module")
 def second_prefill(stack: Stack, tmp_path_factory) -> Iterator[tuple[object, str]]:
     """A second P instance next to the stack's, its Mooncake writes given the shortest deadline;
     (its worker, its log file). Not known to the router: the tests drive rooms to it directly."""
@@ -411,14 +421,13 @@ def second_prefill(stack: Stack, tmp_path_factory) -> Iterator[tuple[object, str
 
 
 def test_late_write_of_an_aborted_room_lands_in_no_other_room(stack: Stack, reference: list[int],
-                                                             second_prefill) -> None:
+                                                             long_reference: list[int], second_prefill) -> None:
     """D gives up on room A (Abort) while P is still computing A's long prompt; room B gets the
     pages A had on D and decodes. P's write of A's KV, when it comes, must not land in B's pages.
     B is prefilled by a second P instance so that it is decoding when P1 writes A's KV: B decodes
     B_TOKENS tokens, longer than P1 takes to finish A's prompt (a few seconds)."""
     d = stack.worker("decode")
     b_ids = SHORT
-    want = stack.generate(b_ids, max_new_tokens=B_TOKENS, ignore_eos=True)["output_ids"]
     p2_worker, _ = second_prefill
     a_ids = LONG
     room, prefill, generate = direct_room(stack, a_ids)
@@ -436,13 +445,13 @@ def test_late_write_of_an_aborted_room_lands_in_no_other_room(stack: Stack, refe
     assert b_prefill.result(timeout=30).ok
     assert prefill.result(timeout=DEADLINE_S).ok is False
     got = [t for c in chunks for t in c.token_ids]
-    assert got == want
+    assert got == long_reference
     stack.wait_all_pages_free()
     serves_next_request(stack, reference)
 
 
 def test_write_past_its_deadline_ends_before_any_page_is_reused(stack: Stack, reference: list[int],
-                                                                second_prefill) -> None:
+                                                                long_reference: list[int], second_prefill) -> None:
     """D is frozen while the second P writes room A's KV into it, past that write's Mooncake
     deadline; then D resumes. Mooncake cannot cancel an entry: P must not return from the write,
     nor free A's pages, nor tell D anything, while an entry is in flight (it asks Mooncake). Then
@@ -453,7 +462,6 @@ def test_write_past_its_deadline_ends_before_any_page_is_reused(stack: Stack, re
     of A's landed in another room's pages. Every page of D and of both P is back at the end."""
     p2, log = second_prefill
     d = stack.worker("decode")
-    want = stack.generate(SHORT, max_new_tokens=B_TOKENS, ignore_eos=True)["output_ids"]
     room, prefill, generate = direct_room(stack, LONG, prefill_addr=p2.addr)
     wait_until("P2 prefilling the long prompt", lambda: p2.health(timeout=5).running == 1, 60, stack)
     b = pool.submit(stack.generate, SHORT, max_new_tokens=B_TOKENS, ignore_eos=True)
@@ -480,7 +488,7 @@ def test_write_past_its_deadline_ends_before_any_page_is_reused(stack: Stack, re
     print("room A " + ("landed late" if reply.ok else f"failed: {reply.error}"))
     # C starts while B still decodes: the pool hands it the pages A freed last.
     c = stack.generate(SHORT, max_new_tokens=B_TOKENS, ignore_eos=True)["output_ids"]
-    assert b.result(timeout=300)["output_ids"] == want and c == want
+    assert b.result(timeout=300)["output_ids"] == long_reference and c == long_reference
     wait_until("P2's pages back", lambda: all_free(p2.health(timeout=5)), 30, stack)
     stack.wait_all_pages_free()
     serves_next_request(stack, reference)
