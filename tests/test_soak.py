@@ -32,12 +32,15 @@ def soak_args(url: str, out: str, **over) -> argparse.Namespace:
 def test_soak_leaves_every_pool_whole(pd_stack, embedded_tokenizer, make_embedded_runner, tmp_path_factory,
                                       tmp_path) -> None:
     prompts = lossless_prompts(embedded_tokenizer)
-    plain = PlainOutputs(make_embedded_runner(**RUNNER), embedded_tokenizer, prompts, tmp_path_factory)["greedy"]
     args = soak_args(pd_stack.url, str(tmp_path), concurrency=8, duration=60.0, max_len=1024, output_len=16,
                      abort_share=0.2, drain_timeout=60.0)
+    # All at once: the load, the stack's answers and the plain engine's (in this process), so
+    # that the soak's fixed 60 s take in the others' time.
     with ThreadPoolExecutor(1) as background, ThreadPoolExecutor(8) as pool:
         soaking = background.submit(soak.run, args)
-        lossless = list(pool.map(lambda ids: pd_stack.generate(ids, max_new_tokens=MAX_NEW), prompts))
+        answers = [pool.submit(pd_stack.generate, ids, max_new_tokens=MAX_NEW) for ids in prompts]
+        plain = PlainOutputs(make_embedded_runner(**RUNNER), embedded_tokenizer, prompts, tmp_path_factory)["greedy"]
+        lossless = [a.result() for a in answers]
         assert soaking.result() == 0, (tmp_path / "summary.md").read_text()
     for res, want in zip(lossless, plain):
         assert res["output_ids"] == want
