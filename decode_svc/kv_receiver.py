@@ -26,7 +26,7 @@ from common.engine.request import Request
 from common.kv.buffers import RankEndpoint, RoomBuffers
 from common.kv.page_pool import OutOfPages
 from common.kv.seq_cache import SeqCache
-from common.service.engine_loop import EngineLoop
+from common.service.engine_loop import EngineFailure, EngineLoop
 from common.service.grpc_process import peer_channel
 from common.service.tls import Tls
 from common.transfer.wire import ranks_to_protos, room_to_protos
@@ -61,10 +61,12 @@ class KVReceiver:
         self._waiting: dict[str, tuple[str, int]] = {}  # room -> (its transfer token, prompt tokens)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._parked: set[asyncio.Task] = set()  # releases waiting for P's Abort reply
+        self.loop.on_out_of_service(self._fail_waiting)
 
     async def receive(self, req: Request, prefill_addr: str, deadline: float) -> int:
-        """Returns the first token sampled by P. On failure raises HandoffError; the caller
-        releases the pages (also reserved ones) by aborting the request."""
+        """Returns the first token sampled by P. On failure raises HandoffError, or EngineFailure
+        once the instance is out of service; the caller releases the pages (also reserved ones)
+        by aborting the request."""
         await self._reserve(req, deadline)
         ack = asyncio.get_running_loop().create_future()
         self._acks[req.rid] = ack
@@ -114,6 +116,14 @@ class KVReceiver:
             return False
         ack.set_exception(HandoffError(grpc.StatusCode.ABORTED, f"aborted: {reason or 'by request'}"))
         return True
+
+    def _fail_waiting(self, error: EngineFailure) -> None:
+        """The instance is out of service (a rank of it died): the rooms waiting for their KV fail
+        now with its reason, as the rooms decoding do, not later with the connection reset of its
+        exit. Their pages are parked (P is asked to abort) and go with the instance."""
+        for ack in self._acks.values():
+            if not ack.done():
+                ack.set_exception(EngineFailure(str(error)))
 
     async def _verify(self, req: Request, expected: list[int]) -> None:
         got = await asyncio.to_thread(self.loop.engine.room_checksums, req)
@@ -167,7 +177,7 @@ class KVReceiver:
         # Cancelled only when the service stops: then there is no pool to give pages back to.
         since = time.monotonic()
         await self._peer_abort_confirmed(parked.rid, prefill_addr)
-        await self.loop.call(lambda e: e.release(parked))
+        await self.loop.release(lambda e: e.release(parked))
         held = time.monotonic() - since
         if held > self.peer_abort_timeout_s:
             logger.info("room %s: its pages are back in the pool after %.0f s parked", parked.rid, held)

@@ -61,7 +61,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             while True:
                 out = await outputs.get()
                 if isinstance(out, EngineFailure):
-                    await context.abort(grpc.StatusCode.INTERNAL, str(out))
+                    raise out
                 chunk = pb.GenerateChunk(room=req.rid, token_ids=out.new_ids, text=out.text, finished=out.finished)
                 if out.finished:
                     if req.finish_reason == "abort":
@@ -70,6 +70,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     yield chunk
                     return
                 yield chunk
+        except EngineFailure as e:  # a step failed, or the instance is out of service (waiting rooms too)
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
         finally:
             # Whatever ended the stream (finish, error, client gone), the room's pages go back.
             self.loop.close(req.rid)

@@ -1,11 +1,10 @@
 """DFlash with the shipped drafter is lossless: greedy fp32 outputs with --spec dflash equal
---spec none token for token, in-process (single and batched) and through the PD stack, and the
-acceptance histogram's invariants hold for every request."""
+--spec none token for token, in-process (single and batched) and through the PD stack (under the
+soak's load: tests/test_soak.py), and the acceptance histogram's invariants hold for every request."""
 from __future__ import annotations
 
 import itertools
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import once_per_run
@@ -40,20 +39,24 @@ RAW = [
     "Water boils at", "Roses are red,",
 ]
 MAX_NEW = 12
+RUNNER = {"page_size": 16, "num_pages": 512}  # the in-process runner (test_soak.py makes the same one)
 PERIOD = 30  # "." in SmolLM2's vocabulary: a stop token that shows up inside blocks
 
 
-@pytest.fixture(scope="module")
-def prompts(embedded_tokenizer) -> list[list[int]]:
+def lossless_prompts(tok: Tokenizer) -> list[list[int]]:
     """Chat and raw prompts alternating, so that any first few have both."""
-    tok = embedded_tokenizer
     chat = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     return [ids for pair in zip(chat, (tok.encode(t) for t in RAW)) for ids in pair]
 
 
 @pytest.fixture(scope="module")
+def prompts(embedded_tokenizer) -> list[list[int]]:
+    return lossless_prompts(embedded_tokenizer)
+
+
+@pytest.fixture(scope="module")
 def runner(make_embedded_runner):
-    return make_embedded_runner(page_size=16, num_pages=512)
+    return make_embedded_runner(**RUNNER)
 
 
 @pytest.fixture(scope="module")
@@ -167,22 +170,3 @@ def test_policy_turns_speculation_off_when_it_does_not_pay(runner, proposer, emb
     meta = meta_info(reqs[0])
     check_invariants(meta)
     assert meta["spec_plain_steps"] > 0 and meta["spec_verify_ct"] == 0
-
-
-@pytest.mark.slow
-def test_pd_stack_lossless(pd_stack, prompts, plain_outputs):
-    """The session's pd stack (conftest.py: --spec dflash --spec-block 4 --verify-transfer): 16
-    prompts 8 at a time, and one alone."""
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda ids: pd_stack.generate(ids, max_new_tokens=MAX_NEW), prompts))
-    single = pd_stack.generate(prompts[0], max_new_tokens=MAX_NEW)
-    greedy = plain_outputs["greedy"]
-    for res, plain in zip(results + [single], greedy + [greedy[0]]):
-        assert res["output_ids"] == plain
-        meta = res["meta_info"]
-        check_invariants(meta)
-        if meta.get("spec_verify_ct"):
-            assert meta["spec_accept_length_weighted"] == pytest.approx(
-                1 + meta["spec_accepted_drafts"] / meta["spec_verify_ct"])
-        assert meta["verified_pages"] > 0  # target KV and draft KV pages checked after transfer
-    pd_stack.wait_all_pages_free()

@@ -3,17 +3,22 @@ real processes, gRPC; P and D on one host, so each rank copies into D's ranks' s
 gives the same greedy tokens as the in-process runner: every
 pipeline stage and TP rank of P writes its own layers' and heads' KV straight into D's TP
 ranks, and the last stage sends the draft KV (--spec dflash); --verify-transfer checks every
-page of the whole model on D. A split the model cannot take is refused at start-up."""
+page of the whole model on D. A split the model cannot take is refused at start-up. A D worker
+rank killed under load fails every room of that D, decoding or waiting for its KV, naming the
+rank, and P (which survives) gets every page back."""
 from __future__ import annotations
 
 import concurrent.futures
 import random
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
+import requests
 
+from common.tools.bench.soak_fault import process_of
 from pd_stack import ROOT, Stack
 
 pytestmark = pytest.mark.slow
@@ -22,7 +27,7 @@ PAGE = 16
 MAX_NEW = 12
 LAYERS, DRAFT_LAYERS = 30, 4  # the embedded SmolLM2-135M and its shipped drafter
 PROMPTS = [[random.Random(n).randrange(100, 49000) for _ in range(n)] for n in (1, 17, 33, 70)]
-STACK_ARGS = ["--page-size", str(PAGE), "--kv-pages", "64", "--chunk-size", "32", "--deadline", "240",
+STACK_ARGS = ["--page-size", str(PAGE), "--kv-pages", "128", "--chunk-size", "32", "--deadline", "240",
               "--request-timeout", "600", "--verify-transfer"]
 
 
@@ -54,9 +59,51 @@ def test_parallel_stack_equals_in_process(expected: list[list[int]]) -> None:
             # D checksummed every (layer, k/v, page) of the target and draft KV that P's ranks wrote.
             assert got["meta_info"]["verified_pages"] == (LAYERS + DRAFT_LAYERS) * 2 * -(-len(ids) // PAGE)
         stack.wait_all_pages_free()
+        a_dead_decode_rank_fails_every_room_of_its_instance(stack)  # last: the D restarts
     finally:
         stack.stop()
     stack.assert_clean_log()
+
+
+def a_dead_decode_rank_fails_every_room_of_its_instance(stack: Stack) -> None:
+    """Kill D's worker rank 1 while one room decodes on D and another waits for its KV (P is
+    still prefilling it): both fail at once with a 502 that names D and the rank (the waiting one
+    used to end 2 s later with D's exit, as a connection reset), and P's pool is whole again."""
+    p, d = stack.worker("prefill"), stack.worker("decode")
+    decoding_pages = d.health().free_pages
+
+    def post(ids: list[int], max_new_tokens: int) -> requests.Response:
+        return requests.post(stack.url + "/generate", timeout=300, json={"input_ids": ids, "sampling_params": {
+            "max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True}})
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        decoding = pool.submit(post, PROMPTS[1], 1000)
+        _wait_until("the first room decoding on D", lambda: d.health().running == 1)
+        decoding_pages -= d.health().free_pages
+        waiting = pool.submit(post, [random.Random(7).randrange(100, 49000) for _ in range(600)], 4)
+
+        def both_in_flight() -> bool:
+            ph, dh = p.health(), d.health()
+            return ph.running == 1 and dh.running == 1 and dh.free_pages < dh.total_pages - decoding_pages
+
+        _wait_until("P prefilling the second room while D decodes the first and waits for the second's KV",
+                    both_in_flight)
+        process_of(stack.pid(d), 1).kill()
+        killed = time.monotonic()
+        for room in (decoding, waiting):
+            resp = room.result()
+            assert time.monotonic() - killed < 30, "the room failed only with the instance's exit or later"
+            assert resp.status_code == 502, resp.text
+            message = resp.json()["error"]["message"]
+            assert message.startswith(f"decode {d.addr}: worker pdflash-rank1 exited with code -9"), message
+    _wait_until("P's pool whole", lambda: (h := p.health()).free_pages == h.total_pages and h.running == 0)
+
+
+def _wait_until(what: str, cond, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
 
 def test_tp3_prefill_into_tp1_decode_by_local_copy(expected: list[list[int]]) -> None:

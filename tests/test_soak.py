@@ -1,7 +1,10 @@
-"""`pdflash bench soak` for 30 s against the session's shared pd stack (DFlash, every KV page
+"""`pdflash bench soak` for 60 s against the session's shared pd stack (DFlash, every KV page
 checksummed on arrival): 8 clients, prompts of 16 to 1K tokens, short outputs, streamed and not,
 greedy and sampled, a fifth of the clients leaving mid-request. No failure but the deliberate
-departures, every pool (KV pages, draft KV pages) whole at the end, each service's RSS read."""
+departures, every pool (KV pages, draft KV pages) whole at the end, each service's RSS read.
+Meanwhile, on the same stack, DFlash stays lossless: the soak's rooms in the batch change no
+token of the greedy prompts of tests/test_dflash_lossless.py (the soak's fixed time absorbs that
+check's)."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +12,10 @@ import json
 import multiprocessing
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from test_dflash_lossless import MAX_NEW, RUNNER, PlainOutputs, check_invariants, lossless_prompts
 
 from common.tools.bench import soak, soak_fault
 from common.tools.bench.client import Response
@@ -24,10 +29,27 @@ def soak_args(url: str, out: str, **over) -> argparse.Namespace:
     return argparse.Namespace(**vars(p.parse_args(["--url", url, "--out", out])) | over)
 
 
-def test_soak_leaves_every_pool_whole(pd_stack, tmp_path) -> None:
-    args = soak_args(pd_stack.url, str(tmp_path), concurrency=8, duration=30.0, max_len=1024, output_len=16,
+def test_soak_leaves_every_pool_whole(pd_stack, embedded_tokenizer, make_embedded_runner, tmp_path_factory,
+                                      tmp_path) -> None:
+    prompts = lossless_prompts(embedded_tokenizer)
+    args = soak_args(pd_stack.url, str(tmp_path), concurrency=8, duration=60.0, max_len=1024, output_len=16,
                      abort_share=0.2, drain_timeout=60.0)
-    assert soak.run(args) == 0, (tmp_path / "summary.md").read_text()
+    # All at once: the load, the stack's answers and the plain engine's (in this process), so
+    # that the soak's fixed 60 s take in the others' time.
+    with ThreadPoolExecutor(1) as background, ThreadPoolExecutor(8) as pool:
+        soaking = background.submit(soak.run, args)
+        answers = [pool.submit(pd_stack.generate, ids, max_new_tokens=MAX_NEW) for ids in prompts]
+        plain = PlainOutputs(make_embedded_runner(**RUNNER), embedded_tokenizer, prompts, tmp_path_factory)["greedy"]
+        lossless = [a.result() for a in answers]
+        assert soaking.result() == 0, (tmp_path / "summary.md").read_text()
+    for res, want in zip(lossless, plain):
+        assert res["output_ids"] == want
+        meta = res["meta_info"]
+        check_invariants(meta)
+        if meta.get("spec_verify_ct"):
+            assert meta["spec_accept_length_weighted"] == pytest.approx(
+                1 + meta["spec_accepted_drafts"] / meta["spec_verify_ct"])
+        assert meta["verified_pages"] > 0  # target KV and draft KV pages checked after transfer
     summary = json.loads((tmp_path / "summary.json").read_text())
     r = summary["requests"]
     assert r["failed"] == 0 and summary["failures_by_cause"] == {}
@@ -36,7 +58,8 @@ def test_soak_leaves_every_pool_whole(pd_stack, tmp_path) -> None:
     assert summary["leaked_backends"] == 0 and summary["pools_whole_after_s"] is not None
     for p in summary["pools"]:  # target and draft KV pages, on P and on D
         assert set(p["in_use"]) == {"Pages", "DraftPages"} and p["running"] == 0, p
-    assert all(rss["start"] and rss["end"] for rss in summary["rss_bytes"].values()), summary["rss_bytes"]
+    for addr, rss in summary["rss_bytes"].items():
+        assert 0 < rss["private_start"] <= rss["start"] and 0 < rss["private_end"] <= rss["end"], (addr, rss)
     pd_stack.wait_all_pages_free()
 
 

@@ -29,6 +29,7 @@ class EngineLoop:
         self._streams: dict[str, asyncio.Queue] = {}
         self._stop = threading.Event()
         self.out_of_service: str | None = None  # why this instance cannot serve any more
+        self._on_out_of_service: list[Callable[[EngineFailure], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -49,7 +50,10 @@ class EngineLoop:
         self._streams.pop(rid, None)
 
     async def abort(self, rid: str) -> bool:
-        """Abort rid wherever it is in the engine (its pages return) and end its stream."""
+        """Abort rid wherever it is in the engine (its pages return) and end its stream. Once out
+        of service there is nothing to do: its stream has failed, its pages go with the instance."""
+        if self.out_of_service is not None:
+            return False
 
         def abort(engine: Engine) -> bool:
             req = engine.abort(rid)
@@ -67,9 +71,16 @@ class EngineLoop:
         self.out_of_service = why
         self._loop.call_soon_threadsafe(self._loop.call_later, grace_s, self._fail_streams, EngineFailure(why))
 
-    def _fail_streams(self, error: Exception) -> None:
+    def on_out_of_service(self, fail: Callable[[EngineFailure], None]) -> None:
+        """fail(error) runs on the event loop with the streams' failure: for requests that wait
+        elsewhere than on their stream (a room waiting for its KV)."""
+        self._on_out_of_service.append(fail)
+
+    def _fail_streams(self, error: EngineFailure) -> None:
         for q in self._streams.values():
             q.put_nowait(error)
+        for fail in self._on_out_of_service:
+            fail(error)
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Raises EngineFailure once out of service: the engine thread may be stuck in a step for

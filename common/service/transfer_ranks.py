@@ -71,6 +71,6 @@ class TransferRanks:
                 moved += fut.result()
             except Exception as e:
                 errors.append(str(e))
-        if errors:
-            raise TransferError("; ".join(errors))
+        if errors:  # ranks that failed for one cause (the instance stopping) report it once
+            raise TransferError("; ".join(dict.fromkeys(errors)))
         return moved

@@ -14,7 +14,8 @@ pools, read through the router's `/server_info` (each service's Health), must be
 pages, draft KV pages and state slots all free, nothing running. Reported: answers by outcome,
 failures by cause (with an example message each), p50/p99 of end-to-end latency and of time to
 first token, and the resident memory (RSS, with child processes) of every service at start and
-end, found by the ports `/server_info` names (local stacks only). Writes summary.json and
+end, found by the ports `/server_info` names (local stacks only), also without its shared memory
+(`Resident`: a D's KV pools, resident once first written, counted by D and every P on its host). Writes summary.json and
 summary.md to `--out`; exits 1 on any failure other than the deliberate aborts, or on a leak.
 
 `--kill` adds one fault in the middle of the load (soak_fault.py): then failures of the requests
@@ -181,7 +182,7 @@ def backend_pools(info: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def service_rss(url: str, info: dict[str, Any], listeners: dict[int, int]) -> dict[str, int | None]:
+def service_rss(url: str, info: dict[str, Any], listeners: dict[int, int]) -> dict[str, Resident | None]:
     """addr -> resident bytes of the process listening there and its children (None when it is
     not on this host or not visible), the router's under its HTTP address."""
     router = urlparse(url)
@@ -189,14 +190,25 @@ def service_rss(url: str, info: dict[str, Any], listeners: dict[int, int]) -> di
     return {addr: _tree_rss(listeners.get(int(addr.rsplit(":", 1)[1]))) for addr in addrs}
 
 
-def _tree_rss(pid: int | None) -> int | None:
+@dataclass(frozen=True)
+class Resident:
+    rss: int
+    # What the processes allocated themselves: RSS less the file-backed and shared memory pages.
+    # A D's KV pools are shared memory (a P on its host copies into them), resident once first
+    # written and counted in the RSS of D and of every P that has written into them: the RSS of
+    # both grows until every page of those pools has been used once.
+    private: int
+
+
+def _tree_rss(pid: int | None) -> Resident | None:
     if pid is None:
         return None
     try:
         proc = psutil.Process(pid)
-        return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
+        mems = [p.memory_info() for p in [proc, *proc.children(recursive=True)]]
     except psutil.Error:
         return None
+    return Resident(sum(m.rss for m in mems), sum(m.rss - m.shared for m in mems))
 
 
 def failure_cause(r: Response) -> str:
@@ -210,7 +222,7 @@ def failure_cause(r: Response) -> str:
 
 
 def summarise(args: argparse.Namespace, outcomes: list[Outcome], took: float, pools: list[dict[str, Any]],
-              drained_s: float | None, start_rss: dict[str, int | None], end_rss: dict[str, int | None]
+              drained_s: float | None, start_rss: dict[str, Resident | None], end_rss: dict[str, Resident | None]
               ) -> dict[str, Any]:
     ok = [o for o in outcomes if not o.left and o.response.ok]
     failed = [o for o in outcomes if not o.left and not o.response.ok]
@@ -233,7 +245,7 @@ def summarise(args: argparse.Namespace, outcomes: list[Outcome], took: float, po
         "failures_by_cause": dict(causes), "failure_examples": examples,
         "e2e_s": stats.describe(e2e), "ttft_s": stats.describe(ttft),
         "pools": pools, "pools_whole_after_s": drained_s, "leaked_backends": len(leaked),
-        "rss_bytes": {addr: {"start": start_rss.get(addr), "end": rss} for addr, rss in end_rss.items()},
+        "rss_bytes": {addr: _rss_row(start_rss.get(addr), rss) for addr, rss in end_rss.items()},
         "passed": not failed and not leaked,
     }
 
@@ -254,8 +266,10 @@ def markdown(s: dict[str, Any]) -> str:
     whole = s["pools_whole_after_s"]
     lines.append("pools: " + (f"all whole {whole:.1f} s after the last answer\n" if whole is not None else
                               f"{s['leaked_backends']} backends NOT whole\n"))
-    lines.append(report.md_table(["service", "in use at the end", "RSS start (MiB)", "RSS end (MiB)"], [
-        [addr, _in_use(s["pools"], addr), _mib(rss["start"]), _mib(rss["end"])] for addr, rss in s["rss_bytes"].items()]))
+    lines.append(report.md_table(
+        ["service", "in use at the end", "RSS start (MiB)", "RSS end (MiB)", "private start -> end (MiB)"],
+        [[addr, _in_use(s["pools"], addr), _mib(rss["start"]), _mib(rss["end"]),
+          f"{_mib(rss['private_start'])} -> {_mib(rss['private_end'])}"] for addr, rss in s["rss_bytes"].items()]))
     if "fault" in s:
         lines.append(soak_fault.markdown(s["fault"]))
     lines.append("PASSED\n" if s["passed"] else "FAILED\n")
@@ -269,6 +283,11 @@ def _in_use(pools: list[dict[str, Any]], addr: str) -> str:
     if "in_use" not in p:
         return f"unreachable: {p['error']}"
     return ", ".join(f"{k} {v}" for k, v in p["in_use"].items()) + f", running {p['running']}"
+
+
+def _rss_row(start: Resident | None, end: Resident | None) -> dict[str, int | None]:
+    return {"start": start and start.rss, "end": end and end.rss,
+            "private_start": start and start.private, "private_end": end and end.private}
 
 
 def _mib(n: int | None) -> str:
