@@ -78,9 +78,24 @@ class Namespaces:
         sh("ip", "-n", self.r, "addr", "add", f"{self.ip[self.r]}/24", "dev", "br0")
         sh("ip", "-n", self.r, "link", "set", "br0", "up")
 
-    def delete(self) -> None:
+    def delete(self, wait_s: float = 20.0) -> None:
+        """Kill every process left in the namespaces (a test that failed half-way may have left
+        services, their ranks and clients there), then remove the namespaces."""
+        deadline = time.monotonic() + wait_s
+        while (pids := self.pids()) and time.monotonic() < deadline:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
         for ns in self.ip:
             sh("ip", "netns", "del", ns, check=False)
+        assert not pids, f"processes that outlived SIGKILL in the test's namespaces: {pids}"
+
+    def pids(self) -> list[int]:
+        """Every process in any of the namespaces (zombies are gone once their parent reaps them)."""
+        return [int(pid) for ns in self.ip for pid in sh("ip", "netns", "pids", ns, check=False).stdout.split()]
 
     def tx_bytes(self, ports: list[str]) -> int:
         """Bytes the bridge has sent out of `ports` (v{i}br: into the i-th host, P hosts first)."""

@@ -2,10 +2,16 @@
 commands, KV write jobs and replies, pickled over one TCP connection per node
 (multiprocessing.connection), with a heartbeat both ways.
 
-Either side that has heard nothing for SILENCE_S (a dead process, a cut link, a frozen host)
-declares the other lost, once. A node that loses the driver stops its ranks at once; the driver
-gives it LOST_GRACE_S more before it fails what waited on that node, so that by then none of its
-ranks still writes into decode's pages (see ParallelRunner._node_lost).
+Either side that has heard nothing for --node-timeout seconds (a dead process, a cut link, a
+frozen host) declares the other lost, once. A node that loses the driver stops its ranks at once;
+the driver gives it lost_grace_s more before it fails what waited on that node, so that by then
+none of its ranks still writes into decode's pages (see ParallelRunner._node_lost).
+
+A loaded host is not a lost one: the link reads on a thread that does nothing else (what a
+message asks runs on another, so a handler waiting on a busy rank never stops the link from
+hearing its peer), silence is judged on a third, in seconds, not missed beats, and only while no
+byte from the peer waits unread (a process that was not scheduled for a while has its peer's
+beats waiting in the socket: its own stall is not the peer's silence).
 
 The link trusts its network as torch.distributed's rendezvous does: keep PORT and PORT + 1 of
 --dist-init-addr on the cluster's own network.
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection as mpc
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -21,9 +28,7 @@ from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
-BEAT_S = 0.5
-SILENCE_S = 3.0
-LOST_GRACE_S = SILENCE_S + 1.0
+BEATS_PER_SILENCE = 6
 _AUTHKEY = b"pdflash-node-link"  # tells our links from strangers, not a secret
 
 
@@ -52,25 +57,37 @@ def instance_key(nodes, layout, model_name: str, num_pages: int) -> tuple:
     return nodes.nnodes, layout.tp, layout.pp, layout.ep, model_name, num_pages
 
 
+def lost_grace_s(silence_s: float) -> float:
+    """How long after the driver declares a node lost that node's ranks are surely stopped: the
+    node hears nothing either within silence_s (and a beat) of the driver, then kills them."""
+    return silence_s + silence_s / BEATS_PER_SILENCE + 1.0
+
+
 @dataclass(frozen=True)
 class _Beat:
     pass
 
 
+_CLOSED = object()  # ends the handler thread
+
+
 class Link:
     def __init__(self, conn: mpc.Connection, peer: str, on_message: Callable[[Any], None],
-                 on_lost: Callable[[str], None]):
+                 on_lost: Callable[[str], None], silence_s: float):
         self.peer = peer  # for messages: "node 1 (10.0.0.2)"
         self._conn = conn
         self._on_message = on_message
         self._on_lost = on_lost
+        self._silence_s = silence_s
+        self._beat_s = silence_s / BEATS_PER_SILENCE
         self._send_lock = threading.Lock()
         self._heard = time.monotonic()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
 
     def start(self) -> None:
-        threading.Thread(target=self._read, name=f"link-read {self.peer}", daemon=True).start()
-        threading.Thread(target=self._beat, name=f"link-beat {self.peer}", daemon=True).start()
+        for job in (self._read, self._handle, self._beat, self._watch):
+            threading.Thread(target=job, name=f"link{job.__name__} {self.peer}", daemon=True).start()
 
     def send(self, msg: Any) -> None:
         try:
@@ -81,6 +98,7 @@ class Link:
 
     def close(self) -> None:
         self._done.set()  # a link closed on purpose is not lost
+        self._inbox.put(_CLOSED)
         self._conn.close()
 
     def _read(self) -> None:
@@ -92,29 +110,47 @@ class Link:
                 return
             self._heard = time.monotonic()
             if not isinstance(msg, _Beat):
-                self._on_message(msg)
+                self._inbox.put(msg)
+
+    def _handle(self) -> None:
+        while (msg := self._inbox.get()) is not _CLOSED:
+            self._on_message(msg)
 
     def _beat(self) -> None:
-        # Silence is judged here, not in _read: a message cut off half-way blocks recv for good.
-        while not self._done.wait(BEAT_S):
-            self.send(_Beat())
+        while not self._done.wait(self._beat_s):
+            self.send(_Beat())  # may wait behind a large message: silence is judged elsewhere
+
+    def _watch(self) -> None:
+        # Not on the reader: a message cut off half-way blocks recv for good.
+        while not self._done.wait(self._beat_s):
             quiet = time.monotonic() - self._heard
-            if quiet > SILENCE_S:
+            if quiet > self._silence_s and not self._unread():
                 self._lose(f"{self.peer}: no word for {quiet:.1f} s (dead, or its link is cut)")
+
+    def _unread(self) -> bool:
+        """Bytes from the peer wait in the socket, not read yet (this process was the slow one)."""
+        try:
+            return self._conn.poll(0)
+        except (OSError, EOFError):  # closed meanwhile: the reader says why
+            return False
 
     def _lose(self, why: str) -> None:
         if self._done.is_set():
             return
         self._done.set()
+        self._inbox.put(_CLOSED)
         self._on_lost(why)
 
 
-def accept_nodes(nodes, instance: tuple, deadline_s: float) -> dict[int, tuple[mpc.Connection, str]]:
-    """Node 0: wait for every other node's Hello; {node rank: (connection, its host ip)}.
-    Raises TimeoutError naming the nodes that did not come, ValueError for one that does not fit."""
+def accept_nodes(nodes, instance: tuple, deadline_s: float,
+                 link: Callable[[int, mpc.Connection, str], Link]) -> dict[int, Link]:
+    """Node 0: wait for every other node's Hello; {node rank: its link, made by `link(node rank,
+    connection, its host ip)`}. Each link starts as its node joins: a node that came early hears
+    the driver's heartbeats while the others come. Raises TimeoutError naming the nodes that did
+    not come, ValueError for one that does not fit (the links started are closed then)."""
     host, port = nodes.control_addr
     listener = mpc.Listener((host, port), authkey=_AUTHKEY)
-    joined: dict[int, tuple[mpc.Connection, str]] = {}
+    joined: dict[int, Link] = {}
     errors: list[str] = []
 
     def accept() -> None:
@@ -135,7 +171,8 @@ def accept_nodes(nodes, instance: tuple, deadline_s: float) -> dict[int, tuple[m
             if error:
                 errors.append(error)
                 return
-            joined[hello.node_rank] = (conn, hello.host_ip)
+            joined[hello.node_rank] = link(hello.node_rank, conn, hello.host_ip)
+            joined[hello.node_rank].start()
             logger.info("node %d of %d joined from %s", hello.node_rank, nodes.nnodes, hello.host_ip)
 
     logger.info("waiting up to %.0f s for nodes 1-%d to join on %s:%d", deadline_s, nodes.nnodes - 1, host, port)
@@ -143,6 +180,9 @@ def accept_nodes(nodes, instance: tuple, deadline_s: float) -> dict[int, tuple[m
     t.start()
     t.join(deadline_s)
     listener.close()
+    if errors or len(joined) < nodes.nnodes - 1:
+        for started in joined.values():
+            started.close()
     if errors:
         raise ValueError(errors[0])
     if len(joined) < nodes.nnodes - 1:
