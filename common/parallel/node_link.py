@@ -7,11 +7,17 @@ frozen host) declares the other lost, once. A node that loses the driver stops i
 the driver gives it lost_grace_s more before it fails what waited on that node, so that by then
 none of its ranks still writes into decode's pages (see ParallelRunner._node_lost).
 
-A loaded host is not a lost one: the link reads on a thread that does nothing else (what a
+A loaded host is not a lost one. The link reads on a thread that does nothing else (what a
 message asks runs on another, so a handler waiting on a busy rank never stops the link from
-hearing its peer), silence is judged on a third, in seconds, not missed beats, and only while no
-byte from the peer waits unread (a process that was not scheduled for a while has its peer's
-beats waiting in the socket: its own stall is not the peer's silence).
+hearing its peer) and judges silence on a third, in seconds, not missed beats, by what the
+kernel saw (TCP_INFO), not only what this process read:
+- the peer's bytes that reached this host count as heard, read or not (this process was the one
+  not scheduled for a while);
+- a peer that is silent while its host still acknowledges our beats is alive and its link up,
+  only its process is not scheduled (a host loaded past its cores, a GIL held long): it is lost
+  only after PATIENCE times the timeout;
+- a cut link or a frozen host acknowledges nothing: lost after the timeout; a dead process
+  closes its socket: lost at once.
 
 The link trusts its network as torch.distributed's rendezvous does: keep PORT and PORT + 1 of
 --dist-init-addr on the cluster's own network.
@@ -20,7 +26,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection as mpc
+import os
 import queue
+import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -29,6 +38,7 @@ from typing import Any, Callable
 logger = logging.getLogger(__name__)
 
 BEATS_PER_SILENCE = 6
+PATIENCE = 5  # x the timeout: a peer whose host answers but whose process says nothing
 _AUTHKEY = b"pdflash-node-link"  # tells our links from strangers, not a secret
 
 
@@ -124,22 +134,34 @@ class Link:
         # Not on the reader: a message cut off half-way blocks recv for good.
         while not self._done.wait(self._beat_s):
             quiet = time.monotonic() - self._heard
-            if quiet > self._silence_s and not self._unread():
+            if quiet <= self._silence_s:
+                continue
+            try:
+                received_s, acked_s = tcp_quiet(self._conn)
+            except OSError:  # closed meanwhile: the reader says why
+                continue
+            quiet = min(quiet, received_s)
+            if quiet > PATIENCE * self._silence_s:
+                self._lose(f"{self.peer}: no word for {quiet:.1f} s, though its host acknowledges (its process is stuck)")
+            elif quiet > self._silence_s and acked_s > self._silence_s:
                 self._lose(f"{self.peer}: no word for {quiet:.1f} s (dead, or its link is cut)")
-
-    def _unread(self) -> bool:
-        """Bytes from the peer wait in the socket, not read yet (this process was the slow one)."""
-        try:
-            return self._conn.poll(0)
-        except (OSError, EOFError):  # closed meanwhile: the reader says why
-            return False
 
     def _lose(self, why: str) -> None:
         if self._done.is_set():
             return
         self._done.set()
         self._inbox.put(_CLOSED)
+        self._conn.close()  # the peer, if its process runs at all, learns it at once
         self._on_lost(why)
+
+
+def tcp_quiet(conn: mpc.Connection) -> tuple[float, float]:
+    """Seconds since this host's kernel last received data, and an acknowledgement, on conn's
+    socket (Linux TCP_INFO: tcpi_last_data_recv and tcpi_last_ack_recv, in ms)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    data_ms, ack_ms = struct.unpack_from("II", info, 52)
+    return data_ms / 1000, ack_ms / 1000
 
 
 def accept_nodes(nodes, instance: tuple, deadline_s: float,
