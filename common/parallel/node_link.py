@@ -16,8 +16,10 @@ kernel saw (TCP_INFO), not only what this process read:
 - a peer that is silent while its host still acknowledges our beats is alive and its link up,
   only its process is not scheduled (a host loaded past its cores, a GIL held long): it is lost
   only after PATIENCE times the timeout;
-- a cut link or a frozen host acknowledges nothing: lost after the timeout; a dead process
-  closes its socket: lost at once.
+- a cut link or a frozen host acknowledges nothing: lost after the timeout, once what we sent
+  has waited unacknowledged from one look to the next (a beat apart at least: on a live link an
+  acknowledgement takes a round trip, whatever the peer's process does); a dead process closes
+  its socket: lost at once.
 
 The link trusts its network as torch.distributed's rendezvous does: keep PORT and PORT + 1 of
 --dist-init-addr on the cluster's own network.
@@ -94,6 +96,7 @@ class Link:
         self._heard = time.monotonic()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
+        self._unanswered = False  # at the last look: our bytes waited, no acknowledgement for the timeout
 
     def start(self) -> None:
         for job in (self._read, self._handle, self._beat, self._watch):
@@ -135,15 +138,18 @@ class Link:
         while not self._done.wait(self._beat_s):
             quiet = time.monotonic() - self._heard
             if quiet <= self._silence_s:
+                self._unanswered = False
                 continue
             try:
-                received_s, acked_s = tcp_quiet(self._conn)
+                tcp = TcpState.of(self._conn)
             except OSError:  # closed meanwhile: the reader says why
                 continue
-            quiet = min(quiet, received_s)
+            quiet = min(quiet, tcp.received_s)
+            was_unanswered = self._unanswered
+            self._unanswered = tcp.unacked > 0 and tcp.acked_s > self._silence_s
             if quiet > PATIENCE * self._silence_s:
                 self._lose(f"{self.peer}: no word for {quiet:.1f} s, though its host acknowledges (its process is stuck)")
-            elif quiet > self._silence_s and acked_s > self._silence_s:
+            elif quiet > self._silence_s and self._unanswered and was_unanswered:
                 self._lose(f"{self.peer}: no word for {quiet:.1f} s (dead, or its link is cut)")
 
     def _lose(self, why: str) -> None:
@@ -155,13 +161,20 @@ class Link:
         self._on_lost(why)
 
 
-def tcp_quiet(conn: mpc.Connection) -> tuple[float, float]:
-    """Seconds since this host's kernel last received data, and an acknowledgement, on conn's
-    socket (Linux TCP_INFO: tcpi_last_data_recv and tcpi_last_ack_recv, in ms)."""
-    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-    data_ms, ack_ms = struct.unpack_from("II", info, 52)
-    return data_ms / 1000, ack_ms / 1000
+@dataclass(frozen=True)
+class TcpState:
+    """What this host's kernel knows of a connection, whatever this process was doing."""
+    unacked: int  # segments sent, not acknowledged yet
+    received_s: float  # since data last came in
+    acked_s: float  # since an acknowledgement last came in
+
+    @classmethod
+    def of(cls, conn: mpc.Connection) -> "TcpState":
+        # Linux TCP_INFO: tcpi_unacked at byte 24, tcpi_last_data_recv and tcpi_last_ack_recv (ms) at 52
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        (unacked,), (data_ms, ack_ms) = struct.unpack_from("I", info, 24), struct.unpack_from("II", info, 52)
+        return cls(unacked, data_ms / 1000, ack_ms / 1000)
 
 
 def accept_nodes(nodes, instance: tuple, deadline_s: float,
