@@ -466,7 +466,7 @@ def test_dp2_tp32_profiles_spanning_hosts(reference, replica_namespaces, tmp_pat
     url = lambda port: f"http://{ns.ip[ns.r]}:{port}"
     stacks = {  # profile: (its hosts, its router's port)
         "dp2-tp32": (ns.prefill, 30000),
-        "dp2-tp32-dflash": (ns.decode, 30001),
+        "dp2-tp32-dflash": (ns.decode, 30010),  # the router's gRPC takes its HTTP port + 1
     }
     settings = {profile: [*netns_settings(ns, tmp_path / profile), *DP2_TP32_REDUCED, f"ROUTER_PORT={port}",
                           "REPLICA_NODES=" + ",".join(f"netns:{h}={ns.ip[h]}" for h in hosts)]

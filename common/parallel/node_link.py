@@ -16,22 +16,24 @@ kernel saw (TCP_INFO), not only what this process read:
 - a peer that is silent while its host still acknowledges our beats is alive and its link up,
   only its process is not scheduled (a host loaded past its cores, a GIL held long): it is lost
   only after PATIENCE times the timeout;
-- a cut link or a frozen host acknowledges nothing: lost after the timeout, once what we sent
-  has waited unacknowledged from one look to the next (a beat apart at least: on a live link an
-  acknowledgement takes a round trip, whatever the peer's process does); a dead process closes
-  its socket: lost at once.
+- a cut link or a frozen host acknowledges nothing: lost after the timeout, once our bytes have
+  waited unacknowledged (sent or, behind a route to nothing, not even that) from one look to the
+  next (a beat apart at least: on a live link an acknowledgement takes a round trip, whatever
+  the peer's process does); a dead process closes its socket: lost at once.
 
 The link trusts its network as torch.distributed's rendezvous does: keep PORT and PORT + 1 of
 --dist-init-addr on the cluster's own network.
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import multiprocessing.connection as mpc
 import os
 import queue
 import socket
 import struct
+import termios
 import threading
 import time
 from dataclasses import dataclass
@@ -146,7 +148,7 @@ class Link:
                 continue
             quiet = min(quiet, tcp.received_s)
             was_unanswered = self._unanswered
-            self._unanswered = tcp.unacked > 0 and tcp.acked_s > self._silence_s
+            self._unanswered = tcp.outq > 0 and tcp.acked_s > self._silence_s
             if quiet > PATIENCE * self._silence_s:
                 self._lose(f"{self.peer}: no word for {quiet:.1f} s, though its host acknowledges (its process is stuck)")
             elif quiet > self._silence_s and self._unanswered and was_unanswered:
@@ -164,17 +166,18 @@ class Link:
 @dataclass(frozen=True)
 class TcpState:
     """What this host's kernel knows of a connection, whatever this process was doing."""
-    unacked: int  # segments sent, not acknowledged yet
+    outq: int  # bytes written, not acknowledged yet (sent or not)
     received_s: float  # since data last came in
     acked_s: float  # since an acknowledgement last came in
 
     @classmethod
     def of(cls, conn: mpc.Connection) -> "TcpState":
-        # Linux TCP_INFO: tcpi_unacked at byte 24, tcpi_last_data_recv and tcpi_last_ack_recv (ms) at 52
+        # Linux: SIOCOUTQ (= TIOCOUTQ); TCP_INFO's tcpi_last_data_recv and tcpi_last_ack_recv (ms) at byte 52
+        (outq,) = struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0" * 4))
         with socket.socket(fileno=os.dup(conn.fileno())) as sock:
             info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-        (unacked,), (data_ms, ack_ms) = struct.unpack_from("I", info, 24), struct.unpack_from("II", info, 52)
-        return cls(unacked, data_ms / 1000, ack_ms / 1000)
+        data_ms, ack_ms = struct.unpack_from("II", info, 52)
+        return cls(outq, data_ms / 1000, ack_ms / 1000)
 
 
 def accept_nodes(nodes, instance: tuple, deadline_s: float,
