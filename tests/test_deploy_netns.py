@@ -11,115 +11,25 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
+from netns_hosts import REPO, Namespaces, namespaces, netns_available, sh
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
 NEW_TOKENS = 12
 # The router's request timeout, which it also hands P and D as the room's bootstrap + transfer
 # deadline: a failed transfer must reach the client within it.
 DEADLINE_S = 15
-SUBNET = "10.200.0"
 STARTS_OVER = "starts over in place"  # a node process re-forming its instance (common.parallel.rejoin)
 # A clear failure: the router's 5xx naming the P or D that failed ("decode 10.200.0.3:32000: ...")
 NAMES_A_BACKEND = re.compile(r"HTTP 5\d\d: .*\b(prefill|decode) 10\.200\.0\.\d+:\d+")
-
-
-def _netns_available() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (ip netns)"
-    if not shutil.which("ip") or not shutil.which("tc"):
-        return "needs iproute2 (ip, tc)"
-    probe = f"pdfprobe{os.getpid()}"
-    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode:
-        return "ip netns add failed here"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-def sh(*cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=check, capture_output=True, text=True, **kw)
-
-
-class Namespaces:
-    """P hosts, D hosts and R, each a namespace; R holds the bridge that joins the others' veth
-    pairs (P's interface is `vp`, D's `vd`, in each host)."""
-
-    def __init__(self, prefill: int = 1, decode: int = 1):
-        tag = uuid.uuid4().hex[:6]
-        self.prefill = [f"pdf{tag}p{i or ''}" for i in range(prefill)]
-        self.decode = [f"pdf{tag}d{i or ''}" for i in range(decode)]
-        self.p, self.d, self.r = self.prefill[0], self.decode[0], f"pdf{tag}r"
-        hosts = self.prefill + self.decode + [self.r]
-        self.ip = {ns: f"{SUBNET}.{i + 1}" for i, ns in enumerate(hosts)}
-
-    def create(self) -> None:
-        for ns in self.ip:
-            sh("ip", "netns", "add", ns)
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "-n", self.r, "link", "add", "br0", "type", "bridge")
-        hosts = [(ns, "vp") for ns in self.prefill] + [(ns, "vd") for ns in self.decode]
-        for i, (ns, dev) in enumerate(hosts):
-            # Both ends are created inside the namespaces: the host's interfaces are untouched.
-            sh("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", f"v{i}br", "netns", self.r)
-            sh("ip", "-n", self.r, "link", "set", f"v{i}br", "master", "br0", "up")
-            sh("ip", "-n", ns, "addr", "add", f"{self.ip[ns]}/24", "dev", dev)
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-        sh("ip", "-n", self.r, "addr", "add", f"{self.ip[self.r]}/24", "dev", "br0")
-        sh("ip", "-n", self.r, "link", "set", "br0", "up")
-
-    def delete(self, wait_s: float = 20.0) -> None:
-        """Kill every process left in the namespaces (a test that failed half-way may have left
-        services, their ranks and clients there), then remove the namespaces."""
-        deadline = time.monotonic() + wait_s
-        while (pids := self.pids()) and time.monotonic() < deadline:
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.1)
-        for ns in self.ip:
-            sh("ip", "netns", "del", ns, check=False)
-        assert not pids, f"processes that outlived SIGKILL in the test's namespaces: {pids}"
-
-    def pids(self) -> list[int]:
-        """Every process in any of the namespaces (zombies are gone once their parent reaps them)."""
-        return [int(pid) for ns in self.ip for pid in sh("ip", "netns", "pids", ns, check=False).stdout.split()]
-
-    def tx_bytes(self, ports: list[str]) -> int:
-        """Bytes the bridge has sent out of `ports` (v{i}br: into the i-th host, P hosts first)."""
-        files = [f"/sys/class/net/{p}/statistics/tx_bytes" for p in ports]
-        return sum(int(n) for n in sh("ip", "netns", "exec", self.r, "cat", *files).stdout.split())
-
-    def cross_routes(self, a: list[str], b: list[str]) -> list[tuple[str, str]]:
-        """(host, peer) for every route between a host of `a` and one of `b`, both ways."""
-        return [(x, y) for x in a for y in b] + [(y, x) for x in a for y in b]
-
-    def run_in(self, ns: str, *cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return sh("ip", "netns", "exec", ns, *cmd, check=False, timeout=timeout, cwd=REPO)
-
-
-def _namespaces(**hosts):
-    why = _netns_available()
-    if why:
-        pytest.skip(why)
-    ns = Namespaces(**hosts)
-    try:
-        ns.create()
-        yield ns
-    finally:
-        ns.delete()
 
 
 class Reference:
@@ -145,7 +55,7 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def reference():
-    why = _netns_available()
+    why = netns_available()
     if why:
         pytest.skip(why)
     ref = Reference()
@@ -158,7 +68,7 @@ def reference():
 @pytest.fixture
 def cluster_namespaces():
     """P over two hosts, D over three (the embedded model's heads split over TP 3, not 2)."""
-    yield from _namespaces(prefill=2, decode=3)
+    yield from namespaces(prefill=2, decode=3)
 
 
 def netns_settings(ns: Namespaces, results: Path) -> list[str]:
@@ -447,7 +357,7 @@ def pid_of(results: Path, name: str) -> int:
 @pytest.fixture
 def replica_namespaces():
     """Two replicas over three hosts each (any of the namespaces is a host)."""
-    yield from _namespaces(prefill=3, decode=3)
+    yield from namespaces(prefill=3, decode=3)
 
 
 # The users' DP2 profiles at reduced size: replicas with TP over several hosts behind a
