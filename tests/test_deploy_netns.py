@@ -202,7 +202,7 @@ def test_pd_8node_profile_spanning_hosts_loses_a_node(reference, cluster_namespa
     4. P's second node dies for good (its process killed) and the link comes back: `pd.sh
        restart` of that node alone brings P back (node 0 and D untouched), and the next request
        through the router equals the reference
-    5. stop: nothing is left running or listening
+    5. stop: nothing is left running (no process in any of the hosts) or listening
     """
     ns = cluster_namespaces
     results = tmp_path / "results"
@@ -340,14 +340,23 @@ def test_pd_8node_profile_spanning_hosts_loses_a_node(reference, cluster_namespa
     finally:
         stopped = pd("stop", profile, *settings)
     assert_nothing_left(stopped, results)  # 5.
+    assert_no_process_left(ns)
 
 
 def assert_nothing_left(stopped: subprocess.CompletedProcess, results: Path) -> None:
-    """`pd.sh stop` succeeded and left nothing running or listening."""
+    """`pd.sh stop` succeeded and left nothing listening."""
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     for f in (results / "netns-test" / "metadata").glob("after-stop-*.txt"):
         assert f.read_text().strip() == "", f"{f.name}: {f.read_text()}"
     assert not list((results / "netns-test" / "pids").glob("*.pid"))
+
+
+def assert_no_process_left(ns: Namespaces) -> None:
+    """Once every stack is stopped, no process of any host is left (a rank process included)."""
+    deadline = time.monotonic() + 10  # the last SIGKILLed may take a moment to go
+    while (left := ns.pids()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes left in the hosts after pd.sh stop: {left}"
 
 
 def pid_of(results: Path, name: str) -> int:
@@ -400,6 +409,7 @@ def test_dp2_tp32_profiles_spanning_hosts(reference, replica_namespaces, tmp_pat
         stopped = {profile: pd("stop", profile, *settings[profile]) for profile in stacks}
     for profile in stacks:
         assert_nothing_left(stopped[profile], tmp_path / profile)
+    assert_no_process_left(ns)
 
 
 def pd_alive(results: Path, name: str) -> bool:
