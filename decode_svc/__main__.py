@@ -6,11 +6,10 @@ import argparse
 import asyncio
 import dataclasses
 
-from grpc_health.v1 import health
-
 from common.engine.engine import Engine
 from common.service.engine_loop import EngineLoop
-from common.service.grpc_process import run_service, serve_grpc, setup_logging
+from common.service.gate import serve_gated
+from common.service.grpc_process import run_service, setup_logging
 from common.service.loader import (
     ModelOptions,
     add_model_args,
@@ -55,7 +54,10 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
     opts = dataclasses.replace(ModelOptions.from_args(args), shared_kv=args.role == "decode" and args.local_transfer)
     if not args.nodes.head:
         return await serve_node(args, opts, args.role, log, stop)
-    runner, tokenizer = load_model(opts)
+    # The port answers from now on (NOT_SERVING, calls UNAVAILABLE saying why) while the model
+    # loads and the instance's nodes join: a while, and again after a lost node (rejoin).
+    server, gate, checks = await serve_gated(args.host, args.port, "pdflash.DecodeService", args.nodes, tls)
+    runner, tokenizer = await asyncio.to_thread(load_model, opts)
     try:
         engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, max_running=args.max_running,
                         proposer=load_proposer(args, runner), spec=spec_config(args))
@@ -67,10 +69,8 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
                                   args.peer_abort_timeout, tls)
         servicer = DecodeServicer(loop, tokenizer, receiver, args.role, runner.cfg.name, args.deadline)
         loop.start()
-        checks = health.aio.HealthServicer()
         watch_nodes(runner, loop, checks)
-        server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_DecodeServiceServicer_to_server(servicer, s),
-                                  tls, checks)
+        await gate.open(pb_grpc.add_DecodeServiceServicer_to_server, servicer, checks)
         log.info("ready on %s:%d (%s, TP %d, EP %d, %d KV pages of %d tokens)", args.host, args.port, args.role,
                  args.tp, args.ep, runner.pool.num_pages, runner.page_size)
         await stop.wait()

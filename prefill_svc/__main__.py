@@ -4,11 +4,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from grpc_health.v1 import health
-
 from common.engine.engine import Engine
 from common.service.engine_loop import EngineLoop
-from common.service.grpc_process import run_service, serve_grpc, setup_logging
+from common.service.gate import serve_gated
+from common.service.grpc_process import run_service, setup_logging
 from common.service.loader import (
     ModelOptions,
     add_model_args,
@@ -51,7 +50,10 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
     log = setup_logging(f"prefill:{args.port}")
     if not args.nodes.head:
         return await serve_node(args, ModelOptions.from_args(args), "prefill", log, stop)
-    runner, tokenizer = load_model(ModelOptions.from_args(args))
+    # The port answers from now on (NOT_SERVING, calls UNAVAILABLE saying why) while the model
+    # loads and the instance's nodes join: a while, and again after a lost node (rejoin).
+    server, gate, checks = await serve_gated(args.host, args.port, "pdflash.PrefillService", args.nodes, tls)
+    runner, tokenizer = await asyncio.to_thread(load_model, ModelOptions.from_args(args))
     try:
         engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, prefill_only=True,
                         proposer=load_proposer(args, runner), spec=spec_config(args))
@@ -66,10 +68,8 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
         servicer = PrefillServicer(loop, KVSender(ranks, engine, args.deadline, args.verify_transfer, tls),
                                    runner.cfg.name, args.deadline, overlap)
         loop.start()
-        checks = health.aio.HealthServicer()
         watch_nodes(runner, loop, checks)
-        server = await serve_grpc(args.host, args.port, lambda s: pb_grpc.add_PrefillServiceServicer_to_server(servicer, s),
-                                  tls, checks)
+        await gate.open(pb_grpc.add_PrefillServiceServicer_to_server, servicer, checks)
         log.info("ready on %s:%d (mooncake %s, TP %d x PP %d, EP %d, %d KV pages of %d tokens)", args.host, args.port,
                  ranks.mooncake.session_id, args.tp, args.pp, args.ep, runner.pool.num_pages, runner.page_size)
         await stop.wait()

@@ -11,100 +11,25 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
+from netns_hosts import REPO, Namespaces, namespaces, netns_available, sh
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
 NEW_TOKENS = 12
 # The router's request timeout, which it also hands P and D as the room's bootstrap + transfer
 # deadline: a failed transfer must reach the client within it.
 DEADLINE_S = 15
-SUBNET = "10.200.0"
 STARTS_OVER = "starts over in place"  # a node process re-forming its instance (common.parallel.rejoin)
 # A clear failure: the router's 5xx naming the P or D that failed ("decode 10.200.0.3:32000: ...")
 NAMES_A_BACKEND = re.compile(r"HTTP 5\d\d: .*\b(prefill|decode) 10\.200\.0\.\d+:\d+")
-
-
-def _netns_available() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (ip netns)"
-    if not shutil.which("ip") or not shutil.which("tc"):
-        return "needs iproute2 (ip, tc)"
-    probe = f"pdfprobe{os.getpid()}"
-    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode:
-        return "ip netns add failed here"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-def sh(*cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=check, capture_output=True, text=True, **kw)
-
-
-class Namespaces:
-    """P hosts, D hosts and R, each a namespace; R holds the bridge that joins the others' veth
-    pairs (P's interface is `vp`, D's `vd`, in each host)."""
-
-    def __init__(self, prefill: int = 1, decode: int = 1):
-        tag = uuid.uuid4().hex[:6]
-        self.prefill = [f"pdf{tag}p{i or ''}" for i in range(prefill)]
-        self.decode = [f"pdf{tag}d{i or ''}" for i in range(decode)]
-        self.p, self.d, self.r = self.prefill[0], self.decode[0], f"pdf{tag}r"
-        hosts = self.prefill + self.decode + [self.r]
-        self.ip = {ns: f"{SUBNET}.{i + 1}" for i, ns in enumerate(hosts)}
-
-    def create(self) -> None:
-        for ns in self.ip:
-            sh("ip", "netns", "add", ns)
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "-n", self.r, "link", "add", "br0", "type", "bridge")
-        hosts = [(ns, "vp") for ns in self.prefill] + [(ns, "vd") for ns in self.decode]
-        for i, (ns, dev) in enumerate(hosts):
-            # Both ends are created inside the namespaces: the host's interfaces are untouched.
-            sh("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", f"v{i}br", "netns", self.r)
-            sh("ip", "-n", self.r, "link", "set", f"v{i}br", "master", "br0", "up")
-            sh("ip", "-n", ns, "addr", "add", f"{self.ip[ns]}/24", "dev", dev)
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-        sh("ip", "-n", self.r, "addr", "add", f"{self.ip[self.r]}/24", "dev", "br0")
-        sh("ip", "-n", self.r, "link", "set", "br0", "up")
-
-    def delete(self) -> None:
-        for ns in self.ip:
-            sh("ip", "netns", "del", ns, check=False)
-
-    def tx_bytes(self, ports: list[str]) -> int:
-        """Bytes the bridge has sent out of `ports` (v{i}br: into the i-th host, P hosts first)."""
-        files = [f"/sys/class/net/{p}/statistics/tx_bytes" for p in ports]
-        return sum(int(n) for n in sh("ip", "netns", "exec", self.r, "cat", *files).stdout.split())
-
-    def cross_routes(self, a: list[str], b: list[str]) -> list[tuple[str, str]]:
-        """(host, peer) for every route between a host of `a` and one of `b`, both ways."""
-        return [(x, y) for x in a for y in b] + [(y, x) for x in a for y in b]
-
-    def run_in(self, ns: str, *cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return sh("ip", "netns", "exec", ns, *cmd, check=False, timeout=timeout, cwd=REPO)
-
-
-def _namespaces(**hosts):
-    why = _netns_available()
-    if why:
-        pytest.skip(why)
-    ns = Namespaces(**hosts)
-    try:
-        ns.create()
-        yield ns
-    finally:
-        ns.delete()
 
 
 class Reference:
@@ -130,7 +55,7 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def reference():
-    why = _netns_available()
+    why = netns_available()
     if why:
         pytest.skip(why)
     ref = Reference()
@@ -143,7 +68,7 @@ def reference():
 @pytest.fixture
 def cluster_namespaces():
     """P over two hosts, D over three (the embedded model's heads split over TP 3, not 2)."""
-    yield from _namespaces(prefill=2, decode=3)
+    yield from namespaces(prefill=2, decode=3)
 
 
 def netns_settings(ns: Namespaces, results: Path) -> list[str]:
@@ -158,7 +83,9 @@ def netns_settings(ns: Namespaces, results: Path) -> list[str]:
         "MODEL_NAME=", "DRAFT_MODEL_NAME=", "DTYPE=fp32", "DEVICE=cpu", "KV_PAGES=64", "CHUNK_SIZE=512",
         f"DEADLINE={DEADLINE_S}", f"REQUEST_TIMEOUT={DEADLINE_S}",
         "MOONCAKE_PROTOCOL=tcp", "RDMA_DEVICES=", "MC_TRANSFER_TIMEOUT=5", "COMPOSE_OVERLAYS=",
-        "START_TIMEOUT=300", "STOP_TIMEOUT=15", "POLL_INTERVAL=0.5",
+        # Each of pd.sh's health probes starts a Python process: every 0.5 s they took most of a
+        # core from the start-ups they waited for.
+        "START_TIMEOUT=300", "STOP_TIMEOUT=15", "POLL_INTERVAL=2",
         f"SMOKE_PROMPT={PROMPT}", f"SMOKE_MAX_NEW_TOKENS={NEW_TOKENS}",
         "BENCH_TOOL=builtin", "BENCH_INPUT_LEN=64", "BENCH_OUTPUT_LEN=4", "BENCH_CONCURRENCY=2", "BENCH_NUM=2",
         # The namespaces share one kernel, so P and D would see one host and copy the KV locally,
@@ -168,9 +95,24 @@ def netns_settings(ns: Namespaces, results: Path) -> list[str]:
 
 
 def pd(command: str, profile: Path | str, *settings: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    proc = pd_started(command, profile, *settings)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        ended(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def ended(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def pd_started(command: str, profile: Path | str, *settings: str) -> subprocess.Popen:
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), "RUN_ID": "netns-test"}
-    return subprocess.run([str(REPO / "deploy" / "pd.sh"), command, str(profile), *settings], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.Popen([str(REPO / "deploy" / "pd.sh"), command, str(profile), *settings], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def client(ns: Namespaces, *args: str, timeout: float = 120) -> tuple[int, dict, float]:
@@ -188,6 +130,38 @@ def smoke_from_router(ns: Namespaces, url: str, prompt: str, max_new_tokens: int
     return subprocess.Popen(["ip", "netns", "exec", ns.r, sys.executable, "deploy/tools/client.py", "smoke", "--url", url,
                              "--prompt", prompt, "--max-new-tokens", str(max_new_tokens), "--timeout", "60"],
                             stdout=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def wait_serving(ns: Namespaces, addr: str, within_s: float) -> None:
+    """Until the gRPC health of `addr` says SERVING, asked from the router's namespace by one
+    process (`pd.sh status` every second would start a Python process per service each time)."""
+    code = (
+        "import sys, time, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g\n"
+        "stub, deadline = g.HealthStub(grpc.insecure_channel(sys.argv[1])), time.monotonic() + float(sys.argv[2])\n"
+        "while time.monotonic() < deadline:\n"
+        "    try:\n"
+        "        if stub.Check(h.HealthCheckRequest(), timeout=2).status == h.HealthCheckResponse.SERVING: sys.exit(0)\n"
+        "    except grpc.RpcError: pass\n"
+        "    time.sleep(0.5)\n"
+        "sys.exit(1)\n")
+    r = ns.run_in(ns.r, sys.executable, "-c", code, addr, str(within_s), timeout=within_s + 60)
+    assert r.returncode == 0, f"{addr} not serving within {within_s:.0f} s: {r.stderr[-2000:]}"
+
+
+def refusal(ns: Namespaces, addr: str, within_s: float = 60) -> str:
+    """What P's node 0 answers while it is not serving (common.service.gate): its Health call's
+    status and message, once the port answers at all (a process starting over takes a moment)."""
+    code = (
+        "import sys, time, grpc; from protos import pdflash_pb2 as pb, pdflash_pb2_grpc as g\n"
+        "stub, deadline = g.PrefillServiceStub(grpc.insecure_channel(sys.argv[1])), time.monotonic() + float(sys.argv[2])\n"
+        "while True:\n"
+        "    try:\n"
+        "        stub.Health(pb.HealthRequest(), timeout=2); print('SERVING'); break\n"
+        "    except grpc.RpcError as e:\n"
+        "        if e.details().startswith('not in service yet') or time.monotonic() > deadline:\n"
+        "            print(e.code().name, e.details()); break\n"
+        "    time.sleep(0.3)\n")
+    return ns.run_in(ns.r, sys.executable, "-c", code, addr, str(within_s), timeout=within_s + 60).stdout.strip()
 
 
 def pools_free(ns: Namespaces, prefill: bool = True) -> list[tuple[int, int]]:
@@ -228,7 +202,7 @@ def test_pd_8node_profile_spanning_hosts_loses_a_node(reference, cluster_namespa
     4. P's second node dies for good (its process killed) and the link comes back: `pd.sh
        restart` of that node alone brings P back (node 0 and D untouched), and the next request
        through the router equals the reference
-    5. stop: nothing is left running or listening
+    5. stop: nothing is left running (no process in any of the hosts) or listening
     """
     ns = cluster_namespaces
     results = tmp_path / "results"
@@ -284,11 +258,13 @@ def test_pd_8node_profile_spanning_hosts_loses_a_node(reference, cluster_namespa
             sh("ip", "-n", host, "route", "del", "blackhole", f"{ns.ip[peer]}/32")
         for port in into_d:
             sh("ip", "netns", "exec", ns.r, "tc", "qdisc", "del", "dev", port, "root")
-        # A node of P that fell silent behind the stalled transfer (its heartbeats held up) makes P
-        # re-form, a start-up's time (common.parallel.rejoin): allow for it.
-        deadline = time.monotonic() + 150
+        # P and D stay in service (a stalled transfer holds no heartbeat up: common.parallel.node_link);
+        # were a node of either lost, its instance would re-form, a start-up's time: allow for it.
+        wait_serving(ns, f"{ns.ip[ns.p]}:31000", 150)
+        wait_serving(ns, f"{ns.ip[ns.d]}:32000", 150)
+        deadline = time.monotonic() + 60
         while (status := pd("status", profile, *settings, timeout=120)).returncode != 0:
-            assert time.monotonic() < deadline, ("stack not healthy 150 s after the links came back:\n"
+            assert time.monotonic() < deadline, ("stack not healthy after the links came back:\n"
                                                  + status.stdout[-3000:] + status.stderr[-2000:])
             time.sleep(1)
         deadline = time.monotonic() + 45
@@ -334,6 +310,10 @@ def test_pd_8node_profile_spanning_hosts_loses_a_node(reference, cluster_namespa
             time.sleep(0.5)
         head_log = (logs / "prefill0-rank0.log").read_text()
         assert "no word for" in head_log and "out of service" in head_log, head_log[-3000:]
+        # while it waits for P1, P0's port answers and says why it does not serve
+        said = refusal(ns, f"{ns.ip[p0]}:31000")
+        assert said.startswith("UNAVAILABLE not in service yet: re-forming after: node 1") \
+            and "waiting for nodes 1-1 to join" in said, said
         assert "stopping this node's ranks" in (logs / "prefill0-rank1.log").read_text()
         deadline = time.monotonic() + 30
         while (pools := pools_free(ns, prefill=False)) and any(free != total for free, total in pools):
@@ -346,9 +326,10 @@ def test_pd_8node_profile_spanning_hosts_loses_a_node(reference, cluster_namespa
         sh("ip", "-n", p1, "route", "del", "blackhole", f"{ns.ip[p0]}/32")
         restarted = pd("restart", profile, "prefill0-rank1", *settings)
         assert restarted.returncode == 0, restarted.stdout + restarted.stderr
-        deadline = time.monotonic() + 240  # a start-up's time: minutes on a loaded 2-core machine
+        wait_serving(ns, f"{ns.ip[p0]}:31000", 240)  # a start-up's time: minutes on a loaded 2-core machine
+        deadline = time.monotonic() + 60
         while (status := pd("status", profile, *settings, timeout=120)).returncode != 0:
-            assert time.monotonic() < deadline, ("P not back 240 s after its lost node was restarted:\n"
+            assert time.monotonic() < deadline, ("P not back after its lost node was restarted:\n"
                                                  + status.stdout[-3000:] + (logs / "prefill0-rank0.log").read_text()[-3000:])
             time.sleep(1)
         assert pid_of(results, "prefill0-rank0") == pids["prefill0-rank0"] and pd_alive(results, "prefill0-rank0")
@@ -359,14 +340,23 @@ def test_pd_8node_profile_spanning_hosts_loses_a_node(reference, cluster_namespa
     finally:
         stopped = pd("stop", profile, *settings)
     assert_nothing_left(stopped, results)  # 5.
+    assert_no_process_left(ns)
 
 
 def assert_nothing_left(stopped: subprocess.CompletedProcess, results: Path) -> None:
-    """`pd.sh stop` succeeded and left nothing running or listening."""
+    """`pd.sh stop` succeeded and left nothing listening."""
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     for f in (results / "netns-test" / "metadata").glob("after-stop-*.txt"):
         assert f.read_text().strip() == "", f"{f.name}: {f.read_text()}"
     assert not list((results / "netns-test" / "pids").glob("*.pid"))
+
+
+def assert_no_process_left(ns: Namespaces) -> None:
+    """Once every stack is stopped, no process of any host is left (a rank process included)."""
+    deadline = time.monotonic() + 10  # the last SIGKILLed may take a moment to go
+    while (left := ns.pids()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes left in the hosts after pd.sh stop: {left}"
 
 
 def pid_of(results: Path, name: str) -> int:
@@ -376,38 +366,50 @@ def pid_of(results: Path, name: str) -> int:
 @pytest.fixture
 def replica_namespaces():
     """Two replicas over three hosts each (any of the namespaces is a host)."""
-    yield from _namespaces(prefill=3, decode=3)
+    yield from namespaces(prefill=3, decode=3)
 
 
-# The users' DP2 profiles at reduced size: two replicas, each with TP over several hosts, behind a
-# round-robin router; TP 3 over 3 hosts (the embedded model's KV heads split 3 ways), CPU.
+# The users' DP2 profiles at reduced size: replicas with TP over several hosts behind a
+# round-robin router; TP 3 over 3 hosts (the embedded model's KV heads split 3 ways), CPU, and one
+# replica each, so that both profiles start at once for what one of them took at DP 2.
 DP2_TP32_REDUCED = ["REPLICA_NODES_PER_INSTANCE=3", "REPLICA_TP=3", "REPLICA_EP=", "REPLICA_MEM_FRACTION=",
                     "DECODE_MEM_FRACTION=", "NCCL_SOCKET_IFNAME=", "GLOO_SOCKET_IFNAME=", "NCCL_IB_HCA=", "CHUNK_SIZE=64"]
 
 
-def test_dp2_tp32_dflash_profile_spanning_hosts(reference, replica_namespaces, tmp_path):
-    """deploy/profiles/dp2-tp32-dflash.env at reduced size (dp2-tp32.env is the same stack without
-    --spec): two replicas with TP 3 over three hosts each, round-robin router in a seventh; one
-    greedy request per replica equals `pdflash generate`; stop leaves nothing behind."""
+def test_dp2_tp32_profiles_spanning_hosts(reference, replica_namespaces, tmp_path):
+    """deploy/profiles/dp2-tp32.env and dp2-tp32-dflash.env at reduced size, started at the same
+    time: each a replica with TP 3 over three hosts of its own behind its own round-robin router
+    (both routers in a seventh host); a greedy request through each equals `pdflash generate`
+    (DFlash is lossless: the plain reference); stop leaves nothing behind."""
     ns = replica_namespaces
-    results = tmp_path / "results"
-    profile = "dp2-tp32-dflash"
-    hosts = ns.prefill + ns.decode
-    settings = [*netns_settings(ns, results), *DP2_TP32_REDUCED,
-                "REPLICA_NODES=" + ",".join(f"netns:{h}={ns.ip[h]}" for h in hosts)]
+    url = lambda port: f"http://{ns.ip[ns.r]}:{port}"
+    stacks = {  # profile: (its hosts, its router's port)
+        "dp2-tp32": (ns.prefill, 30000),
+        "dp2-tp32-dflash": (ns.decode, 30010),  # the router's gRPC takes its HTTP port + 1
+    }
+    settings = {profile: [*netns_settings(ns, tmp_path / profile), *DP2_TP32_REDUCED, f"ROUTER_PORT={port}",
+                          "REPLICA_NODES=" + ",".join(f"netns:{h}={ns.ip[h]}" for h in hosts)]
+                for profile, (hosts, port) in stacks.items()}
+    starting = {}
     try:
-        started = pd("start", profile, *settings)
-        assert started.returncode == 0, started.stdout + started.stderr
-        for i, host in enumerate(hosts):  # every host runs its replica's share of the ranks
-            assert f"replica{i // 3}-rank{i % 3} on netns:{host}" in started.stdout
+        starting = {profile: pd_started("start", profile, *settings[profile]) for profile in stacks}
+        for profile, proc in starting.items():
+            out, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, f"{profile}:\n{out}{err}"
+            for i, host in enumerate(stacks[profile][0]):  # every host runs its share of the replica's ranks
+                assert f"replica0-rank{i} on netns:{host}" in out
+            assert ("--spec dflash" in out) == profile.endswith("dflash")
         ref = reference.output_ids()
-        url = f"http://{ns.ip[ns.r]}:30000"
-        for _ in range(2):  # round robin: one for each replica
-            rc, got, _ = client(ns, "smoke", "--url", url, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS))
-            assert rc == 0 and got["output_ids"] == ref, (got, ref)
+        for profile, (_, port) in stacks.items():
+            rc, got, _ = client(ns, "smoke", "--url", url(port), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS))
+            assert rc == 0 and got["output_ids"] == ref, (profile, got, ref)
     finally:
-        stopped = pd("stop", profile, *settings)
-    assert_nothing_left(stopped, results)
+        for proc in starting.values():  # a start that failed the test leaves the other one going
+            ended(proc)
+        stopped = {profile: pd("stop", profile, *settings[profile]) for profile in stacks}
+    for profile in stacks:
+        assert_nothing_left(stopped[profile], tmp_path / profile)
+    assert_no_process_left(ns)
 
 
 def pd_alive(results: Path, name: str) -> bool:

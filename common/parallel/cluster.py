@@ -22,6 +22,7 @@ from common.runner.layout import ParallelConfigError
 
 LOOPBACK = "127.0.0.1"
 STARTUP_TIMEOUT_S = 600.0  # for every node and rank of an instance to join (--dist-timeout)
+NODE_TIMEOUT_S = 3.0  # without word from a node, it is lost (--node-timeout; common.parallel.node_link)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Nodes:
     node_rank: int = 0
     dist_init_addr: str = ""  # node 0's HOST:PORT
     host_ip: str = LOOPBACK  # this node's address on the compute network
+    timeout_s: float = NODE_TIMEOUT_S  # silence after which a node (or node 0) is lost
 
     @property
     def multi(self) -> bool:
@@ -74,16 +76,19 @@ def split_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def make_nodes(nnodes: int, node_rank: int, dist_init_addr: str | None, host_ip: str | None) -> Nodes:
+def make_nodes(nnodes: int, node_rank: int, dist_init_addr: str | None, host_ip: str | None,
+               timeout_s: float = NODE_TIMEOUT_S) -> Nodes:
     """Checked multi-node options; ValueError says what is wrong."""
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ValueError(f"--node-rank must be in [0, --nnodes) and --nnodes at least 1, got {node_rank} of {nnodes}")
+    if not timeout_s > 0:
+        raise ValueError(f"--node-timeout must be positive, got {timeout_s}")
     if nnodes == 1:
         return Nodes(host_ip=host_ip or LOOPBACK)
     if not dist_init_addr:
         raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
     host, _ = split_addr(dist_init_addr)
-    return Nodes(nnodes, node_rank, dist_init_addr, host_ip or route_source(host))
+    return Nodes(nnodes, node_rank, dist_init_addr, host_ip or route_source(host), timeout_s)
 
 
 def route_source(host: str) -> str:

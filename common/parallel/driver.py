@@ -38,7 +38,7 @@ from common.model.config import ModelConfig
 from common.model.static_attention import StaticAttn
 from common.parallel.cluster import STARTUP_TIMEOUT_S, Nodes, local_device
 from common.parallel.local_ranks import LocalRanks
-from common.parallel.node_link import LOST_GRACE_S, Link, RemoteWrite, accept_nodes, instance_key
+from common.parallel.node_link import Link, RemoteWrite, accept_nodes, instance_key, lost_grace_s
 from common.parallel.ports import free_port
 from common.parallel.rejoin import restart_in_place
 from common.parallel.stage import init_ranks, recv, stage_forward
@@ -94,10 +94,11 @@ class ParallelRunner(ModelRunner):
         # Before the links to other nodes start: their heartbeats must not wait behind this copy.
         packed = PackedTensors.pack(tensors)
         self._links: dict[int, Link] = {}  # node rank -> link, nodes other than this one
+        self._local: LocalRanks | None = None  # until every node has joined
         if nodes.multi:  # before our own ranks start: a node that does not fit fails the start at once
-            for node, (conn, ip) in accept_nodes(nodes, instance_key(nodes, layout, cfg.name, num_pages), startup_timeout_s).items():
-                self._links[node] = Link(conn, f"node {node} ({ip})", self._deliver, self._node_lost)
-                self._links[node].start()  # heartbeats from now on: the start-up below takes a while
+            self._links = accept_nodes(  # heartbeats from each join on: the start-up below takes a while
+                nodes, instance_key(nodes, layout, cfg.name, num_pages), startup_timeout_s,
+                lambda node, conn, ip: Link(conn, f"node {node} ({ip})", self._deliver, self._node_lost, nodes.timeout_s))
         self._local = LocalRanks([
             WorkerSpec(layout.with_rank(r), cfg, packed, dtype, local_device(device, r - nodes.ranks(layout.world).start), num_pages, page_size,
                        init_method, backend, state_slots, nodes.host_ip, shared_kv)
@@ -273,7 +274,7 @@ class ParallelRunner(ModelRunner):
         reuse those pages)."""
         if self._closing:
             return
-        self._stop_instance(why, grace_s=LOST_GRACE_S)
+        self._stop_instance(why, grace_s=lost_grace_s(self.nodes.timeout_s))
 
     def _stop_instance(self, why: str, exc_info: bool = False, grace_s: float = 0.0) -> None:
         """Out of service at once (the service's on_lost); after grace_s this host's ranks are
@@ -283,14 +284,15 @@ class ParallelRunner(ModelRunner):
         if any: its death is the cause whatever failed on rank 0 because of it. Never returns."""
         if not self._stopping.acquire(blocking=False):
             threading.Event().wait()  # another thread (rank watch, node link, engine) is stopping it
-        dead = self._local.dead()
+        dead = self._local.dead() if self._local else []
         if dead:
             why, exc_info = f"worker {dead[0].name} exited with code {dead[0].exitcode}; the model is incomplete", False
         logger.critical("%s; this instance is out of service, stopping it", why, exc_info=exc_info)
         if self.on_lost is not None:
             self.on_lost(why, grace_s)
         time.sleep(grace_s)
-        self._local.kill()  # before anything fails: no rank of ours writes into pages D may reuse
+        if self._local:  # before anything fails: no rank of ours writes into pages D may reuse
+            self._local.kill()
         with self._lock:
             pending, self._pending = self._pending, {}
         for fut in pending.values():

@@ -40,7 +40,7 @@ class NodeAgent:
         conn = connect_head(nodes, instance_key(nodes, layout, cfg.name, num_pages), startup_timeout_s)
         # Heartbeats from now on (the ranks' start-up takes a while); the driver sends nothing
         # else before our ranks have joined its process group.
-        self._link = Link(conn, f"node 0 ({nodes.control_addr[0]})", self._on_message, self._lost)
+        self._link = Link(conn, f"node 0 ({nodes.control_addr[0]})", self._on_message, self._lost, nodes.timeout_s)
         self._link.start()
         backend = "nccl" if device.startswith("cuda") else "gloo"
         self._local = LocalRanks([

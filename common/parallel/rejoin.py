@@ -7,7 +7,7 @@ node's process that is still alive replaces itself with a fresh one (exec: same 
 line and log, so a supervisor or container sees it still running), which loads the weights and
 waits for the group again, up to --dist-timeout, as at a first start (a new rendezvous: a new
 TCP store on node 0, new ranks everywhere). Only a node whose process is gone has to be
-restarted.
+restarted. Meanwhile node 0's gRPC says why it is not serving (common.service.gate).
 """
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ import sys
 from typing import NoReturn
 
 logger = logging.getLogger(__name__)
+
+_LOST = "PDFLASH_REFORMING_AFTER"  # why the process before the exec started over
+
+
+def not_serving_why(nodes) -> str:
+    """What a starting process of an instance is waiting for, and after what, for its health."""
+    waiting = f"loading the model, waiting for nodes 1-{nodes.nnodes - 1} to join" if nodes.multi else "loading the model"
+    lost = os.environ.get(_LOST)
+    return f"re-forming after: {lost}; {waiting}" if lost else f"starting: {waiting}"
 
 
 def restart_in_place(why: str) -> NoReturn:
@@ -35,4 +44,5 @@ def restart_in_place(why: str) -> NoReturn:
                 os.set_inheritable(fd, False)
             except OSError:  # the listing's own descriptor, closed by now
                 pass
+    os.environ[_LOST] = why
     os.execv(sys.executable, sys.orig_argv)

@@ -35,10 +35,10 @@ def setup_logging(role: str) -> logging.Logger:
 
 
 async def serve_grpc(host: str, port: int, add_servicers, tls: Tls | None = None,
-                     health_servicer: health.aio.HealthServicer | None = None) -> grpc.aio.Server:
-    """Start a grpc.aio server with our servicers and the standard health service (SERVING
-    unless `health_servicer` says otherwise); with `tls`, only peers with a certificate signed
-    by its CA get through the handshake."""
+                     health_servicer: health.aio.HealthServicer | None = None, serving: bool = True) -> grpc.aio.Server:
+    """Start a grpc.aio server with our servicers and the standard health service (SERVING, or
+    NOT_SERVING until the caller says otherwise); with `tls`, only peers with a certificate
+    signed by its CA get through the handshake."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20),
                                       ("grpc.max_send_message_length", 256 << 20)])
     add_servicers(server)
@@ -50,7 +50,8 @@ async def serve_grpc(host: str, port: int, add_servicers, tls: Tls | None = None
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    await health_servicer.set("", status)
     return server
 
 

@@ -11,7 +11,7 @@ from common.engine.spec_policy import SpecConfig
 from common.model.config import ModelConfig
 from common.model.tokenizer import Tokenizer
 from common.model.weights import load_weights, resolve_model
-from common.parallel.cluster import STARTUP_TIMEOUT_S, Nodes, make_nodes, pin_collective_interface
+from common.parallel.cluster import NODE_TIMEOUT_S, STARTUP_TIMEOUT_S, Nodes, make_nodes, pin_collective_interface
 from common.parallel.node_agent import NodeAgent
 from common.runner.layout import ParallelConfigError, RankLayout, check_parallel
 from common.runner.model_runner import ModelRunner
@@ -83,6 +83,9 @@ def add_parallel_args(p: argparse.ArgumentParser, pipeline: bool) -> None:
                    help="node 0's HOST:PORT: torch.distributed's rendezvous on PORT, the nodes' control link on PORT+1")
     p.add_argument("--dist-timeout", type=float, default=STARTUP_TIMEOUT_S,
                    help="seconds every node and rank has to join, whichever starts first")
+    p.add_argument("--node-timeout", type=float, default=NODE_TIMEOUT_S,
+                   help="seconds without word from another node of the instance (heartbeats, every sixth of it) "
+                        "after which it is lost and the instance re-forms")
     p.add_argument("--host-ip", "--mooncake-host", dest="host_ip", default=None,
                    help="this host's address on the compute network, which its peers reach its Mooncake segments and "
                         "collectives on (default: with --nnodes > 1 the address toward --dist-init-addr, else 127.0.0.1)")
@@ -94,7 +97,7 @@ def parse_nodes(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
     if args.mem_fraction is not None and not args.device.startswith("cuda"):
         p.error(f"--mem-fraction sizes the KV pool from GPU memory; on {args.device} give --kv-pages instead")
     try:
-        args.nodes = make_nodes(args.nnodes, args.node_rank, args.dist_init_addr, args.host_ip)
+        args.nodes = make_nodes(args.nnodes, args.node_rank, args.dist_init_addr, args.host_ip, args.node_timeout)
     except (ValueError, OSError) as e:
         p.error(str(e))
     return args

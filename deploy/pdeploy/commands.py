@@ -154,11 +154,13 @@ class ProcessLauncher(Launcher):
         return [local(f"tail -n 3 {self.results}/logs/{s.name}.log", check=False)]
 
     def stop(self, s: Service) -> list[Cmd]:
-        # SIGTERM (the services stop cleanly), wait up to STOP_TIMEOUT, then SIGKILL; only our pid.
+        # SIGTERM (the services stop cleanly), wait up to STOP_TIMEOUT, then SIGKILL to the process
+        # group `setsid` made for it: the service and whatever it started (rank processes and their
+        # forkserver), also those a service killed or crashed half-way left behind; nothing else.
         pid, t = self.pidfile(s), self.cfg.get_int("STOP_TIMEOUT")
         return [local(f"if [ -f {pid} ]; then p=$(cat {pid}); kill -TERM $p 2>/dev/null; "
                       f"for i in $(seq {t * 5}); do kill -0 $p 2>/dev/null || break; sleep 0.2; done; "
-                      f"kill -0 $p 2>/dev/null && kill -KILL $p; rm -f {pid}; fi; true")]
+                      f"kill -KILL -- -$p 2>/dev/null; rm -f {pid}; fi; true")]
 
     def leftovers(self, node: Node, ports: list[int]) -> Cmd:
         filt = " or ".join(f"sport = :{p}" for p in ports)
