@@ -21,7 +21,7 @@ from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.model.weights import converted_folder, load_weights, resolve_model
 from common.runner.model_runner import ModelRunner
-from pd_stack import Stack, pair_prompt
+from pd_stack import Stack, pair_prompt, serve_alone
 from test_mla_moe import PROMPTS, write_checkpoint
 from tiny_models import save_random_drafter
 
@@ -69,7 +69,7 @@ def test_pd_every_pair_equals_one_process(folder, tmp_path) -> None:
                   "--spec", "dflash", "--draft-model", drafter, "--spec-block", "4")
     try:
         on = lambda pair, turn: stack.generate_on(pair, PROMPTS[pair_prompt(pair, turn)], MAX_NEW, ignore_eos=True)  # noqa: E731
-        alone = [on(pair, 1) for pair in PAIRS]
+        alone = serve_alone(len(P_SHAPES), lambda pair: on(pair, 1))  # in PAIRS' order
         assert set(stack.served().values()) == {len(PAIRS) // len(P_SHAPES)}  # one request on each pair
         with concurrent.futures.ThreadPoolExecutor(len(PAIRS)) as pool:
             mixed = list(pool.map(lambda pair: on(pair, 0), PAIRS))

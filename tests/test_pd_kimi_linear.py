@@ -47,7 +47,7 @@ from common.service.transfer_ranks import TransferRanks, add_mooncake_args
 from common.transfer.plan import TransferPlan, build_plan
 from common.transfer.wire import ranks_from_bootstrap, ranks_to_protos, shared_from_bootstrap
 from hf_oracle import checkpoint_fixture, hf_logits, prefill_then_decode, tiny_runner
-from pd_stack import Stack, pair_prompt
+from pd_stack import Stack, pair_prompt, serve_alone
 from router_svc.dispatch import ROUTE_HEADER
 from prefill_svc.kv_sender import plan_writes
 from protos import pdflash_pb2 as pb
@@ -248,7 +248,7 @@ def test_pd_every_pair_equals_one_process(spec, wide_checkpoint, folder, one_pro
                   "--decode-tp", sizes(D_TPS), "--allow-route-header", *spec_args)
     try:
         on = lambda pair, turn: stack.generate_on(pair, PROMPTS[pair_prompt(pair, turn)], MAX_NEW, ignore_eos=True)  # noqa: E731
-        alone = [on(pair, 1) for pair in PAIRS]
+        alone = serve_alone(len(P_SHAPES), lambda pair: on(pair, 1))  # in PAIRS' order
         assert set(stack.served().values()) == {len(D_TPS)}  # the header put one request on each pair
         bad = requests.post(stack.url + "/generate", headers={ROUTE_HEADER: f"p={len(P_SHAPES)},d=0"},
                             json={"input_ids": PROMPTS[1]}, timeout=30)
