@@ -146,12 +146,10 @@ def serve_alone(n: int, serve: Callable[[tuple[int, int]], dict]) -> list[dict]:
     return [out[pair] for pair in sorted(out)]
 
 
-def pair_prompt(pair: tuple[int, int], turn: int, prompts: int = 3) -> int:
-    """Which of `prompts` prompts (the shortest second: 0 long, 1 short, 2 long) a (P, D) pair of
-    a 3 x 3 pair test serves at each turn (0 or 1): over the two turns every pair serves two of
-    them, so one long enough for several prefill chunks, and at each turn every D instance
-    serves all of them, from three different P instances (and every P to three D)."""
-    return (sum(pair) + turn) % prompts
+def pair_prompt(pair: tuple[int, int], prompts: int = 3) -> int:
+    """Which of `prompts` prompts a (P, D) pair of an n x n pair test serves alone: at each
+    round of serve_alone the n pairs serve different ones, and each P and each D serves them all."""
+    return sum(pair) % prompts
 
 
 @contextlib.contextmanager

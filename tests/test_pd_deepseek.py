@@ -52,15 +52,15 @@ def folder(tmp_path_factory, embedded_source, embedded_tokenizer) -> str:
 
 
 def test_pd_every_pair_equals_one_process(folder, tmp_path) -> None:
-    """Each pair serves one request alone, then all pairs one request each at once (each D
-    batching rooms of three P instances, prefilled in chunks); every latent and draft page
-    D received was checksummed."""
+    """Each pair serves one request alone (three pairs at a time, none sharing an instance),
+    then all pairs all prompts at once (each D batching rooms of three P instances, prefilled in
+    chunks); every latent and draft page D received was checksummed."""
     cfg, tensors = load_weights(resolve_model(folder))
     reqs = [Request(str(i), p, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
     Engine(ModelRunner(cfg, tensors, num_pages=64, page_size=PAGE), cfg.eos_token_ids).run_all(reqs)
     drafter = save_random_drafter(cfg, (0, 2), str(tmp_path / "drafter"))
     sizes = lambda xs: ",".join(map(str, xs))  # noqa: E731
-    stack = Stack("--mode", "pd", "--model", folder, "--page-size", str(PAGE), "--kv-pages", "64",
+    stack = Stack("--mode", "pd", "--model", folder, "--page-size", str(PAGE), "--kv-pages", "160",
                   "--chunk-size", "24", "--deadline", "240", "--request-timeout", "600", "--verify-transfer",
                   "--prefill", str(len(P_SHAPES)), "--prefill-tp", sizes(s[0] for s in P_SHAPES),
                   "--prefill-pp", sizes(s[1] for s in P_SHAPES), "--prefill-ep", sizes(s[2] for s in P_SHAPES),
@@ -68,19 +68,18 @@ def test_pd_every_pair_equals_one_process(folder, tmp_path) -> None:
                   "--decode-ep", sizes(s[1] for s in D_SHAPES), "--allow-route-header",
                   "--spec", "dflash", "--draft-model", drafter, "--spec-block", "4")
     try:
-        on = lambda pair, turn: stack.generate_on(pair, PROMPTS[pair_prompt(pair, turn)], MAX_NEW, ignore_eos=True)  # noqa: E731
-        alone = serve_alone(len(P_SHAPES), lambda pair: on(pair, 1))  # in PAIRS' order
+        alone = serve_alone(len(P_SHAPES), lambda pair: stack.generate_on(
+            pair, PROMPTS[pair_prompt(pair)], MAX_NEW, ignore_eos=True))  # in PAIRS' order
         assert set(stack.served().values()) == {len(PAIRS) // len(P_SHAPES)}  # one request on each pair
-        with concurrent.futures.ThreadPoolExecutor(len(PAIRS)) as pool:
-            mixed = list(pool.map(lambda pair: on(pair, 0), PAIRS))
-        for turn, results in ((1, alone), (0, mixed)):
-            for pair, got in zip(PAIRS, results):
-                want = reqs[pair_prompt(pair, turn)]
-                assert got["output_ids"] == want.output_ids, (pair, turn)
-                assert got["meta_info"]["spec_verify_ct"] > 0
-                # The latent planes of the target's layers (one per layer) and the drafter's K and V.
-                pages = -(-len(want.prompt_ids) // PAGE)
-                assert got["meta_info"]["verified_pages"] == (LAYERS + 2 * DRAFT_LAYERS) * pages, (pair, turn)
+        jobs = [(pair, i) for pair in PAIRS for i in range(len(PROMPTS))]
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            mixed = list(pool.map(lambda job: stack.generate_on(job[0], PROMPTS[job[1]], MAX_NEW, ignore_eos=True), jobs))
+        for (pair, i), got in zip([(pair, pair_prompt(pair)) for pair in PAIRS] + jobs, alone + mixed):
+            assert got["output_ids"] == reqs[i].output_ids, (pair, i)
+            assert got["meta_info"]["spec_verify_ct"] > 0
+            # The latent planes of the target's layers (one per layer) and the drafter's K and V.
+            pages = -(-len(PROMPTS[i]) // PAGE)
+            assert got["meta_info"]["verified_pages"] == (LAYERS + 2 * DRAFT_LAYERS) * pages, (pair, i)
         stack.wait_all_pages_free()
     finally:
         stack.stop()

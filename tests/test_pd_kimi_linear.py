@@ -232,7 +232,7 @@ def test_pd_every_pair_equals_one_process(spec, wide_checkpoint, folder, one_pro
     """One stack of P instances at TP 1 x PP 3, TP 2 x PP 2 and TP 4 and D instances at TP 1, 2
     and 4 (with DFlash: a random drafter, D verifies blocks of 4 over its ranks' KDA heads and
     commits what it accepts). Each of the 9 (P, D) pairs, chosen by the route header, serves one
-    request alone, then all pairs one request each at once (each D batching rooms of three
+    request alone, then all pairs serve all prompts at once (each D batching rooms of three
     differently split P instances, prefilled in chunks); greedy tokens equal the single-process
     engine's without speculation."""
     _, _, cfg, _, _ = wide_checkpoint
@@ -247,17 +247,18 @@ def test_pd_every_pair_equals_one_process(spec, wide_checkpoint, folder, one_pro
                   "--prefill-pp", sizes(pp for _, pp in P_SHAPES), "--decode", str(len(D_TPS)),
                   "--decode-tp", sizes(D_TPS), "--allow-route-header", *spec_args)
     try:
-        on = lambda pair, turn: stack.generate_on(pair, PROMPTS[pair_prompt(pair, turn)], MAX_NEW, ignore_eos=True)  # noqa: E731
-        alone = serve_alone(len(P_SHAPES), lambda pair: on(pair, 1))  # in PAIRS' order
+        alone = serve_alone(len(P_SHAPES), lambda pair: stack.generate_on(
+            pair, PROMPTS[pair_prompt(pair)], MAX_NEW, ignore_eos=True))  # in PAIRS' order
         assert set(stack.served().values()) == {len(D_TPS)}  # the header put one request on each pair
         bad = requests.post(stack.url + "/generate", headers={ROUTE_HEADER: f"p={len(P_SHAPES)},d=0"},
                             json={"input_ids": PROMPTS[1]}, timeout=30)
         assert bad.status_code == 400 and ROUTE_HEADER in bad.json()["error"]["message"], bad.text
-        with concurrent.futures.ThreadPoolExecutor(len(PAIRS)) as pool:
-            mixed = list(pool.map(lambda pair: on(pair, 0), PAIRS))
-        for turn, results in ((1, alone), (0, mixed)):
-            assert [r["output_ids"] for r in results] == [one_process[pair_prompt(pair, turn)] for pair in PAIRS], turn
-            assert all((r["meta_info"].get("spec_verify_ct", 0) > 0) == (spec == "dflash") for r in results)
+        jobs = [(pair, i) for pair in PAIRS for i in range(len(PROMPTS))]
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            mixed = list(pool.map(lambda job: stack.generate_on(job[0], PROMPTS[job[1]], MAX_NEW, ignore_eos=True), jobs))
+        assert [r["output_ids"] for r in alone] == [one_process[pair_prompt(pair)] for pair in PAIRS]
+        assert [r["output_ids"] for r in mixed] == [one_process[i] for _, i in jobs]
+        assert all((r["meta_info"].get("spec_verify_ct", 0) > 0) == (spec == "dflash") for r in alone + mixed)
         stack.wait_all_pages_free()
     finally:
         stack.stop()
