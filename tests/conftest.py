@@ -138,8 +138,8 @@ def stack_group(item) -> str | None:
 # The groups that take longest (their stacks: minutes each on two cores), handed out first: xdist
 # hands groups out in collection order (the Makefile turns its own by-size order off), and a long
 # group handed out last would run alone at the end while the other worker idles.
-LONGEST_FIRST = ("test_pd_kimi_linear", "test_deploy_netns", "pd_stack", "test_pd_parallel", "test_faults",
-                 "colocated_stack", "test_dflash_lossless", "test_pd_deepseek")
+LONGEST_FIRST = ("test_pd_kimi_linear", "test_deploy_netns", "test_pd_deepseek", "pd_stack", "test_pd_parallel",
+                 "test_faults", "colocated_stack", "test_dflash_lossless")
 
 
 def group_of(item) -> str:

@@ -98,8 +98,14 @@ class MoE(nn.Module):
         ends = counts.cumsum(0, dtype=torch.int32)[:E]
         gate, up = torch._grouped_mm(x[token], self.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
         ys = torch._grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends)
-        ys = torch.where(mine[order, None], ys.float() * weights.flatten()[order, None], 0).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token, ys)
+        ys = ys.float().mul_(weights.flatten()[order, None]).masked_fill_(~mine[order, None], 0)
+        # Each product back to its (token, choice) row (order is a permutation), and a token's k
+        # products summed in fp32, rounded once, as run_dense sums. Not index_add_ into x: on
+        # CUDA it adds in x's dtype by atomics, in whatever order they land, so in bf16 every
+        # partial sum rounds and two runs of one step (a CUDA graph's replay and an eager call)
+        # differ (a small random model turns one such rounding into logits several percent apart).
+        pairs = torch.empty_like(ys).index_copy_(0, order, ys)
+        return pairs.view(x.shape[0], k, -1).sum(1).to(x.dtype)
 
     def run_dense(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """run_grouped's sum with plain batched matmuls: every held expert over every token, each

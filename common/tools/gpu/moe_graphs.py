@@ -8,7 +8,8 @@ steps give, in fp32 (the dense expert path) and in bf16 (grouped matmuls).
         CPU: within FP32_TOL
   bf16  the same checkpoints and the small random DeepSeek-V3 / Kimi-Linear shapes: decode
         logits with graphs against eager (both fed eager's greedy tokens): within BF16_TOL of
-        the largest logit; how many greedy outputs (mixed batch) are identical, and at each
+        the largest logit, and eager against a second eager run (non-deterministic kernels show
+        there); how many greedy outputs (mixed batch) are identical, and at each
         first divergence the gap between eager's two best logits there: a gap within the
         graphs-eager logit difference is a near-tie that bf16 rounding flips, not a fault
 
@@ -122,10 +123,13 @@ def bf16_check(name: str, cfg: ModelConfig, weights, device: str) -> dict:
     prompts = [random_token_ids(cfg, n, seed=n) for n in PROMPT_LENGTHS]
     run = runners(cfg, weights, device, "bf16", prompts)
     outs = {k: greedy(r, prompts, None) for k, r in run.items()}
-    worst, largest, divergences = 0.0, 0.0, []
+    worst, rerun, largest, divergences = 0.0, 0.0, 0.0, []
     for prompt, g, e in zip(prompts, outs["graphs"], outs["eager"]):
         eager = step_logits(run["eager"], prompt, e)
         diff = (step_logits(run["graphs"], prompt, e) - eager).abs().max().item()
+        # Eager against itself: what is left of graphs - eager if a kernel of the step is not
+        # deterministic (a random model turns one bf16 rounding into logits percents apart).
+        rerun = max(rerun, (step_logits(run["eager"], prompt, e) - eager).abs().max().item())
         worst, largest = max(worst, diff), max(largest, eager.abs().max().item())
         i = first_divergence(g, e)
         if i is not None:
@@ -133,7 +137,8 @@ def bf16_check(name: str, cfg: ModelConfig, weights, device: str) -> dict:
             divergences.append({"at": i, "top2_gap": (top2[0] - top2[1]).item(), "logit_diff": diff})
     return {"model": name, "dtype": "bf16", "cuda_graphs": run["graphs"].use_graphs, "requests": len(prompts),
             "identical": len(prompts) - len(divergences), "divergences": divergences,
-            "max_abs_logit_diff": worst, "max_abs_logit": largest, "ok": worst <= BF16_TOL * largest}
+            "max_abs_logit_diff": worst, "eager_rerun_max_abs_logit_diff": rerun, "max_abs_logit": largest,
+            "ok": worst <= BF16_TOL * largest}
 
 
 def moe_graphs(out_dir: str) -> dict:
@@ -165,6 +170,7 @@ def summary_lines(result: dict) -> list[str]:
     for r in result["bf16"]:
         gaps = ", ".join(f"@{d['at']} gap {d['top2_gap']:.3f}" for d in r["divergences"]) or "none"
         lines.append(f"bf16 {r['model']:17} graphs {'on' if r['cuda_graphs'] else 'OFF'}: max |graphs - eager| logit "
-                     f"{r['max_abs_logit_diff']:.2e} of {r['max_abs_logit']:.1f} {'ok' if r['ok'] else 'FAIL'}; "
+                     f"{r['max_abs_logit_diff']:.2e} of {r['max_abs_logit']:.1f} {'ok' if r['ok'] else 'FAIL'} "
+                     f"(eager rerun {r['eager_rerun_max_abs_logit_diff']:.2e}); "
                      f"greedy identical {r['identical']}/{r['requests']}; divergences: {gaps}")
     return lines
