@@ -37,10 +37,14 @@ class Blocks:
     k: int  # reduction step
     warps: int
 
+    def __str__(self) -> str:
+        return f"n{self.n}/k{self.k}/w{self.warps}"
+
 
 DEFAULT = Blocks(4, 256, 4)
-# Small n keeps enough programs in flight for the narrow outputs (576 columns: 144 programs of 4).
-CANDIDATES = (Blocks(2, 512, 4), DEFAULT, Blocks(8, 256, 4), Blocks(16, 256, 8))
+# Small n keeps enough programs in flight for the narrow outputs (576 columns: 144 programs of 4);
+# each thread of a block loads 8 or 16 consecutive weights of a row per step (16 or 32 bytes).
+CANDIDATES = (Blocks(1, 1024, 4), Blocks(2, 512, 4), DEFAULT, Blocks(8, 256, 4), Blocks(16, 256, 8))
 
 
 def _mode_from_env() -> str:
@@ -69,13 +73,13 @@ def forced(mode: str) -> Iterator[None]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the Triton GEMV where it is chosen."""
-    return _run(x, weight, bias, False, _choice(x, weight, bias, silu_mul=False))
+    return run(x, weight, bias, False, _choice(x, weight, bias, silu_mul=False))
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fused.silu_mul(F.linear(x, weight)) for the fused gate/up weight [2I, K], through the
     Triton kernel where it is chosen."""
-    return _run(x, weight, None, True, _choice(x, weight, None, silu_mul=True))
+    return run(x, weight, None, True, _choice(x, weight, None, silu_mul=True))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -95,12 +99,13 @@ def timings(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     cache is flushed (as a decode step finds the weights: the step reads far more than L2)."""
     from triton.testing import do_bench
 
-    return {b: do_bench(lambda b=b: _run(x, weight, bias, silu_mul, b), warmup=5, rep=20, return_mode="median")
+    return {b: do_bench(lambda b=b: run(x, weight, bias, silu_mul, b), warmup=5, rep=20, return_mode="median")
             for b in (None, *CANDIDATES)}
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
-         blocks: Blocks | None) -> torch.Tensor:
+def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
+        blocks: Blocks | None) -> torch.Tensor:
+    """One product, with or without SiLU x up: through cuBLAS (blocks None) or the Triton kernel."""
     if blocks is not None:
         return gemv_silu_mul(x, weight, blocks) if silu_mul else gemv(x, weight, bias, blocks)
     y = F.linear(x, weight, bias)
@@ -124,7 +129,7 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
 
 def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Decode rows on CUDA, one dtype, rows contiguous, and no autograd (fused.active)."""
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
             and x.stride(1) == 1 and weight.stride(1) == 1 and (bias is None or bias.stride(0) == 1)
             and fused.active(*(t for t in (x, weight, bias) if t is not None)))
 
