@@ -99,7 +99,7 @@ def timings(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     cache is flushed (as a decode step finds the weights: the step reads far more than L2)."""
     from triton.testing import do_bench
 
-    return {b: do_bench(lambda b=b: run(x, weight, bias, silu_mul, b), warmup=5, rep=20, return_mode="median")
+    return {b: do_bench(lambda b=b: run(x, weight, bias, silu_mul, b), warmup=2, rep=10, return_mode="median")
             for b in (None, *CANDIDATES)}
 
 
