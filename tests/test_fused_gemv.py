@@ -11,11 +11,10 @@ import torch.nn.functional as F
 from common.model import fused, gemv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [
-    pytest.mark.skipif(not fused.HAS_TRITON, reason="triton is not installed"),
-    pytest.mark.skipif(DEVICE == "cpu" and not fused._INTERPRETED,
-                       reason="no GPU: needs TRITON_INTERPRET=1 set before the kernels are imported"),
-]
+KERNELS_RUN = pytest.mark.skipif(
+    not fused.HAS_TRITON or (DEVICE == "cpu" and not fused._INTERPRETED),
+    reason="triton is not installed" if not fused.HAS_TRITON else
+    "no GPU: needs TRITON_INTERPRET=1 set before the kernels are imported")
 # N and K off every block size; a block shape of each kind; rows 1..8.
 SHAPES = [(1, 37, 45, gemv.DEFAULT), (3, 70, 300, gemv.Blocks(2, 512, 4)), (5, 24, 129, gemv.Blocks(16, 256, 8)),
           (8, 45, 513, gemv.Blocks(8, 256, 4)), (2, 9, 7, gemv.DEFAULT), (4, 33, 256, gemv.DEFAULT),
@@ -39,6 +38,7 @@ def _bf16_ulp(y: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(y.abs().clamp(min=1e-6)))) * 2.0 ** -7
 
 
+@KERNELS_RUN
 @pytest.mark.parametrize("M,N,K,blocks", SHAPES)
 def test_gemv_matches_linear(M, N, K, blocks):
     for bias in (False, True):
@@ -60,6 +60,7 @@ def test_gemv_matches_linear(M, N, K, blocks):
         assert ((got.double() - exact).abs() <= _bf16_ulp(exact) + fp32_sum_err).all()
 
 
+@KERNELS_RUN
 @pytest.mark.parametrize("M,N,K,blocks", SHAPES)
 def test_gemv_silu_mul_matches_plain_path(M, N, K, blocks):
     x, w, _ = _inputs(M, 2 * N, K, torch.float32)
@@ -78,6 +79,7 @@ def test_gemv_silu_mul_matches_plain_path(M, N, K, blocks):
     assert ((got - want).abs() <= 4 * 2.0 ** -7 * want.abs() + 1e-3 * want.abs().max()).all()
 
 
+@KERNELS_RUN
 def test_rows_past_the_limit_are_refused():
     x, w, _ = _inputs(gemv.MAX_ROWS + 1, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="at most 8 rows"):
@@ -86,6 +88,7 @@ def test_rows_past_the_limit_are_refused():
         gemv.gemv(x[:2, :8], w)
 
 
+@KERNELS_RUN
 def test_negative_control_a_wrong_weight_row_is_caught():
     """The comparison above can fail: one weight row the kernel reads wrongly shows up."""
     x, w, _ = _inputs(3, 20, 70, torch.float32)
@@ -93,3 +96,12 @@ def test_negative_control_a_wrong_weight_row_is_caught():
     bad[13, 69] += 1.0
     with pytest.raises(AssertionError):
         torch.testing.assert_close(gemv.gemv(x, bad), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_mode_other_than_auto_triton_cublas_is_refused(monkeypatch):
+    monkeypatch.setenv("PDFLASH_GEMV", "fast")
+    with pytest.raises(ValueError, match="PDFLASH_GEMV='fast': expected one of auto, triton, cublas"):
+        gemv._mode_from_env()
+    with pytest.raises(ValueError, match="expected one of"):
+        with gemv.forced("cuda"):
+            pass
