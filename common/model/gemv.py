@@ -41,10 +41,12 @@ class Blocks:
         return f"n{self.n}/k{self.k}/w{self.warps}"
 
 
-DEFAULT = Blocks(4, 256, 4)
-# Small n keeps enough programs in flight for the narrow outputs (576 columns: 144 programs of 4);
-# each thread of a block loads 8 or 16 consecutive weights of a row per step (16 or 32 bytes).
-CANDIDATES = (Blocks(1, 1024, 4), Blocks(2, 512, 4), DEFAULT, Blocks(8, 256, 4), Blocks(16, 256, 8))
+DEFAULT = Blocks(2, 1024, 4)
+# A program's loads in one step are all in flight at once: k of 1024 or 2048 reads a small
+# model's whole row (K 576 or 1536) in one step, a single memory latency; small n keeps enough
+# programs for the narrow outputs (576 columns: 288 programs of 2); larger n and a loop over K
+# suit the 8B shapes. Each thread loads 8 to 16 consecutive weights of a row per step.
+CANDIDATES = (Blocks(1, 1024, 4), Blocks(1, 2048, 8), DEFAULT, Blocks(4, 256, 4), Blocks(4, 512, 4), Blocks(8, 256, 4))
 
 
 def _mode_from_env() -> str:
