@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model import fused
+from common.model import fused, gemv
 from common.model.attention import AttnMeta, paged_attention
 from common.model.config import ModelConfig, YarnScaling
 from common.model.rope import yarn_inv_freq
@@ -70,7 +70,8 @@ CPU_FEW_ROWS = 9
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except for a few rows on CPU (decode, verify and draft blocks). bf16, one row:
+    """F.linear, except for a few rows (decode, verify and draft blocks): on CUDA the Triton GEMV
+    where it is faster than cuBLAS (common.model.gemv); on CPU, bf16, one row:
     PyTorch's GEMM path is compute-bound and its GEMV kernel (torch.mv) reads the weights ~1.3x
     faster. fp32, 1 to 8 rows: x @ W.T runs its one-row case on one thread and its few-row cases
     2-5x slower than W @ x.T with at least two rows (measured on a 2-core x86 VM, the LM head
@@ -84,7 +85,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             rows = x if x.shape[0] > 1 else torch.cat([x, x])
             y = (weight @ rows.t()).t()[:x.shape[0]].contiguous()
             return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
+    return gemv.linear(x, weight, bias)
 
 
 class Attention(nn.Module):
@@ -125,7 +126,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(fused.silu_mul(linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        gate_up = self.gate_up_proj.weight
+        act = gemv.linear_silu_mul(x, gate_up) if x.is_cuda else fused.silu_mul(linear(x, gate_up))
+        return linear(act, self.down_proj.weight)
 
     @staticmethod
     def hf_weights(tensors: dict[str, torch.Tensor], src: str) -> dict[str, torch.Tensor]:

@@ -14,14 +14,18 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
   speculative  --spec dflash (block pinned to 16, CUDA graphs) against plain decoding (graphs)
              on 32 GSM8K chat prompts, fp32: one at a time and 8 at once, greedy and seeded
              sampling (T 0.8, top-p 0.95), and requests that stop inside a block; must be identical
+  gemv       the decode GEMV kernels (common.model.gemv) against cuBLAS at the embedded and 8B
+             shapes, M 1 and 8, fp32 and bf16: results, and microseconds per product in CUDA graphs
+             and in plain launches (common/tools/gpu/gemv_check.py; about a minute)
   replay     step times of the embedded shape (random weights) through the engine's decoder with
-             graphs, fp32 and bf16, at batch 1, 8 and 32: plain, and speculative with each block
+             graphs, fp32 and bf16, at batch 1, 8 and 32: plain, and speculative with each block;
+             with PDFLASH_GEMV=auto, and bf16 with cuBLAS alone as the baseline
   profile    kernels per plain and speculative step and their summed time (profile_*.txt)
   spec-overhead  a plain decode step under --spec none against a plain step under --spec dflash,
              batch 1 and 8, context ~100 and ~2000, and host synchronisations per step
              (common/tools/gpu/spec_overhead.py; under a minute)
   bench      `pdflash bench engine --device cuda --dtype bf16`: ours vs transformers at batch
-             1, 8, 32 (engine.json)
+             1, 8, 32 (engine.json), with PDFLASH_GEMV=auto
   floor      the same with `--shape llama3-8b`: the 8B-shaped step against its memory floor
              (floor.json)
   moe-shapes MoE and KDA models in CUDA graphs: grouped experts against dense, and the
@@ -61,9 +65,11 @@ from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.engine.spec_policy import SpecConfig
 from common.engine.step_costs import step_times, synthetic_requests
+from common.model import gemv
 from common.model.shapes import SHAPES, random_weights
 from common.runner.model_runner import ModelRunner
 from common.tools.gpu.checks import fused_check, kernel_check, tiny_static_check
+from common.tools.gpu import gemv_check
 from common.tools.gpu.moe_graphs import moe_graphs
 from common.tools.gpu.moe_shapes import moe_shapes
 from common.tools.gpu.local_copy import local_copy
@@ -158,16 +164,18 @@ def _decoder(dtype: str, graphs: bool) -> Decoder:
 
 
 def _replay(context: int = 256) -> list[dict]:
-    """Step time through the decoder (inputs, graph replay, the one host synchronisation), in ms."""
+    """Step time through the decoder (inputs, graph replay, the one host synchronisation), in ms;
+    the decode GEMVs as PDFLASH_GEMV=auto picks them, and bf16 with cuBLAS alone to compare."""
     rows = []
-    for dtype in ("fp32", "bf16"):
-        decoder = _decoder(dtype, graphs=True)
-        for bs in (1, 8, 32):
-            with synthetic_requests(decoder, bs, 16, context) as reqs:
-                times = step_times(decoder, reqs, [0, 4, 8, 16], repeats=30)
-            rows += [{"dtype": dtype, "batch": bs, "block": b, "context": context, "step_ms": 1e3 * t}
-                     for b, t in times.items()]
-        del decoder
+    for dtype, mode in (("fp32", "auto"), ("bf16", "auto"), ("bf16", "cublas")):
+        with gemv.forced(mode):  # while the graphs are captured: they keep what ran then
+            decoder = _decoder(dtype, graphs=True)
+            for bs in (1, 8, 32):
+                with synthetic_requests(decoder, bs, 16, context) as reqs:
+                    times = step_times(decoder, reqs, [0, 4, 8, 16], repeats=30)
+                rows += [{"dtype": dtype, "gemv": mode, "batch": bs, "block": b, "context": context, "step_ms": 1e3 * t}
+                         for b, t in times.items()]
+            del decoder
     return rows
 
 
@@ -220,7 +228,8 @@ def _bench(out_dir: str, model: str | None, floor: bool) -> dict:
         except Exception as e:  # no model file (or no gguf package): same shapes, random weights
             print(f"bench: model not loadable ({e}); using --random-weights")
             argv.append("--random-weights")
-    rc = cli.main(argv)
+    with gemv.forced("auto"):
+        rc = cli.main(argv)
     if rc != 0:
         raise RuntimeError(f"bench engine exited {rc}")
     with open(path) as f:
@@ -253,9 +262,11 @@ def _summary(results: dict) -> list[str]:
     for r in _rows(results, "speculative"):
         lines.append(f"spec     {r['case']}, concurrency {r['concurrency']}: {r['identical']}/{r['requests']} identical "
                      f"to plain decoding (accept length {r['accept_length_weighted']:.2f})")
+    lines += gemv_check.summary_lines(_rows(results, "gemv"))
     for r in _rows(results, "replay"):
         what = "plain" if r["block"] == 0 else f"spec B={r['block']:2}"
-        lines.append(f"replay   {r['dtype']} {what:10} batch {r['batch']:2}: {r['step_ms']:.3f} ms/step"
+        lines.append(f"replay   {r['dtype']} gemv {r['gemv']:6} {what:10} batch {r['batch']:2}: "
+                     f"{r['step_ms']:.3f} ms/step"
                      + (f" ({r['batch'] * 1e3 / r['step_ms']:.0f} tok/s)" if r["block"] == 0 else ""))
     for r in _rows(results, "profile"):
         what = "plain" if r["block"] == 0 else f"spec B={r['block']}"
@@ -324,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
         "fused": lambda: [fused_check("cuda", dtype, T) for dtype in ("fp32", "bf16") for T in (1, 4)],
         "greedy": lambda: _greedy(args.model),
         "speculative": lambda: _speculative(args.model),
+        "gemv": gemv_check.gemv_check,
         "replay": _replay,
         "profile": lambda: _profile(args.out_dir),
         "spec-overhead": spec_overhead.spec_overhead,

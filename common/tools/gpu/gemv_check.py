@@ -1,0 +1,123 @@
+"""gpu-check part `gemv`: the decode GEMV kernels (common.model.gemv) on the GPU.
+
+For each projection of a decoder layer (qkv, o, gate/up with SiLU x up, down) at the embedded
+and the Llama-3-8B shapes, M = 1 and 8 rows, fp32 and bf16:
+  check   every Triton block shape against cuBLAS's F.linear (and fused.silu_mul after it):
+          fp32 within 1e-5 of the largest output, bf16 within 2^-7 (a rounding step) of it
+  graph   microseconds per product inside a CUDA graph of at least 50 products (no launch
+          costs), the weight read from enough copies to stream past the L2 cache, as a decode
+          step streams its layers' weights: cuBLAS, and the fastest Triton block shape
+  plain   the same products launched one after another (launch costs included)
+  auto    what PDFLASH_GEMV=auto picks for the shape (its timing: gemv.timings)
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from common.model import gemv
+from common.model.shapes import SHAPES
+
+STREAM_BYTES = 256 << 20  # weight copies per timing: several times the H200's 60 MB L2
+GRAPH_PRODUCTS = 50
+REPLAYS = 20
+
+
+def _products(shape: str) -> dict[str, tuple[int, int, bool]]:
+    """name -> (N, K, silu_mul) of one layer's projections."""
+    cfg = SHAPES[shape]
+    return {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, False), "o": (cfg.hidden_size, cfg.q_size, False),
+            "gate_up+silu": (2 * cfg.intermediate_size, cfg.hidden_size, True),
+            "down": (cfg.hidden_size, cfg.intermediate_size, False)}
+
+
+def _err(x: torch.Tensor, w: torch.Tensor, silu_mul: bool, blocks: gemv.Blocks) -> float:
+    """max |Triton - cuBLAS| / max |cuBLAS|."""
+    ref = gemv.run(x, w, None, silu_mul, None).float()
+    return ((gemv.run(x, w, None, silu_mul, blocks).float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def _us_per_product(xs: list[torch.Tensor], ws: list[torch.Tensor], silu_mul: bool, blocks: gemv.Blocks | None,
+                    graph: bool) -> float:
+    """Median microseconds per product over REPLAYS runs of max(GRAPH_PRODUCTS, copies) products,
+    cycling through the weight copies."""
+    n = max(GRAPH_PRODUCTS, len(ws))
+
+    def products() -> None:
+        for i in range(n):
+            gemv.run(xs[i % len(xs)], ws[i % len(ws)], None, silu_mul, blocks)
+
+    products()  # compile, cuBLAS handles
+    run = products
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            products()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(g):
+            products()
+        run = g.replay
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / n)
+    return statistics.median(times)
+
+
+def gemv_check() -> list[dict]:
+    rows = []
+    with torch.inference_mode():
+        for shape in ("embedded", "llama3-8b"):
+            for name, (N, K, silu_mul) in _products(shape).items():
+                for dtype in (torch.float32, torch.bfloat16):
+                    copies = -(-STREAM_BYTES // (N * K * dtype.itemsize))
+                    g = torch.Generator(device="cuda").manual_seed(N + K)
+                    ws = [torch.randn(N, K, device="cuda", generator=g).div_(K ** 0.5).to(dtype) for _ in range(copies)]
+                    for M in (1, 8):
+                        xs = [torch.randn(M, K, device="cuda", generator=g).to(dtype) for _ in range(4)]
+                        rows.append(_case(shape, name, silu_mul, xs, ws, dtype))
+                    del ws
+    return rows
+
+
+def _case(shape: str, name: str, silu_mul: bool, xs: list[torch.Tensor], ws: list[torch.Tensor],
+          dtype: torch.dtype) -> dict:
+    M, (N, K) = xs[0].shape[0], ws[0].shape
+    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -7
+    errs = {str(b): _err(xs[0], ws[0], silu_mul, b) for b in gemv.CANDIDATES}
+    graph = {b: _us_per_product(xs, ws, silu_mul, b, graph=True) for b in (None, *gemv.CANDIDATES)}
+    best = min(gemv.CANDIDATES, key=graph.__getitem__)
+    cold = gemv.timings(xs[0], ws[0], None, silu_mul)
+    auto = min(cold, key=cold.__getitem__)
+    return {"shape": shape, "product": name, "dtype": str(dtype).removeprefix("torch."), "M": M, "N": N, "K": K,
+            "max_rel_err": max(errs.values()), "ok": max(errs.values()) <= tol, "tolerance": tol,
+            "cublas_graph_us": graph[None], "triton_graph_us": graph[best], "triton_blocks": str(best),
+            "cublas_plain_us": _us_per_product(xs, ws, silu_mul, None, graph=False),
+            "triton_plain_us": _us_per_product(xs, ws, silu_mul, best, graph=False),
+            "graph_us_per_blocks": {str(b): t for b, t in graph.items()},
+            "auto_us": {str(b): 1e3 * t for b, t in cold.items()}, "auto": "cublas" if auto is None else str(auto)}
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    lines = [f"gemv     {'shape':9} {'product':12} {'dtype':8} M  {'N x K':>11}  check     graph us: cuBLAS Triton"
+             f"   plain us: cuBLAS Triton  auto"]
+    for r in rows:
+        check = f"{'ok' if r['ok'] else 'FAIL'} {r['max_rel_err']:.0e}"
+        lines.append(f"gemv     {r['shape']:9} {r['product']:12} {r['dtype']:8} {r['M']}  {r['N']:>5}x{r['K']:<5}  "
+                     f"{check:9} {r['cublas_graph_us']:14.2f} {r['triton_graph_us']:6.2f}"
+                     f" {r['cublas_plain_us']:16.2f} {r['triton_plain_us']:6.2f}  {r['auto']}")
+    layers: dict[tuple, list[dict]] = {}
+    for r in rows:
+        layers.setdefault((r["shape"], r["dtype"], r["M"]), []).append(r)
+    for (shape, dtype, M), rs in layers.items():  # what a decoder layer's four products take, in graphs
+        cublas, triton = sum(r["cublas_graph_us"] for r in rs), sum(r["triton_graph_us"] for r in rs)
+        lines.append(f"gemv     one {shape} layer, {dtype}, M={M}: cuBLAS {cublas:.1f} us, Triton {triton:.1f} us "
+                     f"(x{cublas / triton:.2f})")
+    return lines

@@ -1,0 +1,107 @@
+"""The decode GEMV kernels (common.model.gemv) against F.linear and SiLU(gate) * up: fp32 to
+reduction order, bf16 to one rounding, M = 1..8 rows, N and K off the block sizes. On a GPU, or
+on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 in the environment before the
+kernels are defined)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.model import fused, gemv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNELS_RUN = pytest.mark.skipif(
+    not fused.HAS_TRITON or (DEVICE == "cpu" and not fused._INTERPRETED),
+    reason="triton is not installed" if not fused.HAS_TRITON else
+    "no GPU: needs TRITON_INTERPRET=1 set before the kernels are imported")
+# N and K off every block size; a block shape of each kind; rows 1..8.
+SHAPES = [(1, 37, 45, gemv.DEFAULT), (3, 70, 300, gemv.Blocks(4, 512, 4)), (5, 24, 129, gemv.Blocks(1, 2048, 8)),
+          (8, 45, 513, gemv.Blocks(8, 256, 4)), (2, 9, 7, gemv.DEFAULT), (4, 33, 256, gemv.Blocks(4, 256, 4)),
+          (6, 17, 64, gemv.Blocks(1, 1024, 4)), (7, 5, 100, gemv.Blocks(8, 256, 4))]
+
+
+def _inputs(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x, w, b = (torch.randn(*shape, generator=g) for shape in ((M, K), (N, K), (N,)))
+    return x.to(DEVICE, dtype), w.div(K ** 0.5).to(DEVICE, dtype), b.to(DEVICE, dtype)
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x w^T + b in float64 from the same (rounded) inputs."""
+    y = x.double() @ w.double().t()
+    return y if b is None else y + b.double()
+
+
+def _bf16_ulp(y: torch.Tensor) -> torch.Tensor:
+    """One bf16 rounding step at |y| (8 significant bits), and at least a tiny absolute one."""
+    return torch.exp2(torch.floor(torch.log2(y.abs().clamp(min=1e-6)))) * 2.0 ** -7
+
+
+@KERNELS_RUN
+@pytest.mark.parametrize("M,N,K,blocks", SHAPES)
+def test_gemv_matches_linear(M, N, K, blocks):
+    for bias in (False, True):
+        x, w, b = _inputs(M, N, K, torch.float32)
+        b = b if bias else None
+        got = gemv.gemv(x, w, b, blocks)
+        assert got.dtype == torch.float32 and got.shape == (M, N)
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+        x, w, b = _inputs(M, N, K, torch.bfloat16)
+        b = b if bias else None
+        got = gemv.gemv(x, w, b, blocks)
+        assert got.dtype == torch.bfloat16
+        exact = _exact(x, w, b)
+        # fp32 sums rounded once: within one bf16 step of the exact product (half a step on the
+        # GPU, which rounds to nearest; under Triton's interpreter, which rounds toward zero, a
+        # step), plus the fp32 sum's own error, which matters only where terms cancel.
+        fp32_sum_err = 1e-5 * _exact(x.abs(), w.abs())
+        assert ((got.double() - exact).abs() <= _bf16_ulp(exact) + fp32_sum_err).all()
+
+
+@KERNELS_RUN
+@pytest.mark.parametrize("M,N,K,blocks", SHAPES)
+def test_gemv_silu_mul_matches_plain_path(M, N, K, blocks):
+    x, w, _ = _inputs(M, 2 * N, K, torch.float32)
+    got = gemv.gemv_silu_mul(x, w, blocks)
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    assert got.shape == (M, N)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+    x, w, _ = _inputs(M, 2 * N, K, torch.bfloat16)
+    got = gemv.gemv_silu_mul(x, w, blocks).double()
+    # The plain path's roundings from the exact gate and up. Four roundings (gate, up, SiLU's
+    # output, the product) each within a step of 2^-7 relative: the GPU rounds to nearest,
+    # Triton's interpreter toward zero, so a bound that holds for both allows a step each.
+    gate, up = _exact(x, w).chunk(2, dim=-1)
+    want = (F.silu(gate.to(torch.bfloat16)).to(torch.bfloat16) * up.to(torch.bfloat16)).double()
+    assert ((got - want).abs() <= 4 * 2.0 ** -7 * want.abs() + 1e-3 * want.abs().max()).all()
+
+
+@KERNELS_RUN
+def test_rows_past_the_limit_are_refused():
+    x, w, _ = _inputs(gemv.MAX_ROWS + 1, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        gemv.gemv(x, w)
+    with pytest.raises(ValueError, match="must share K"):
+        gemv.gemv(x[:2, :8], w)
+
+
+@KERNELS_RUN
+def test_negative_control_a_wrong_weight_row_is_caught():
+    """The comparison above can fail: one weight row the kernel reads wrongly shows up."""
+    x, w, _ = _inputs(3, 20, 70, torch.float32)
+    bad = w.clone()
+    bad[13, 69] += 1.0
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(gemv.gemv(x, bad), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_mode_other_than_auto_triton_cublas_is_refused(monkeypatch):
+    monkeypatch.setenv("PDFLASH_GEMV", "fast")
+    with pytest.raises(ValueError, match="PDFLASH_GEMV='fast': expected one of auto, triton, cublas"):
+        gemv._mode_from_env()
+    with pytest.raises(ValueError, match="expected one of"):
+        with gemv.forced("cuda"):
+            pass
