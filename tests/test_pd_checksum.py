@@ -83,7 +83,7 @@ def _receiver(tensor: torch.Tensor, pages: list[int]) -> tuple[KVReceiver, Reque
                                                                       req.prompt_len))
     req = Request("room", list(range(7)), SamplingParams(max_new_tokens=1))
     req.cache.pages = pages
-    return KVReceiver(SimpleNamespace(engine=engine), "127.0.0.1:1", "127.0.0.1:2"), req
+    return KVReceiver(SimpleNamespace(engine=engine, on_out_of_service=lambda fail: None), "127.0.0.1:1", "127.0.0.1:2"), req
 
 
 def test_decode_accepts_matching_pages_and_counts_them() -> None:
