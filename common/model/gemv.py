@@ -27,6 +27,11 @@ import torch.nn.functional as F
 from common.model import fused
 
 MAX_ROWS = 8  # decode batches and verify blocks up to this many rows; more go to cuBLAS
+# What `auto` times against cuBLAS: one row. On the H200 the kernel beat cuBLAS at one row (an
+# embedded layer's products 10.2 against 18.4 us in bf16) and lost at eight in bf16 (23.7 against
+# 18.0), where the per-shape timing still picked it once and a batch-8 step got 16% slower; rows
+# in between were not measured. PDFLASH_GEMV=triton uses it up to MAX_ROWS.
+AUTO_ROWS = 1
 MODES = ("auto", "triton", "cublas")
 
 
@@ -120,6 +125,8 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
         return None
     if _mode == "triton":
         return DEFAULT
+    if x.shape[0] > AUTO_ROWS:
+        return None
     key = (silu_mul, x.shape[0], weight.shape[0], weight.shape[1], x.dtype, bias is not None)
     if key not in _chosen:
         if torch.cuda.is_current_stream_capturing():  # never timed (no warm-up ran): nothing can be timed now
