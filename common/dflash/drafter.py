@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model import fused
 from common.model.config import ModelConfig
 from common.model.transformer import MLP, RMSNorm, apply_rope
 
@@ -159,17 +158,13 @@ class Drafter(nn.Module):
         Returns the final-normed hidden states [N, H] (logits via the target's LM head)."""
         delta = None  # the feed-forward output, added in the next norm's kernel (as the target does)
         for i, layer in enumerate(self.layers):
-            a, norm = layer.self_attn, layer.input_layernorm
-            if delta is None:
-                h = norm(x)
-            else:
-                x, h = fused.add_rms_norm(x, delta, norm.weight, norm.eps)
+            a = layer.self_attn
+            x, h = layer.input_layernorm.add_forward(x, delta)
             k, v = a.kv(h, cos, sin)
             out = attend(i, a.q(h, cos, sin), k, v)
-            post = layer.post_attention_layernorm
-            x, h = fused.add_rms_norm(x, a.o_proj(out.reshape(x.shape[0], -1)), post.weight, post.eps)
+            x, h = layer.post_attention_layernorm.add_forward(x, a.o_proj(out.reshape(x.shape[0], -1)))
             delta = layer.mlp(h)
-        return fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
+        return self.norm.add_forward(x, delta)[1]
 
     # ---- files -----------------------------------------------------------------------------
     def save(self, folder: str) -> None:

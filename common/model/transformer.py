@@ -27,6 +27,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused.rms_norm(x, self.weight, self.eps)
 
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, its norm), the add in the norm's kernel; (h, norm(h)) when delta is None."""
+        if delta is None:
+            return h, self(h)
+        return fused.add_rms_norm(h, delta, self.weight, self.eps)
+
 
 def rope_cos_sin(cfg: ModelConfig, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [max_position, rope_dim] in fp32 for rotate-half RoPE, the sign of
@@ -165,14 +171,9 @@ class DecoderLayer(nn.Module):
         is returned unadded and the next layer adds it in its input norm's kernel, so that each
         residual add shares a kernel with a norm (one launch less per layer on CUDA; the same
         sums, rounded where the plain path rounds them)."""
-        norm = self.input_layernorm
-        if delta is None:
-            x = norm(h)
-        else:
-            h, x = fused.add_rms_norm(h, delta, norm.weight, norm.eps)
+        h, x = self.input_layernorm.add_forward(h, delta)
         a = self.reduce(self.self_attn(x, cos, sin, kv_layer, meta))
-        post = self.post_attention_layernorm
-        h, x = fused.add_rms_norm(h, a, post.weight, post.eps)
+        h, x = self.post_attention_layernorm.add_forward(h, a)
         return h, self.reduce(self.mlp(x))
 
 
