@@ -97,13 +97,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             else:  # D's bootstrap, when it comes, is refused with the error
                 self.sender.abort(req.rid, error)
             return pb.PrefillReply(ok=False, error=error)
-        except asyncio.CancelledError:
-            # The router left or the service is stopping (a TransferDone to a D that died can
-            # still be waiting then). The finally below settles the writes and frees the room;
-            # ending the handler here, not re-raising, keeps grpc from logging the cancellation
-            # as an unhandled error.
-            logger.info("room %s: cancelled", req.rid)
-            return pb.PrefillReply(ok=False, error="cancelled")
         finally:
             self.loop.close(req.rid)
             await writes.settle()
