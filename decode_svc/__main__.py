@@ -75,7 +75,7 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
                  args.tp, args.ep, runner.pool.num_pages, runner.page_size)
         await stop.wait()
         await server.stop(grace=2)
-        loop.stop()
+        await loop.stop()
     finally:
         runner.close()
 

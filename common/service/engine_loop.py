@@ -27,6 +27,7 @@ class EngineLoop:
         self._loop = loop
         self._calls: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future]] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
+        self._handlers: set[asyncio.Task] = set()  # the tasks that opened a stream (see stop)
         self._stop = threading.Event()
         self.out_of_service: str | None = None  # why this instance cannot serve any more
         self._on_out_of_service: list[Callable[[EngineFailure], None]] = []
@@ -35,13 +36,27 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Let the requests' handlers end first (up to grace_s), then stop the engine thread. A
+        handler whose client has gone (the router stopped first) is cancelled by gRPC but still
+        returns its pages through the engine thread in its clean-up; the server's own grace does
+        not wait for it, since for gRPC that call has ended."""
+        handlers = [t for t in self._handlers if not t.done()]
+        if handlers:
+            _, late = await asyncio.wait(handlers, timeout=grace_s)
+            if late:
+                logger.warning("stopping with %d request handlers still running after %.0f s", len(late), grace_s)
         self._stop.set()
         self._calls.put((lambda e: None, self._loop.create_future()))  # wake the thread
         self._thread.join(timeout=10)
 
     def open(self, rid: str) -> asyncio.Queue:
-        """Queue of StepOutput (or an exception) for request rid; close() it when done."""
+        """Queue of StepOutput (or an exception) for request rid; close() it when done. The
+        calling task (the request's handler) is one that stop() lets end."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
         return q
