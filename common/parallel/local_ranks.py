@@ -15,9 +15,8 @@ class LocalRanks:
     def __init__(self, specs: list[WorkerSpec]):
         # forkserver: one clean process imports torch and this package once, and every worker
         # forks from it (a fresh interpreter per worker costs seconds each on a small machine).
-        # torch._dynamo: building a model on the meta device imports it, 1-2 s per process.
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["common.parallel.worker", "torch._dynamo"])
+        ctx.set_forkserver_preload(["common.parallel.worker"])
         self.replies = ctx.SimpleQueue()
         self.procs, self._commands, self._writes = [], [], {}
         for spec in specs:

@@ -27,7 +27,7 @@ from common.model.config import ModelConfig
 from common.model.kimi_linear import HybridCache
 from common.model.shapes import RandomWeights, fill_random_
 from common.model.static_attention import StaticAttn, default_backend
-from common.model.architectures import model_class
+from common.model.architectures import build_on_meta, to_empty
 from common.model.transformer import Reduce, no_reduce
 from common.runner.describe import KDA_STATE_PARTS, CacheAddrs, describe_rank
 from common.runner.layout import RankLayout
@@ -79,12 +79,11 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         local = layout.local_config(cfg)
-        with torch.device("meta"):
-            model = model_class(cfg)(local, reduce, first_layer=layout.layers(cfg).start)
+        model = build_on_meta(local, reduce, first_layer=layout.layers(cfg).start)
         if isinstance(tensors, RandomWeights):  # drawn in place, already in the step's dtype
-            self.model = fill_random_(model.to(self.dtype).to_empty(device=self.device), tensors).eval()
+            self.model = fill_random_(to_empty(model, self.device, self.dtype), tensors).eval()
         else:
-            model = model.to_empty(device=self.device)
+            model = to_empty(model, self.device)
             model.load_hf_weights(shard_tensors(tensors, cfg, layout))
             self.model = model.to(self.dtype).eval()
         self.model.init_rope(self.device)  # fp32 tables whatever the weights' dtype

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
-from common.model.architectures import model_class
+from common.model.architectures import build_on_meta
 from common.model.config import ModelConfig
 from common.model.moe import MoE
 from common.model.transformer import no_reduce
@@ -47,8 +46,7 @@ class RequestMemory:
 def request_memory(cfg: ModelConfig, dtype_bytes: int, prompt_tokens: int) -> RequestMemory:
     """`dtype_bytes`: of the weights, the KV and the convolution windows (recurrent states are
     fp32 whatever the dtype). Parameters are counted on a model built on the meta device."""
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg, no_reduce)
+    model = build_on_meta(cfg, no_reduce)
     params = sum(p.numel() for p in model.parameters())
     unused = sum((m.gate_up[0].numel() + m.down[0].numel()) * (m.moe.num_experts - m.moe.experts_per_token)
                  for m in model.modules() if isinstance(m, MoE))

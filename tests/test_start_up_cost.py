@@ -1,0 +1,27 @@
+"""What a service process imports to load its model: every stack start pays it once per process
+(router, P, D, each forkserver and node), dozens of times in this suite. torch._dynamo with sympy
+and the inductor cost 3-4 s of CPU per process; nothing here needs them."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from netns_hosts import REPO
+
+HEAVY = ("torch._dynamo", "sympy", "torch._inductor")
+
+LOAD = """
+import json, sys
+from common.service.loader import ModelOptions, load_model
+runner, tokenizer = load_model(ModelOptions(page_size=16, kv_pages=8))
+assert tokenizer.encode("The capital of France is")
+print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
+"""
+
+
+def test_loading_the_model_imports_nothing_heavy():
+    out = subprocess.run([sys.executable, "-c", LOAD.format(heavy=HEAVY)], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == []
