@@ -33,7 +33,8 @@ def frontend(cfg: RouterConfig) -> Frontend:
     event loop that serves)."""
     src = resolve_model(cfg.model)
     model = read_model_info(src)
-    tokenizer = Tokenizer(src)  # the slow step (~5 s); weights are never loaded here
+    tokenizer = Tokenizer(src)  # weights are never loaded here
+    tokenizer.load_chat_template()  # the slow step (seconds): before the router says it is ready
     backends = [Backend.connect(role, addr, cfg.tls) for role, addr in cfg.roles]
     dispatcher = Dispatcher([b for b in backends if b.role == "prefill"],
                             [b for b in backends if b.role != "prefill"], cfg.request_timeout,

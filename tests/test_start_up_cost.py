@@ -1,6 +1,7 @@
 """What a service process imports to load its model: every stack start pays it once per process
 (router, P, D, each forkserver and node), dozens of times in this suite. torch._dynamo with sympy
-and the inductor cost 3-4 s of CPU per process; nothing here needs them."""
+and the inductor cost 3-4 s of CPU per process, transformers 2 s; nothing here needs them (the
+chat template, rendered by transformers, is the router's)."""
 from __future__ import annotations
 
 import json
@@ -9,13 +10,13 @@ import sys
 
 from netns_hosts import REPO
 
-HEAVY = ("torch._dynamo", "sympy", "torch._inductor")
+HEAVY = ("torch._dynamo", "sympy", "torch._inductor", "transformers")
 
 LOAD = """
 import json, sys
 from common.service.loader import ModelOptions, load_model
 runner, tokenizer = load_model(ModelOptions(page_size=16, kv_pages=8))
-assert tokenizer.encode("The capital of France is")
+assert tokenizer.decode(tokenizer.encode("The capital of France is")) == "The capital of France is"
 print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
 """
 

@@ -1,54 +1,118 @@
 """Tokenizer and chat template, read from the model's own files (GGUF or Hugging Face folder)."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
-from common.model.cache import publish
+from common.model.cache import CACHE_ROOT, publish, source_key
 from common.model.weights import ModelSource, converted_folder
 
 
 class Tokenizer:
+    """Encoding and decoding run on the `tokenizers` library alone, over transformers' own save of
+    the model's tokenizer (kept in common.model.cache): the same tokens as transformers gives,
+    without importing transformers (2 s of CPU in every service process). The chat template is
+    rendered by transformers, loaded when first needed: the router (at start), `generate --chat`
+    and the benchmarks render one; P and D never do. A tokenizer that transformers cannot save as
+    tokenizer.json (a slow-only one) is served by transformers throughout."""
+
     def __init__(self, src: ModelSource, eos_token_ids: tuple[int, ...] = ()):
-        self._tok = _load(src)
+        self._folder, self._fast, self._hf = _load(src)
+        config = _read_json(os.path.join(self._folder, "tokenizer_config.json")) if self._fast is not None else {}
         # Don't trust tokenizer.eos_token alone (GGUF conversions have reported <|im_start|>):
         # the model config's EOS ids plus the chat end-of-turn marker, if the vocabulary has one.
         eos = list(eos_token_ids)
-        im_end = self._tok.convert_tokens_to_ids("<|im_end|>")
-        if isinstance(im_end, int) and im_end != self._tok.unk_token_id:
+        im_end = self._token_id("<|im_end|>")
+        if im_end is not None:
             eos.append(im_end)
-        if not eos and self._tok.eos_token_id is not None:
-            eos.append(self._tok.eos_token_id)
+        if not eos:
+            eos_token = config.get("eos_token") if self._fast is not None else self._hf.eos_token
+            if isinstance(eos_token, dict):  # an AddedToken, as some configs write it
+                eos_token = eos_token.get("content")
+            if isinstance(eos_token, str) and self._token_id(eos_token) is not None:
+                eos.append(self._token_id(eos_token))
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tok)
+    def _token_id(self, token: str) -> int | None:
+        if self._fast is not None:
+            return self._fast.token_to_id(token)
+        tid = self._hf.convert_tokens_to_ids(token)
+        return tid if isinstance(tid, int) and tid != self._hf.unk_token_id else None
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text)
+        if self._fast is not None:
+            return self._fast.encode(text).ids
+        return self._hf.encode(text)
+
+    def load_chat_template(self) -> None:
+        """Load what renders chat prompts now rather than at the first one (seconds of CPU)."""
+        if self._hf is None:
+            self._hf = _transformers_tokenizer(self._folder)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        self.load_chat_template()
+        text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # The template already wrote the special tokens; don't let encode add a BOS again.
-        return self._tok.encode(text, add_special_tokens=False)
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=False).ids
+        return self._hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        if self._fast is not None:
+            return self._fast.decode(ids, skip_special_tokens=True)
+        return self._hf.decode(ids, skip_special_tokens=True)
 
 
 def _load(src: ModelSource):
-    """transformers' tokenizer of the model. Reading one from a GGUF file takes seconds: it is
-    kept as Hugging Face files beside the converted weights (common.model.cache)."""
+    """(folder, the `tokenizers` tokenizer or None, the transformers tokenizer or None). The
+    folder holds transformers' save_pretrained of the model's tokenizer, written by the first
+    process that needs it (reading one from a GGUF file takes seconds); tokenizer.json there is
+    the tokenizer transformers runs, after whatever its tokenizer class changed when loading."""
+    folder = _saved_folder(src)
+    if not os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(src.folder, **({"gguf_file": src.gguf_file} if src.kind == "gguf" else {}))
+        if not publish(tok.save_pretrained, folder):
+            return src.folder, None, tok  # the cache cannot be written: transformers serves it
+    fast = _fast_tokenizer(folder)
+    return folder, fast, None if fast else _transformers_tokenizer(folder)
+
+
+def _saved_folder(src: ModelSource) -> str:
+    if src.kind == "gguf":
+        return os.path.join(converted_folder(src), "tokenizer")
+    files = sorted(f for f in os.listdir(src.folder) if f.startswith(("tokenizer", "special_tokens", "chat_template"))
+                   or f in ("vocab.json", "merges.txt"))
+    key = hashlib.sha256("|".join(source_key(os.path.join(src.folder, f)) for f in files).encode()).hexdigest()[:16]
+    return os.path.join(CACHE_ROOT, "tokenizers", f"{os.path.basename(os.path.normpath(src.folder))}-{key}")
+
+
+def _fast_tokenizer(folder: str):
+    """tokenizer.json as transformers runs it, or None where running it alone would differ: no
+    tokenizer.json, or a cleanup transformers applies to decoded text."""
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path) or _read_json(os.path.join(folder, "tokenizer_config.json")).get(
+            "clean_up_tokenization_spaces"):
+        return None
+    from tokenizers import Tokenizer as FastTokenizer
+
+    tok = FastTokenizer.from_file(path)
+    tok.no_truncation()  # as transformers does for a call that asks for neither
+    tok.no_padding()
+    return tok
+
+
+def _transformers_tokenizer(folder: str):
     from transformers import AutoTokenizer
 
-    if src.kind != "gguf":
-        return AutoTokenizer.from_pretrained(src.folder)
-    folder = os.path.join(converted_folder(src), "tokenizer")
-    if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
-        return AutoTokenizer.from_pretrained(folder)
-    tok = AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
-    publish(tok.save_pretrained, folder)
-    return tok
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
 
 
 class IncrementalDecoder:
