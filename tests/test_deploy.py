@@ -240,6 +240,34 @@ def test_topology_instances_and_ports():
     assert topo.router.args[:4] == ("--host", "10.10.0.1", "--port", "30000")
 
 
+def test_dp2_profiles_differ_only_in_speculation():
+    """tests/test_deploy_netns.py starts dp2-tp32-dflash at DP 2 and dp2-tp32 at DP 1: what covers
+    dp2-tp32 at DP 2 is that the two stacks are the same services on the same nodes and ports, with
+    the same flags apart from speculation and the memory fraction."""
+    own = ("--spec", "--draft-model", "--spec-block", "--mem-fraction")
+
+    def stack(profile: str) -> tuple[list, list[dict[str, str]]]:
+        services, flags = [], []
+        for s in config(profile)[1].services:
+            words, rest, mine = iter(s.args), [], {}
+            for w in words:
+                if w in own:
+                    mine[w] = next(words)
+                else:
+                    rest.append(w)
+            services.append((s.name, s.node, s.port, rest))
+            flags.append(mine)
+        return services, flags
+
+    (plain, plain_flags), (dflash, dflash_flags) = stack("dp2-tp32"), stack("dp2-tp32-dflash")
+    assert plain == dflash and len(plain) == 9  # two replicas of four nodes, the router
+    replica = slice(0, 8)
+    assert plain_flags[replica] == [{"--mem-fraction": "0.85", "--spec": "none"}] * 8
+    assert dflash_flags[replica] == [{"--mem-fraction": "0.83", "--spec": "dflash", "--draft-model": "/models/Kimi-K3-DFlash",
+                                      "--spec-block": "16"}] * 8
+    assert plain_flags[8] == dflash_flags[8] == {}  # the router
+
+
 # ---- compose files ----------------------------------------------------------------------------------------
 
 COMPOSE = shutil.which("docker-compose")

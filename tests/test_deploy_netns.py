@@ -95,7 +95,10 @@ def netns_settings(ns: Namespaces, results: Path) -> list[str]:
 
 
 def pd(command: str, profile: Path | str, *settings: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = pd_started(command, profile, *settings)
+    return finished(pd_started(command, profile, *settings), timeout)
+
+
+def finished(proc: subprocess.Popen, timeout: float = 600) -> subprocess.CompletedProcess:
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -365,49 +368,79 @@ def pid_of(results: Path, name: str) -> int:
 
 @pytest.fixture
 def replica_namespaces():
-    """Two replicas over three hosts each (any of the namespaces is a host)."""
-    yield from namespaces(prefill=3, decode=3)
+    """dp2-tp32-dflash's six hosts (two replicas over three each), then dp2-tp32's three."""
+    yield from namespaces(prefill=6, decode=3)
 
 
 # The users' DP2 profiles at reduced size: replicas with TP over several hosts behind a
-# round-robin router; TP 3 over 3 hosts (the embedded model's KV heads split 3 ways), CPU, and one
-# replica each, so that both profiles start at once for what one of them took at DP 2.
+# round-robin router; TP 3 over 3 hosts (the embedded model's KV heads split 3 ways, and 3 ranks
+# do not split evenly over 2 hosts), CPU. Nothing is cut in these stacks, so a request has a
+# minute rather than the fault test's 15 s deadline, which DFlash requests in flight together
+# overran on a 2-core machine at load 12.
 DP2_TP32_REDUCED = ["REPLICA_NODES_PER_INSTANCE=3", "REPLICA_TP=3", "REPLICA_EP=", "REPLICA_MEM_FRACTION=",
-                    "DECODE_MEM_FRACTION=", "NCCL_SOCKET_IFNAME=", "GLOO_SOCKET_IFNAME=", "NCCL_IB_HCA=", "CHUNK_SIZE=64"]
+                    "DECODE_MEM_FRACTION=", "NCCL_SOCKET_IFNAME=", "GLOO_SOCKET_IFNAME=", "NCCL_IB_HCA=", "CHUNK_SIZE=64",
+                    "REQUEST_TIMEOUT=60"]
 
 
 def test_dp2_tp32_profiles_spanning_hosts(reference, replica_namespaces, tmp_path):
-    """deploy/profiles/dp2-tp32.env and dp2-tp32-dflash.env at reduced size, started at the same
-    time: each a replica with TP 3 over three hosts of its own behind its own round-robin router
-    (both routers in a seventh host); a greedy request through each equals `pdflash generate`
-    (DFlash is lossless: the plain reference); stop leaves nothing behind."""
+    """deploy/profiles/dp2-tp32-dflash.env and dp2-tp32.env at reduced size, started at the same
+    time, both routers in a tenth host:
+    1. dp2-tp32-dflash as the users run it, DP 2: two replicas with TP 3 over three hosts each
+       behind one round-robin router. Two requests at once go one to each replica (the router's
+       /server_info: each replica served one, with DFlash's verify steps) and equal `pdflash
+       generate` (DFlash is lossless: the plain reference).
+    2. dp2-tp32 at DP 1: one such replica behind its router; its request equals the reference.
+       At DP 2 it would be the same services on the same nodes and ports as 1., only --spec and
+       --mem-fraction differ (tests/test_deploy.py::test_dp2_profiles_differ_only_in_speculation),
+       so its second replica would add three more node processes' start-up (a quarter to a third
+       more of the test's CPU time, on a 2-core machine as much more wall time) and no path that
+       1. does not take.
+    3. stop: nothing is left running in any of the hosts, or listening.
+    """
     ns = replica_namespaces
     url = lambda port: f"http://{ns.ip[ns.r]}:{port}"
     stacks = {  # profile: (its hosts, its router's port)
-        "dp2-tp32": (ns.prefill, 30000),
-        "dp2-tp32-dflash": (ns.decode, 30010),  # the router's gRPC takes its HTTP port + 1
+        "dp2-tp32-dflash": (ns.prefill, 30000),
+        "dp2-tp32": (ns.decode, 30010),  # the router's gRPC takes its HTTP port + 1
     }
     settings = {profile: [*netns_settings(ns, tmp_path / profile), *DP2_TP32_REDUCED, f"ROUTER_PORT={port}",
                           "REPLICA_NODES=" + ",".join(f"netns:{h}={ns.ip[h]}" for h in hosts)]
                 for profile, (hosts, port) in stacks.items()}
+    # a replica's node 0 serves it on REPLICA_PORT + the replica's index
+    heads = {profile: [f"{ns.ip[h]}:{33000 + i}" for i, h in enumerate(hosts[::3])]
+             for profile, (hosts, _) in stacks.items()}
     starting = {}
     try:
         starting = {profile: pd_started("start", profile, *settings[profile]) for profile in stacks}
         for profile, proc in starting.items():
-            out, err = proc.communicate(timeout=600)
-            assert proc.returncode == 0, f"{profile}:\n{out}{err}"
-            for i, host in enumerate(stacks[profile][0]):  # every host runs its share of the replica's ranks
-                assert f"replica0-rank{i} on netns:{host}" in out
+            started = finished(proc)
+            out = started.stdout
+            assert started.returncode == 0, f"{profile}:\n{out}{started.stderr}"
+            for i, host in enumerate(stacks[profile][0]):  # every host runs its share of its replica's ranks
+                assert f"replica{i // 3}-rank{i % 3} on netns:{host}" in out
+            assert f"--policy round_robin --replicas {','.join(heads[profile])} " in out
             assert ("--spec dflash" in out) == profile.endswith("dflash")
         ref = reference.output_ids()
-        for profile, (_, port) in stacks.items():
-            rc, got, _ = client(ns, "smoke", "--url", url(port), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS))
-            assert rc == 0 and got["output_ids"] == ref, (profile, got, ref)
+
+        # 1. at once: the second goes to the replica with none in flight (one after the other, they take turns)
+        requests = [smoke_from_router(ns, url(30000), PROMPT, NEW_TOKENS) for _ in heads["dp2-tp32-dflash"]]
+        for r in requests:
+            got = json.loads(r.communicate(timeout=180)[0])
+            assert r.returncode == 0 and got["output_ids"] == ref, (got, ref)
+        info = json.loads(ns.run_in(ns.r, "curl", "-s", f"{url(30000)}/server_info").stdout)
+        served = {b["addr"]: b["served"] for b in info["backends"]}
+        assert sorted(served) == sorted(heads["dp2-tp32-dflash"]), info["backends"]
+        assert all(s and s["requests_ok"] == 1 and s["spec"] for s in served.values()), served
+
+        # 2.
+        rc, got, _ = client(ns, "smoke", "--url", url(30010), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS))
+        assert rc == 0 and got["output_ids"] == ref, (got, ref)
     finally:
         for proc in starting.values():  # a start that failed the test leaves the other one going
             ended(proc)
-        stopped = {profile: pd("stop", profile, *settings[profile]) for profile in stacks}
-    for profile in stacks:
+        stopping = {profile: pd_started("stop", profile, *settings[profile]) for profile in stacks}
+        stopped = {profile: finished(proc) for profile, proc in stopping.items()}
+    for profile in stacks:  # 3.
         assert_nothing_left(stopped[profile], tmp_path / profile)
     assert_no_process_left(ns)
 
