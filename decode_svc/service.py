@@ -52,7 +52,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 if self.receiver is None:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this instance has no KV receiver")
                 first = await self._handoff(req, request.prefill_addr, deadline, context)
-                outputs.put_nowait(await self.loop.call(lambda e: e.add_prefilled(req, first)))
+                await self.loop.call(lambda e: self.loop.emit(e.add_prefilled(req, first)))
             else:
                 try:
                     await self.loop.call(lambda e: e.add(req))

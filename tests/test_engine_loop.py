@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from common.engine.engine import Engine
 from common.engine.request import Request
@@ -43,3 +44,41 @@ def test_stop_lets_a_cancelled_handler_return_its_pages(embedded_runner, embedde
     task = asyncio.run(scenario())
     assert task.done()
     assert pool.num_free == free
+
+
+def test_an_output_a_call_makes_reaches_the_stream_before_later_steps(embedded_runner, embedded_tokenizer):
+    """D's hand-off: add_prefilled (a call on the engine thread) makes the room's first output,
+    and the engine steps the room at once. Emitted from the engine thread, that output is first on
+    the stream; handed back to the caller and put there by it, the steps that ran before the event
+    loop resumed the caller come first (seen under load as a D output shifted by a token or two).
+    The event loop is held up for a moment to open that window every time."""
+    engine = Engine(embedded_runner, embedded_tokenizer.eos_token_ids)
+
+    async def first_on_stream(emit_on_engine_thread: bool) -> list[int]:
+        aio = asyncio.get_running_loop()
+        loop = EngineLoop(engine, aio)
+        loop.start()
+        req = Request("r", list(range(100, 120)), SamplingParams(max_new_tokens=6, ignore_eos=True))
+        engine.reserve(req)
+        req.cache.length = req.prompt_len  # whatever the pages hold: only the order is looked at
+        outputs = loop.open(req.rid)
+
+        def add(e: Engine):
+            aio.call_soon_threadsafe(time.sleep, 0.5)  # the event loop busy while the engine steps
+            out = e.add_prefilled(req, 7)
+            if emit_on_engine_thread:
+                loop.emit(out)
+            return out
+
+        out = await loop.call(add)
+        if not emit_on_engine_thread:
+            outputs.put_nowait(out)
+        got = []
+        while not got or not got[-1].finished:
+            got.append(await outputs.get())
+        loop.close(req.rid)
+        await loop.stop()
+        return [t for o in got for t in o.new_ids]
+
+    assert asyncio.run(first_on_stream(True))[0] == 7
+    assert asyncio.run(first_on_stream(False))[0] != 7  # the race this guards against, provoked

@@ -113,6 +113,15 @@ class EngineLoop:
             await self.call(fn)
 
     # ---- engine thread -----------------------------------------------------------------
+    def emit(self, out: StepOutput) -> None:
+        """On the engine thread (a step, or a `call`'s fn): out goes to its request's stream
+        ahead of whatever a later step emits. A call's result reaches its caller only after the
+        event loop resumes it, by which time the next step may already have emitted: an output
+        a call makes is emitted here, never put on the stream by the caller."""
+        q = self._streams.get(out.req.rid)
+        if q is not None:
+            self._loop.call_soon_threadsafe(q.put_nowait, out)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             block = not self.engine.has_work
@@ -142,9 +151,7 @@ class EngineLoop:
             outputs = []
             logger.error("failed %d requests", failed)
         for out in outputs:
-            q = self._streams.get(out.req.rid)
-            if q is not None:
-                self._loop.call_soon_threadsafe(q.put_nowait, out)
+            self.emit(out)
 
     def _fail_all(self, error: Exception) -> int:
         reqs = [*self.engine.prefilling, *self.engine.running]
