@@ -25,8 +25,10 @@ pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"
 NEW_TOKENS = 12
 # The router's request timeout, which it also hands P and D as the room's bootstrap + transfer
-# deadline: a failed transfer must reach the client within it.
-DEADLINE_S = 15
+# deadline: a failed transfer must reach the client within it. It also bounds the long prompt's
+# prefill (P's two stages on two hosts, 10 chunks) before its KV starts to flow: 15 s was too
+# short for that with another worker's 18-rank stack starting on the same two cores.
+DEADLINE_S = 25
 STARTS_OVER = "starts over in place"  # a node process re-forming its instance (common.parallel.rejoin)
 # A clear failure: the router's 5xx naming the P or D that failed ("decode 10.200.0.3:32000: ...")
 NAMES_A_BACKEND = re.compile(r"HTTP 5\d\d: .*\b(prefill|decode) 10\.200\.0\.\d+:\d+")
