@@ -18,8 +18,7 @@ class Tokenizer:
     tokenizer.json (a slow-only one) is served by transformers throughout."""
 
     def __init__(self, src: ModelSource, eos_token_ids: tuple[int, ...] = ()):
-        self._folder, self._fast, self._hf = _load(src)
-        config = _read_json(os.path.join(self._folder, "tokenizer_config.json")) if self._fast is not None else {}
+        self._folder, config, self._fast, self._hf = _load(src)
         # Don't trust tokenizer.eos_token alone (GGUF conversions have reported <|im_start|>):
         # the model config's EOS ids plus the chat end-of-turn marker, if the vocabulary has one.
         eos = list(eos_token_ids)
@@ -30,8 +29,9 @@ class Tokenizer:
             eos_token = config.get("eos_token") if self._fast is not None else self._hf.eos_token
             if isinstance(eos_token, dict):  # an AddedToken, as some configs write it
                 eos_token = eos_token.get("content")
-            if isinstance(eos_token, str) and self._token_id(eos_token) is not None:
-                eos.append(self._token_id(eos_token))
+            eos_id = self._token_id(eos_token) if isinstance(eos_token, str) else None
+            if eos_id is not None:
+                eos.append(eos_id)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
 
     def _token_id(self, token: str) -> int | None:
@@ -65,8 +65,8 @@ class Tokenizer:
 
 
 def _load(src: ModelSource):
-    """(folder, the `tokenizers` tokenizer or None, the transformers tokenizer or None). The
-    folder holds transformers' save_pretrained of the model's tokenizer, written by the first
+    """(folder, its tokenizer_config.json, the `tokenizers` tokenizer or None, the transformers
+    tokenizer or None). The folder holds transformers' save_pretrained of the model's tokenizer, written by the first
     process that needs it (reading one from a GGUF file takes seconds); tokenizer.json there is
     the tokenizer transformers runs, after whatever its tokenizer class changed when loading."""
     folder = _saved_folder(src)
@@ -75,9 +75,11 @@ def _load(src: ModelSource):
 
         tok = AutoTokenizer.from_pretrained(src.folder, **({"gguf_file": src.gguf_file} if src.kind == "gguf" else {}))
         if not publish(tok.save_pretrained, folder):
-            return src.folder, None, tok  # the cache cannot be written: transformers serves it
-    fast = _fast_tokenizer(folder)
-    return folder, fast, None if fast else _transformers_tokenizer(folder)
+            return src.folder, {}, None, tok  # the cache cannot be written: transformers serves it
+    with open(os.path.join(folder, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    fast = _fast_tokenizer(folder, config)
+    return folder, config, fast, None if fast else _transformers_tokenizer(folder)
 
 
 def _saved_folder(src: ModelSource) -> str:
@@ -89,12 +91,11 @@ def _saved_folder(src: ModelSource) -> str:
     return os.path.join(CACHE_ROOT, "tokenizers", f"{os.path.basename(os.path.normpath(src.folder))}-{key}")
 
 
-def _fast_tokenizer(folder: str):
+def _fast_tokenizer(folder: str, config: dict):
     """tokenizer.json as transformers runs it, or None where running it alone would differ: no
     tokenizer.json, or a cleanup transformers applies to decoded text."""
     path = os.path.join(folder, "tokenizer.json")
-    if not os.path.isfile(path) or _read_json(os.path.join(folder, "tokenizer_config.json")).get(
-            "clean_up_tokenization_spaces"):
+    if not os.path.isfile(path) or config.get("clean_up_tokenization_spaces"):
         return None
     from tokenizers import Tokenizer as FastTokenizer
 
@@ -108,11 +109,6 @@ def _transformers_tokenizer(folder: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
-
-
-def _read_json(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
 
 
 class IncrementalDecoder:

@@ -72,9 +72,8 @@ class EngineLoop:
 
         def abort(engine: Engine) -> bool:
             req = engine.abort(rid)
-            q = self._streams.get(rid)
-            if req is not None and q is not None:
-                self._loop.call_soon_threadsafe(q.put_nowait, StepOutput(req, [], "", True))
+            if req is not None:
+                self.emit(StepOutput(req, [], "", True))
             return req is not None
 
         return await self.call(abort)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from common.model.architectures import build_on_meta
 from common.model.config import ModelConfig
 from common.model.moe import MoE
