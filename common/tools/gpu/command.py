@@ -167,7 +167,7 @@ def _replay(context: int = 256) -> list[dict]:
     """Step time through the decoder (inputs, graph replay, the one host synchronisation), in ms;
     the decode GEMVs as PDFLASH_GEMV=auto picks them, and bf16 with cuBLAS alone to compare."""
     rows = []
-    for dtype, mode in (("fp32", "auto"), ("bf16", "auto"), ("bf16", "cublas")):
+    for dtype, mode in (("fp32", "auto"), ("fp32", "cublas"), ("bf16", "auto"), ("bf16", "cublas")):
         with gemv.forced(mode):  # while the graphs are captured: they keep what ran then
             decoder = _decoder(dtype, graphs=True)
             for bs in (1, 8, 32):
