@@ -1,6 +1,5 @@
 """The decode GEMV kernels (common.model.gemv) against F.linear and SiLU(gate) * up: fp32 to
-reduction order, bf16 to one rounding, M = 1..8 rows (gemv kernel) and 2..32 (rows kernel), N
-and K off the block sizes. On a GPU, or
+reduction order, bf16 to one rounding, M = 1..8 rows, N and K off the block sizes. On a GPU, or
 on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 in the environment before the
 kernels are defined)."""
 from __future__ import annotations
@@ -16,14 +15,10 @@ KERNELS_RUN = pytest.mark.skipif(
     not fused.HAS_TRITON or (DEVICE == "cpu" and not fused._INTERPRETED),
     reason="triton is not installed" if not fused.HAS_TRITON else
     "no GPU: needs TRITON_INTERPRET=1 set before the kernels are imported")
-# N and K off every block size; a block shape of each kind; rows 1..8 for the gemv kernel, and
-# 2..32 for the rows kernel (past 16: two programs along the rows).
+# N and K off every block size; a block shape of each kind; rows 1..8.
 SHAPES = [(1, 37, 45, gemv.DEFAULT), (3, 70, 300, gemv.Blocks(4, 512, 4)), (5, 24, 129, gemv.Blocks(1, 2048, 8)),
           (8, 45, 513, gemv.Blocks(8, 256, 4)), (2, 9, 7, gemv.DEFAULT), (4, 33, 256, gemv.Blocks(4, 256, 4)),
-          (6, 17, 64, gemv.Blocks(1, 1024, 4)), (7, 5, 100, gemv.Blocks(8, 256, 4)),
-          (2, 13, 300, gemv.RowBlocks(1, 256, 4)), (4, 37, 129, gemv.RowBlocks(4, 64, 4)),
-          (16, 30, 200, gemv.RowBlocks(2, 128, 4)), (11, 9, 64, gemv.RowBlocks(8, 64, 8)),
-          (32, 21, 513, gemv.RowBlocks(4, 128, 8)), (19, 5, 7, gemv.RowBlocks(4, 64, 4))]
+          (6, 17, 64, gemv.Blocks(1, 1024, 4)), (7, 5, 100, gemv.Blocks(8, 256, 4))]
 
 
 def _inputs(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,12 +81,9 @@ def test_gemv_silu_mul_matches_plain_path(M, N, K, blocks):
 
 @KERNELS_RUN
 def test_rows_past_the_limit_are_refused():
-    x, w, _ = _inputs(gemv.GEMV_ROWS + 1, 8, 16, torch.float32)
+    x, w, _ = _inputs(gemv.MAX_ROWS + 1, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="at most 8 rows"):
         gemv.gemv(x, w)
-    x, w, _ = _inputs(gemv.MAX_ROWS + 1, 8, 16, torch.float32)
-    with pytest.raises(ValueError, match="at most 32 rows"):
-        gemv.gemv(x, w, blocks=gemv.ROW_CANDIDATES[0])
     with pytest.raises(ValueError, match="must share K"):
         gemv.gemv(x[:2, :8], w)
 
@@ -102,17 +94,8 @@ def test_negative_control_a_wrong_weight_row_is_caught():
     x, w, _ = _inputs(3, 20, 70, torch.float32)
     bad = w.clone()
     bad[13, 69] += 1.0
-    for blocks in (gemv.DEFAULT, gemv.ROW_CANDIDATES[0]):
-        with pytest.raises(AssertionError):
-            torch.testing.assert_close(gemv.gemv(x, bad, blocks=blocks), F.linear(x, w), rtol=1e-5, atol=1e-5)
-
-
-def test_auto_times_the_rows_kernel_for_fp32_blocks_only():
-    """One row: the gemv kernel; 2..MAX_ROWS rows in fp32: the rows kernel; bf16 blocks and
-    more rows: cuBLAS alone (nothing to time)."""
-    assert gemv.candidates(1, torch.bfloat16) == gemv.candidates(1, torch.float32) == gemv.CANDIDATES
-    assert gemv.candidates(2, torch.float32) == gemv.candidates(gemv.MAX_ROWS, torch.float32) == gemv.ROW_CANDIDATES
-    assert gemv.candidates(16, torch.bfloat16) == gemv.candidates(gemv.MAX_ROWS + 1, torch.float32) == ()
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(gemv.gemv(x, bad), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_a_mode_other_than_auto_triton_cublas_is_refused(monkeypatch):

@@ -1,25 +1,18 @@
 """Decode-sized matrix products on CUDA: y = x W^T (+ b) for a few rows of x, and the MLP's
 SiLU(x Wg^T) * (x Wu^T) in one kernel.
 
-A decode step multiplies each weight by one to eight rows, a speculative step by a block of 4 to
-16 per request: the product is memory-bound, and at the small model's shapes cuBLAS's kernels
-take ~4 us (one row) to ~8 us (16 rows, fp32: no tensor cores) where reading the weight takes
-under 1 us (issues 14 and 19). Two Triton kernels read a block of weight rows once and multiply
-it with every row of x, accumulating in fp32 with plain multiplies and sums (no tl.dot: fp32
-inputs get exact fp32 products, never TF32); the output is rounded once, to x's dtype:
-
-  gemv   one to eight rows, one row of x at a time against the weight block (`Blocks`)
-  rows   two to MAX_ROWS rows at once: the products of a [rows, columns, k] tile summed in
-         registers across the whole of K and reduced once at the end (`RowBlocks`)
-
-With SILU_MUL a program computes output column j of gate and of up (rows j and I + j of the
-fused gate/up weight) and rounds where common.model.fused.silu_mul's plain path rounds.
+A decode step multiplies each weight by one to eight rows: the product is memory-bound, and at
+the small model's shapes cuBLAS's kernels take ~4 us where reading the weight takes under 1 us
+(issue 19). Here one Triton kernel reads a block of weight rows once and multiplies it with
+every row of x, accumulating in fp32 with plain multiplies and sums (no tl.dot: fp32 inputs get
+exact fp32 products, never TF32); the output is rounded once, to x's dtype. With SILU_MUL a
+program computes output column j of gate and of up (rows j and I + j of the fused gate/up
+weight) and rounds where common.model.fused.silu_mul's plain path rounds.
 
 Which kernel runs is chosen per (rows, N, K, dtype, bias, fused SiLU): PDFLASH_GEMV=cublas keeps
-cuBLAS, =triton takes the gemv kernel with its DEFAULT blocks (up to GEMV_ROWS rows), and =auto
-(the default) times cuBLAS and each candidate once, on first use outside CUDA-graph capture, and
-keeps the fastest. Inside a capture the kept choice is used: a graph's warm-up run comes first
-and fills it.
+cuBLAS, =triton takes the Triton kernel with its DEFAULT blocks, and =auto (the default) times
+cuBLAS and each of the CANDIDATES once, on first use outside CUDA-graph capture, and keeps the
+fastest. Inside a capture the kept choice is used: a graph's warm-up run comes first and fills it.
 """
 from __future__ import annotations
 
@@ -33,20 +26,18 @@ import torch.nn.functional as F
 
 from common.model import fused
 
-GEMV_ROWS = 8  # the gemv kernel: up to this many rows
-MAX_ROWS = 32  # the rows kernel: a verify block of 16 at batch 2, of 4 at batch 8; more go to cuBLAS
-# What `auto` times against cuBLAS. One row, with the gemv kernel: on the H200 it beat cuBLAS at
-# one row (an embedded layer's products 10.2 against 18.4 us in bf16) and lost at eight in bf16
-# (23.7 against 18.0), where the per-shape timing still picked it once and a batch-8 step got 16%
-# slower. Two rows and more in fp32, with the rows kernel: exact fp32 has no tensor-core path, and
-# cuBLAS's small-tile SGEMMs took 4-8 us per product of an embedded layer in a speculative step
-# (issue 14). bf16 blocks keep cuBLAS's tensor cores.
+MAX_ROWS = 8  # decode batches and verify blocks up to this many rows; more go to cuBLAS
+# What `auto` times against cuBLAS: one row. On the H200 the kernel beat cuBLAS at one row (an
+# embedded layer's products 10.2 against 18.4 us in bf16) and lost at eight in bf16 (23.7 against
+# 18.0), where the per-shape timing still picked it once and a batch-8 step got 16% slower; rows
+# in between were not measured. PDFLASH_GEMV=triton uses it up to MAX_ROWS.
 AUTO_ROWS = 1
+MODES = ("auto", "triton", "cublas")
 
 
 @dataclass(frozen=True)
 class Blocks:
-    """One launch shape of the gemv kernel."""
+    """One launch shape of the Triton kernel."""
     n: int  # output columns per program
     k: int  # reduction step
     warps: int
@@ -55,29 +46,12 @@ class Blocks:
         return f"n{self.n}/k{self.k}/w{self.warps}"
 
 
-@dataclass(frozen=True)
-class RowBlocks:
-    """One launch shape of the rows kernel: up to 16 rows x n columns x k per program."""
-    n: int
-    k: int
-    warps: int
-
-    def __str__(self) -> str:
-        return f"rows/n{self.n}/k{self.k}/w{self.warps}"
-
-
 DEFAULT = Blocks(2, 1024, 4)
 # A program's loads in one step are all in flight at once: k of 1024 or 2048 reads a small
 # model's whole row (K 576 or 1536) in one step, a single memory latency; small n keeps enough
 # programs for the narrow outputs (576 columns: 288 programs of 2); larger n and a loop over K
 # suit the 8B shapes. Each thread loads 8 to 16 consecutive weights of a row per step.
 CANDIDATES = (Blocks(1, 1024, 4), Blocks(1, 2048, 8), DEFAULT, Blocks(4, 256, 4), Blocks(4, 512, 4), Blocks(8, 256, 4))
-# The rows kernel keeps rows x n x k partial sums in registers (16 x 4 x 64 over 128 threads: 32
-# each); narrow n again for the 576-column outputs, wider n for the 8B shapes and the LM head.
-ROW_CANDIDATES = (RowBlocks(1, 256, 4), RowBlocks(2, 128, 4), RowBlocks(4, 64, 4), RowBlocks(4, 128, 8),
-                  RowBlocks(8, 64, 8))
-ROW_BLOCK_M = 16  # rows per program; a block of more rows takes several programs along M
-MODES = ("auto", "triton", "cublas")
 
 
 def _mode_from_env() -> str:
@@ -88,8 +62,7 @@ def _mode_from_env() -> str:
 
 
 _mode = _mode_from_env()
-Kernel = Blocks | RowBlocks | None  # None is cuBLAS
-_chosen: dict[tuple, Kernel] = {}  # auto's choice per shape
+_chosen: dict[tuple, Blocks | None] = {}  # auto's choice per shape; None is cuBLAS
 
 
 @contextmanager
@@ -117,49 +90,42 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         blocks: Blocks | RowBlocks = DEFAULT) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, for M <= GEMV_ROWS
-    (`Blocks`) or M <= MAX_ROWS (`RowBlocks`)."""
+         blocks: Blocks = DEFAULT) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, for M <= MAX_ROWS."""
     return _launch(x, weight, bias, weight.shape[0], blocks, silu_mul=False)
 
 
-def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, blocks: Blocks | RowBlocks = DEFAULT) -> torch.Tensor:
-    """SiLU(x Wg^T) * (x Wu^T) -> [M, I] for weight = [Wg; Wu] [2I, K] and x [M, K], rows as gemv."""
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, blocks: Blocks = DEFAULT) -> torch.Tensor:
+    """SiLU(x Wg^T) * (x Wu^T) -> [M, I] for weight = [Wg; Wu] [2I, K] and x [M <= MAX_ROWS, K]."""
     return _launch(x, weight, None, weight.shape[0] // 2, blocks, silu_mul=True)
 
 
-def candidates(rows: int, dtype: torch.dtype) -> tuple[Blocks | RowBlocks, ...]:
-    """What `auto` times against cuBLAS for this many rows (AUTO_ROWS above says why)."""
-    if rows <= AUTO_ROWS:
-        return CANDIDATES
-    return ROW_CANDIDATES if dtype == torch.float32 and rows <= MAX_ROWS else ()
-
-
-def timings(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> dict[Kernel, float]:
+def timings(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool
+            ) -> dict[Blocks | None, float]:
     """Median GPU time in ms of cuBLAS (key None) and of each candidate, each run after the L2
     cache is flushed (as a decode step finds the weights: the step reads far more than L2)."""
     from triton.testing import do_bench
 
     return {b: do_bench(lambda b=b: run(x, weight, bias, silu_mul, b), warmup=2, rep=10, return_mode="median")
-            for b in (None, *candidates(x.shape[0], x.dtype))}
+            for b in (None, *CANDIDATES)}
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
-        blocks: Kernel) -> torch.Tensor:
-    """One product, with or without SiLU x up: through cuBLAS (blocks None) or a Triton kernel."""
+        blocks: Blocks | None) -> torch.Tensor:
+    """One product, with or without SiLU x up: through cuBLAS (blocks None) or the Triton kernel."""
     if blocks is not None:
         return gemv_silu_mul(x, weight, blocks) if silu_mul else gemv(x, weight, bias, blocks)
     y = F.linear(x, weight, bias)
     return fused.silu_mul(y) if silu_mul else y
 
 
-def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> Kernel:
+def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> Blocks | None:
     """The blocks of the Triton kernel that computes this product, or None for cuBLAS."""
     if _mode == "cublas" or not _fits(x, weight, bias):
         return None
     if _mode == "triton":
-        return DEFAULT if x.shape[0] <= GEMV_ROWS else None
-    if not candidates(x.shape[0], x.dtype):
+        return DEFAULT
+    if x.shape[0] > AUTO_ROWS:
         return None
     key = (silu_mul, x.shape[0], weight.shape[0], weight.shape[1], x.dtype, bias is not None)
     if key not in _chosen:
@@ -177,24 +143,17 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
             and fused.active(*(t for t in (x, weight, bias) if t is not None)))
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, blocks: Blocks | RowBlocks,
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, blocks: Blocks,
             silu_mul: bool) -> torch.Tensor:
     M, K = x.shape
-    limit = GEMV_ROWS if isinstance(blocks, Blocks) else MAX_ROWS
-    if not 1 <= M <= limit or weight.shape[1] != K or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"gemv: x {tuple(x.shape)} (at most {limit} rows for {blocks}) and weight "
-                         f"{tuple(weight.shape)} must share K, each row contiguous")
+    if not 1 <= M <= MAX_ROWS or weight.shape[1] != K or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"gemv: x {tuple(x.shape)} (at most {MAX_ROWS} rows) and weight {tuple(weight.shape)} "
+                         f"must share K, each row contiguous")
     out = torch.empty(M, n, dtype=x.dtype, device=x.device)
-    args = (x, weight, weight if bias is None else bias, out, n, K, x.stride(0), weight.stride(0), out.stride(0))
-    if isinstance(blocks, Blocks):
-        _gemv_kernel[(triton.cdiv(n, blocks.n),)](
-            *args, M=M, BLOCK_M=triton.next_power_of_2(M), HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-            BLOCK_N=blocks.n, BLOCK_K=blocks.k, num_warps=blocks.warps)
-    else:
-        block_m = min(ROW_BLOCK_M, triton.next_power_of_2(M))
-        _rows_kernel[(triton.cdiv(n, blocks.n), triton.cdiv(M, block_m))](
-            *args, M, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=block_m,
-            BLOCK_N=blocks.n, BLOCK_K=blocks.k, num_warps=blocks.warps)
+    _gemv_kernel[(triton.cdiv(n, blocks.n),)](
+        x, weight, weight if bias is None else bias, out, n, K, x.stride(0), weight.stride(0), out.stride(0),
+        M=M, BLOCK_M=triton.next_power_of_2(M), HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        BLOCK_N=blocks.n, BLOCK_K=blocks.k, num_warps=blocks.warps)
     return out
 
 
@@ -236,41 +195,3 @@ if fused.HAS_TRITON:
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             acc = act * acc_up.to(dtype).to(tl.float32)
         tl.store(out_ptr + rows * stride_out + cols[None, :], acc.to(dtype), mask=(rows < M) & col_ok[None, :])
-
-    @triton.jit
-    def _rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_x, stride_w, stride_out, M,
-                     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # One program: output columns [j, j + BLOCK_N) of rows [i, i + BLOCK_M). Each step over K
-        # loads a block of weight rows once and adds its products with every row of x into a
-        # [BLOCK_M, BLOCK_N, BLOCK_K] register tile; the tile is reduced over k once, at the end
-        # (one reduction per program instead of one per row and step).
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        col_ok = cols < N
-        row_ok = rows < M
-        w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-        u_rows = w_rows + N * stride_w  # SILU_MUL: the up half, rows N + j
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            w_ok = col_ok[:, None] & k_ok[None, :]
-            xk = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
-            acc += xk[:, None, :] * w[None, :, :]
-            if SILU_MUL:
-                u = tl.load(u_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
-                acc_up += xk[:, None, :] * u[None, :, :]
-        y = tl.sum(acc, axis=2)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        dtype = out_ptr.dtype.element_ty
-        if SILU_MUL:  # rounded where the plain path rounds, as in _gemv_kernel
-            gate = y.to(dtype).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            y = act * tl.sum(acc_up, axis=2).to(dtype).to(tl.float32)
-        out = out_ptr + rows[:, None] * stride_out + cols[None, :]
-        tl.store(out, y.to(dtype), mask=row_ok[:, None] & col_ok[None, :])

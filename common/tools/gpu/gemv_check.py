@@ -1,8 +1,7 @@
 """gpu-check part `gemv`: the decode GEMV kernels (common.model.gemv) on the GPU.
 
 For each projection of a decoder layer (qkv, o, gate/up with SiLU x up, down; and the embedded
-model's LM head) at the embedded and the Llama-3-8B shapes, fp32 and bf16: the gemv kernel at
-M = 1 and 8 rows, and the rows kernel at a speculative step's blocks (ROW_CASES):
+model's LM head) at the embedded and the Llama-3-8B shapes, M = 1 and 8 rows, fp32 and bf16:
   check   every Triton block shape against cuBLAS's F.linear (and fused.silu_mul after it):
           fp32 within 1e-5 of the largest output, bf16 within 2^-7 (a rounding step) of it
   graph   microseconds per product inside a CUDA graph of at least 50 products (no launch
@@ -23,10 +22,6 @@ from common.model.shapes import SHAPES
 STREAM_BYTES = 256 << 20  # weight copies per timing: several times the H200's 60 MB L2
 GRAPH_PRODUCTS = 50
 REPLAYS = 20
-# (shape, rows, dtype) for the rows kernel: blocks of 4 and 16 at batch 1, of 4 at batch 8 in
-# fp32, where auto uses it; a block of 16 in bf16 and at the 8B shape, to see where it stands.
-ROW_CASES = [("embedded", 4, torch.float32), ("embedded", 16, torch.float32), ("embedded", 32, torch.float32),
-             ("embedded", 16, torch.bfloat16), ("llama3-8b", 16, torch.float32)]
 
 
 def _products(shape: str) -> dict[str, tuple[int, int, bool]]:
@@ -41,13 +36,13 @@ def _products(shape: str) -> dict[str, tuple[int, int, bool]]:
     return products
 
 
-def _err(x: torch.Tensor, w: torch.Tensor, silu_mul: bool, blocks: gemv.Blocks | gemv.RowBlocks) -> float:
+def _err(x: torch.Tensor, w: torch.Tensor, silu_mul: bool, blocks: gemv.Blocks) -> float:
     """max |Triton - cuBLAS| / max |cuBLAS|."""
     ref = gemv.run(x, w, None, silu_mul, None).float()
     return ((gemv.run(x, w, None, silu_mul, blocks).float() - ref).abs().max() / ref.abs().max()).item()
 
 
-def _us_per_product(xs: list[torch.Tensor], ws: list[torch.Tensor], silu_mul: bool, blocks: gemv.Kernel,
+def _us_per_product(xs: list[torch.Tensor], ws: list[torch.Tensor], silu_mul: bool, blocks: gemv.Blocks | None,
                     graph: bool) -> float:
     """Median microseconds per product over REPLAYS runs of max(GRAPH_PRODUCTS, copies) products,
     cycling through the weight copies."""
@@ -89,22 +84,20 @@ def gemv_check() -> list[dict]:
                     copies = -(-STREAM_BYTES // (N * K * dtype.itemsize))
                     g = torch.Generator(device="cuda").manual_seed(N + K)
                     ws = [torch.randn(N, K, device="cuda", generator=g).div_(K ** 0.5).to(dtype) for _ in range(copies)]
-                    cases = [(M, gemv.CANDIDATES) for M in (1, 8)]
-                    cases += [(M, gemv.ROW_CANDIDATES) for s, M, d in ROW_CASES if (s, d) == (shape, dtype)]
-                    for M, candidates in cases:
+                    for M in (1, 8):
                         xs = [torch.randn(M, K, device="cuda", generator=g).to(dtype) for _ in range(4)]
-                        rows.append(_case(shape, name, silu_mul, xs, ws, dtype, candidates))
+                        rows.append(_case(shape, name, silu_mul, xs, ws, dtype))
                     del ws
     return rows
 
 
 def _case(shape: str, name: str, silu_mul: bool, xs: list[torch.Tensor], ws: list[torch.Tensor],
-          dtype: torch.dtype, candidates: tuple) -> dict:
+          dtype: torch.dtype) -> dict:
     M, (N, K) = xs[0].shape[0], ws[0].shape
     tol = 1e-5 if dtype == torch.float32 else 2.0 ** -7
-    errs = {str(b): _err(xs[0], ws[0], silu_mul, b) for b in candidates}
-    graph = {b: _us_per_product(xs, ws, silu_mul, b, graph=True) for b in (None, *candidates)}
-    best = min(candidates, key=graph.__getitem__)
+    errs = {str(b): _err(xs[0], ws[0], silu_mul, b) for b in gemv.CANDIDATES}
+    graph = {b: _us_per_product(xs, ws, silu_mul, b, graph=True) for b in (None, *gemv.CANDIDATES)}
+    best = min(gemv.CANDIDATES, key=graph.__getitem__)
     cold = gemv.timings(xs[0], ws[0], None, silu_mul)
     auto = min(cold, key=cold.__getitem__)
     return {"shape": shape, "product": name, "dtype": str(dtype).removeprefix("torch."), "M": M, "N": N, "K": K,
@@ -123,7 +116,7 @@ def summary_lines(rows: list[dict]) -> list[str]:
         check = f"{'ok' if r['ok'] else 'FAIL'} {r['max_rel_err']:.0e}"
         lines.append(f"gemv     {r['shape']:9} {r['product']:12} {r['dtype']:8} {r['M']}  {r['N']:>5}x{r['K']:<5}  "
                      f"{check:9} {r['cublas_graph_us']:14.2f} {r['triton_graph_us']:6.2f}"
-                     f" {r['cublas_plain_us']:16.2f} {r['triton_plain_us']:6.2f}  {r['auto']} (best {r['triton_blocks']})")
+                     f" {r['cublas_plain_us']:16.2f} {r['triton_plain_us']:6.2f}  {r['auto']}")
     layers: dict[tuple, list[dict]] = {}
     for r in rows:
         if r["product"] != "lm_head":
