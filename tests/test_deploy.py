@@ -263,9 +263,8 @@ def test_multi_node_instances_meet_on_ports_of_their_own():
 
 
 def test_dp2_profiles_differ_only_in_speculation():
-    """tests/test_deploy_netns.py starts dp2-tp32-dflash at DP 2 and dp2-tp32 at DP 1: what covers
-    dp2-tp32 at DP 2 is that the two stacks are the same services on the same nodes and ports, with
-    the same flags apart from speculation and the memory fraction."""
+    """The users' A/B: the two stacks are the same services on the same nodes and ports, with the
+    same flags apart from speculation and the memory fraction."""
     own = ("--spec", "--draft-model", "--spec-block", "--mem-fraction")
 
     def stack(profile: str) -> tuple[list, list[dict[str, str]]]:
