@@ -43,7 +43,7 @@ def save_random_drafter(cfg: ModelConfig, capture_layers: tuple[int, ...], folde
 
 def save_random_checkpoint(folder: str, tokenizer_folder: str, **shape) -> ModelConfig:
     """random_model(**shape) as a Hugging Face folder (config.json, model.safetensors) with the
-    tokenizer files of `tokenizer_folder` copied beside (its vocabulary as large as `vocab`): a
+    tokenizer files of `tokenizer_folder` copied beside (give `vocab` its vocabulary's size): a
     checkpoint the services and `pdflash generate` load like any other."""
     from safetensors.torch import save_file
 
