@@ -93,7 +93,7 @@ def test_dry_run_flags_per_profile():
     assert "--tp 4 --pp 8 --ep 4 --mem-fraction 0.85 --spec dflash" in out
     assert "--tp 32 --ep 4 --mem-fraction 0.88 --spec dflash" in out
     assert "--mooncake-protocol rdma --mooncake-devices mlx5_0,mlx5_1,mlx5_2,mlx5_3" in out
-    assert "--nnodes 4 --node-rank 3 --dist-init-addr 10.10.0.5:29500" in out
+    assert "--nnodes 4 --node-rank 3 --dist-init-addr 10.10.0.5:29502" in out
     assert "--policy pd --prefill 10.10.0.1:31000 --decode 10.10.0.5:32000" in out
     _, out, _ = dry_run("start", "dp2-tp32-dflash")
     assert "--policy round_robin --replicas 10.10.0.1:33000,10.10.0.5:33001" in out
@@ -240,10 +240,31 @@ def test_topology_instances_and_ports():
     assert topo.router.args[:4] == ("--host", "10.10.0.1", "--port", "30000")
 
 
+def test_multi_node_instances_meet_on_ports_of_their_own():
+    """Every instance over several nodes meets on two ports of node 0 (torch.distributed's
+    rendezvous, the nodes' control link): two instances whose node 0 shares a host, two replicas
+    here, would join each other's. Each gets its own pair, and a pair that another service of the
+    stack listens on is refused."""
+    shared_head = "a=10.0.0.1,b=10.0.0.2,a=10.0.0.1,c=10.0.0.3"  # both replicas' node 0 on 10.0.0.1
+    sets = [f"REPLICA_NODES={shared_head}", "REPLICA_NODES_PER_INSTANCE=2", "REPLICA_TP=16"]
+    _, topo = config("dp2-tp32", **dict(s.split("=", 1) for s in sets))
+    init = {s.name: s.args[s.args.index("--dist-init-addr") + 1] for s in topo.role("replica")}
+    assert init == {"replica0-rank0": "10.0.0.1:29500", "replica0-rank1": "10.0.0.1:29500",
+                    "replica1-rank0": "10.0.0.1:29502", "replica1-rank1": "10.0.0.1:29502"}
+    assert dry_run("all", "dp2-tp32", *sets)[0] == 0
+    _, topo = config("pd-8node")  # P and D apart: their own pairs all the same
+    assert {s.role: s.args[s.args.index("--dist-init-addr") + 1] for s in topo.workers} == \
+        {"prefill": "10.10.0.1:29500", "decode": "10.10.0.5:29502"}
+    # DIST_PORT 32999: replica0's control link on the port its node 0 serves gRPC on, replica1's
+    # rendezvous (32999 + 2) on replica1's
+    err = refused("dp2-tp32", *sets, "DIST_PORT=32999")
+    assert "replica0's control link and replica0-rank0 would both listen on 10.0.0.1:33000" in err
+    assert "replica1's rendezvous and replica1-rank0 would both listen on 10.0.0.1:33001" in err
+
+
 def test_dp2_profiles_differ_only_in_speculation():
-    """tests/test_deploy_netns.py starts dp2-tp32-dflash at DP 2 and dp2-tp32 at DP 1: what covers
-    dp2-tp32 at DP 2 is that the two stacks are the same services on the same nodes and ports, with
-    the same flags apart from speculation and the memory fraction."""
+    """The users' A/B: the two stacks are the same services on the same nodes and ports, with the
+    same flags apart from speculation and the memory fraction."""
     own = ("--spec", "--draft-model", "--spec-block", "--mem-fraction")
 
     def stack(profile: str) -> tuple[list, list[dict[str, str]]]:

@@ -2,7 +2,8 @@
 at reduced size) and the router each in a network namespace of their own (10.200.0.0/24 on a
 bridge in the router's namespace; nothing is added to the host's own network), started by
 deploy/pd.sh over its `netns:` nodes, Mooncake over TCP between them. One stack serves every
-check (its steps are listed on the test): a start costs most of the test's time.
+check (its steps are listed on the test): a start costs most of the test's time. The users' DP2
+profiles (deploy/profiles/dp2-tp32*.env) start the same way, at reduced size, in a test of their own.
 
 Needs root and `ip netns`; skipped otherwise.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +21,8 @@ from pathlib import Path
 
 import pytest
 from netns_hosts import REPO, Namespaces, namespaces, netns_available, sh
+
+from common.model.cache import CACHE_ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -36,11 +40,12 @@ NAMES_A_BACKEND = re.compile(r"HTTP 5\d\d: .*\b(prefill|decode) 10\.200\.0\.\d+:
 
 class Reference:
     """`pdflash generate`'s greedy output for PROMPT (DFlash is lossless: the plain one), computed
-    in the background while the first stack starts."""
+    in the background while the first stack starts; of the embedded model unless `model` is given."""
 
-    def __init__(self):
+    def __init__(self, model: Path | None = None):
         self._proc = subprocess.Popen([sys.executable, "-m", "common.tools.cli", "generate", "--prompt", PROMPT,
-                                       "--max-new-tokens", str(NEW_TOKENS), "--json", "--device", "cpu"],
+                                       "--max-new-tokens", str(NEW_TOKENS), "--json", "--device", "cpu",
+                                       *(["--model", str(model)] if model else [])],
                                       stdout=subprocess.PIPE, text=True, cwd=REPO)
         self._ids: list[int] | None = None
 
@@ -371,81 +376,106 @@ def pid_of(results: Path, name: str) -> int:
     return int((results / "netns-test" / "pids" / f"{name}.pid").read_text())
 
 
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """MODEL_DIR for the DP2 profiles: `tiny`, a random-weight Llama checkpoint whose 4 heads and 2
+    KV heads split over TP 2 (the embedded model's 9 and 3 split only over 3 or 9), with the
+    embedded model's tokenizer; `tiny-dflash`, a random drafter of it with the profile's block
+    (16). Its tokenizer is read once here, so the services starting together find it in the
+    cache (common.model.tokenizer), which keeps it no longer than the test."""
+    why = netns_available()
+    if why:
+        pytest.skip(why)
+    from common.model.shapes import SHAPES
+    from common.model.tokenizer import Tokenizer
+    from common.model.weights import resolve_model
+    from tiny_models import save_random_checkpoint, save_random_drafter
+
+    root = tmp_path_factory.mktemp("models")
+    cfg = save_random_checkpoint(str(root / "tiny"), Tokenizer(resolve_model(None)).folder, num_layers=4,
+                                 vocab=SHAPES["embedded"].vocab_size)
+    save_random_drafter(cfg, (1, 2), str(root / "tiny-dflash"), block_size=16)
+    cached = Path(Tokenizer(resolve_model(str(root / "tiny"))).folder)
+    try:
+        yield root
+    finally:
+        if cached.is_relative_to(CACHE_ROOT):
+            shutil.rmtree(cached, ignore_errors=True)
+
+
 @pytest.fixture
 def replica_namespaces():
-    """dp2-tp32-dflash's six hosts (two replicas over three each), then dp2-tp32's three."""
-    yield from namespaces(prefill=6, decode=3)
+    """dp2-tp32-dflash's four hosts (two replicas over two each), then dp2-tp32's three."""
+    yield from namespaces(prefill=4, decode=3)
 
 
-# The users' DP2 profiles at reduced size: replicas with TP over several hosts behind a
-# round-robin router; TP 3 over 3 hosts (the embedded model's KV heads split 3 ways, and 3 ranks
-# do not split evenly over 2 hosts), CPU. Nothing is cut in these stacks, so a request has a
-# minute rather than the fault test's deadline, which DFlash requests in flight together can
-# overrun on a 2-core machine under load.
-DP2_TP32_REDUCED = ["REPLICA_NODES_PER_INSTANCE=3", "REPLICA_TP=3", "REPLICA_EP=", "REPLICA_MEM_FRACTION=",
+# The users' DP2 profiles at reduced size: DP 2 replicas with TP over several hosts behind a
+# round-robin router; TP 2 over 2 hosts, CPU, a random-weight model that splits so (tiny_models).
+# Nothing is cut in these stacks, so a request has a minute rather than the fault test's
+# deadline, which DFlash requests in flight together can overrun on a 2-core machine under load.
+DP2_TP32_REDUCED = ["REPLICA_NODES_PER_INSTANCE=2", "REPLICA_TP=2", "REPLICA_EP=", "REPLICA_MEM_FRACTION=",
                     "DECODE_MEM_FRACTION=", "NCCL_SOCKET_IFNAME=", "GLOO_SOCKET_IFNAME=", "NCCL_IB_HCA=", "CHUNK_SIZE=64",
-                    "REQUEST_TIMEOUT=60"]
+                    "REQUEST_TIMEOUT=60", "MODEL_NAME=tiny", "DRAFT_MODEL_NAME=tiny-dflash"]
 
 
-def test_dp2_tp32_profiles_spanning_hosts(reference, replica_namespaces, tmp_path):
-    """deploy/profiles/dp2-tp32-dflash.env and dp2-tp32.env at reduced size, started at the same
-    time, both routers in a tenth host:
-    1. dp2-tp32-dflash as the users run it, DP 2: two replicas with TP 3 over three hosts each
-       behind one round-robin router. Two requests at once go one to each replica (the router's
-       /server_info: each replica served one, with DFlash's verify steps) and equal `pdflash
-       generate` (DFlash is lossless: the plain reference).
-    2. dp2-tp32 at DP 1: one such replica behind its router; its request equals the reference.
-       At DP 2 it would be the same services on the same nodes and ports as 1., only --spec and
-       --mem-fraction differ (tests/test_deploy.py::test_dp2_profiles_differ_only_in_speculation),
-       so its second replica would add three more node processes' start-up (a quarter to a third
-       more of the test's CPU time, on a 2-core machine as much more wall time) and no path that
-       1. does not take.
-    3. stop: nothing is left running in any of the hosts, or listening.
+def test_dp2_tp32_profiles_spanning_hosts(tiny_models, replica_namespaces, tmp_path):
+    """deploy/profiles/dp2-tp32-dflash.env and dp2-tp32.env at reduced size, both as the users run
+    them, DP 2: two replicas with TP 2 over two hosts each behind one round-robin router. Started at
+    the same time, both routers in an eighth host; dp2-tp32's two replicas share their first host
+    (two instances' node 0 on one host, each meeting its nodes on ports of its own):
+    1. per stack, two requests at once go one to each replica (the router's /server_info: each
+       replica served one, with DFlash's verify steps in dp2-tp32-dflash, none in dp2-tp32) and
+       equal `pdflash generate` of the same model (DFlash is lossless: the plain reference)
+    2. stop: nothing is left running in any of the hosts, or listening.
     """
     ns = replica_namespaces
     url = lambda port: f"http://{ns.ip[ns.r]}:{port}"
-    stacks = {  # profile: (its hosts, its router's port)
+    d0, d1, d2 = ns.decode
+    stacks = {  # profile: (its hosts, two per replica; its router's port)
         "dp2-tp32-dflash": (ns.prefill, 30000),
-        "dp2-tp32": (ns.decode, 30010),  # the router's gRPC takes its HTTP port + 1
+        "dp2-tp32": ([d0, d1, d0, d2], 30010),  # the router's gRPC takes its HTTP port + 1
     }
-    settings = {profile: [*netns_settings(ns, tmp_path / profile), *DP2_TP32_REDUCED, f"ROUTER_PORT={port}",
-                          "REPLICA_NODES=" + ",".join(f"netns:{h}={ns.ip[h]}" for h in hosts)]
+    settings = {profile: [*netns_settings(ns, tmp_path / profile), *DP2_TP32_REDUCED, f"MODEL_DIR={tiny_models}",
+                          f"ROUTER_PORT={port}", "REPLICA_NODES=" + ",".join(f"netns:{h}={ns.ip[h]}" for h in hosts)]
                 for profile, (hosts, port) in stacks.items()}
-    # a replica's node 0 serves it on REPLICA_PORT + the replica's index
-    heads = {profile: [f"{ns.ip[h]}:{33000 + i}" for i, h in enumerate(hosts[::3])]
+    # replica i's node 0 serves it on REPLICA_PORT + i and meets its node on DIST_PORT + 2i (and + 1)
+    heads = {profile: [f"{ns.ip[h]}:{33000 + i}" for i, h in enumerate(hosts[::2])]
              for profile, (hosts, _) in stacks.items()}
     starting = {}
+    reference = Reference(tiny_models / "tiny")
     try:
         starting = {profile: pd_started("start", profile, *settings[profile]) for profile in stacks}
         for profile, proc in starting.items():
             started = finished(proc)
             out = started.stdout
             assert started.returncode == 0, f"{profile}:\n{out}{started.stderr}"
-            for i, host in enumerate(stacks[profile][0]):  # every host runs its share of its replica's ranks
-                assert f"replica{i // 3}-rank{i % 3} on netns:{host}" in out
+            hosts = stacks[profile][0]
+            for i, host in enumerate(hosts):  # every host runs its share of its replica's ranks
+                assert f"replica{i // 2}-rank{i % 2} on netns:{host}" in out
+                assert f"--nnodes 2 --node-rank {i % 2} --dist-init-addr {ns.ip[hosts[i - i % 2]]}:{29500 + i // 2 * 2} " in out
             assert f"--policy round_robin --replicas {','.join(heads[profile])} " in out
             assert ("--spec dflash" in out) == profile.endswith("dflash")
         ref = reference.output_ids()
 
         # 1. at once: the second goes to the replica with none in flight (one after the other, they take turns)
-        requests = [smoke_from_router(ns, url(30000), PROMPT, NEW_TOKENS) for _ in heads["dp2-tp32-dflash"]]
-        for r in requests:
-            got = json.loads(r.communicate(timeout=180)[0])
-            assert r.returncode == 0 and got["output_ids"] == ref, (got, ref)
-        info = json.loads(ns.run_in(ns.r, "curl", "-s", f"{url(30000)}/server_info").stdout)
-        served = {b["addr"]: b["served"] for b in info["backends"]}
-        assert sorted(served) == sorted(heads["dp2-tp32-dflash"]), info["backends"]
-        assert all(s and s["requests_ok"] == 1 and s["spec"] for s in served.values()), served
-
-        # 2.
-        rc, got, _ = client(ns, "smoke", "--url", url(30010), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS))
-        assert rc == 0 and got["output_ids"] == ref, (got, ref)
+        requests = {profile: [smoke_from_router(ns, url(port), PROMPT, NEW_TOKENS) for _ in heads[profile]]
+                    for profile, (_, port) in stacks.items()}
+        for profile, (_, port) in stacks.items():
+            for r in requests[profile]:
+                got = json.loads(r.communicate(timeout=180)[0])
+                assert r.returncode == 0 and got["output_ids"] == ref, (profile, got, ref)
+            info = json.loads(ns.run_in(ns.r, "curl", "-s", f"{url(port)}/server_info").stdout)
+            served = {b["addr"]: b["served"] for b in info["backends"]}
+            assert sorted(served) == sorted(heads[profile]), (profile, info["backends"])
+            assert all(s and s["requests_ok"] == 1 and bool(s["spec"]) == profile.endswith("dflash")
+                       for s in served.values()), (profile, served)
     finally:
+        reference.close()
         for proc in starting.values():  # a start that failed the test leaves the other one going
             ended(proc)
         stopping = {profile: pd_started("stop", profile, *settings[profile]) for profile in stacks}
         stopped = {profile: finished(proc) for profile, proc in stopping.items()}
-    for profile in stacks:  # 3.
+    for profile in stacks:  # 2.
         assert_nothing_left(stopped[profile], tmp_path / profile)
     assert_no_process_left(ns)
 

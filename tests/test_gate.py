@@ -1,9 +1,11 @@
 """Node 0 of an instance over several nodes answers while it waits for them (common.service.gate):
 its standard health NOT_SERVING, and every call of its service, streaming ones too,
 UNAVAILABLE saying what it waits for, from the moment its process starts. Here decode's node 0
-of a TP 3 instance over three nodes, the other two never started."""
+of a TP 3 instance over three nodes, the other two never started. And what it does when another
+instance's node 0 on its host already holds its rendezvous ports: it refuses at once."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.parallel.ports import free_ports
+from common.parallel.ports import free_port_pair, free_ports
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 
@@ -21,12 +23,15 @@ REPO = Path(__file__).resolve().parent.parent
 WAITING = "not in service yet: starting: loading the model, waiting for nodes 1-2 to join"
 
 
+def node_0(port: int, dist: int) -> list[str]:
+    return [sys.executable, "-m", "decode_svc", "--port", str(port), "--device", "cpu", "--kv-pages", "8",
+            "--tp", "3", "--nnodes", "3", "--node-rank", "0", "--dist-init-addr", f"127.0.0.1:{dist}"]
+
+
 @pytest.fixture
 def lone_head():
     port, dist = free_ports(2)
-    proc = subprocess.Popen([sys.executable, "-m", "decode_svc", "--port", str(port), "--device", "cpu", "--kv-pages", "8",
-                             "--tp", "3", "--nnodes", "3", "--node-rank", "0", "--dist-init-addr", f"127.0.0.1:{dist}"],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(node_0(port, dist), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         yield proc, f"127.0.0.1:{port}"
     finally:
@@ -55,3 +60,21 @@ def test_node_0_answers_while_its_nodes_join(lone_head):
                 call()
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and refused.value.details() == WAITING
     assert proc.poll() is None  # still waiting for its nodes
+
+
+@pytest.mark.parametrize("taken", [0, 1], ids=["rendezvous", "control-link"])
+def test_node_0_refuses_rendezvous_ports_taken(taken):
+    """PORT (the process group's store) or PORT + 1 (the nodes' control link) of --dist-init-addr
+    already listened on, as by another instance's node 0 on the same host: node 0 exits at start
+    with a usage error naming the port and the flag to change, before it loads the model, rather
+    than let its nodes join the other instance (or wait for them until --dist-timeout)."""
+    dist = free_port_pair()
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", dist + taken))
+        other.listen()
+        r = subprocess.run(node_0(free_ports(1)[0], dist) + ["--dist-timeout", "30"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"127.0.0.1:{dist + taken}, its " in r.stderr and "is taken: another instance's node 0" in r.stderr \
+        and "another --dist-init-addr port" in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr

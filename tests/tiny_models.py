@@ -1,6 +1,10 @@
 """Random-weight models and drafters small enough to split over many processes in a test."""
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import torch
 
 from common.dflash.drafter import Drafter, DrafterConfig
@@ -29,8 +33,28 @@ def random_model(num_layers: int = 16, hidden: int = 64, heads: int = 4, kv_head
     return cfg, t
 
 
-def save_random_drafter(cfg: ModelConfig, capture_layers: tuple[int, ...], folder: str, seed: int = 0) -> str:
+def save_random_drafter(cfg: ModelConfig, capture_layers: tuple[int, ...], folder: str, seed: int = 0,
+                        block_size: int = 4) -> str:
     """A random one-layer drafter for `cfg` capturing these target layers, saved to `folder`."""
     torch.manual_seed(seed)
-    Drafter(DrafterConfig.for_target(cfg, num_layers=1, capture_layers=capture_layers, block_size=4)).save(folder)
+    Drafter(DrafterConfig.for_target(cfg, num_layers=1, capture_layers=capture_layers, block_size=block_size)).save(folder)
     return folder
+
+
+def save_random_checkpoint(folder: str, tokenizer_folder: str, **shape) -> ModelConfig:
+    """random_model(**shape) as a Hugging Face folder (config.json, model.safetensors) with the
+    tokenizer files of `tokenizer_folder` copied beside (give `vocab` its vocabulary's size): a
+    checkpoint the services and `pdflash generate` load like any other."""
+    from safetensors.torch import save_file
+
+    cfg, tensors = random_model(**shape)
+    shutil.copytree(tokenizer_folder, folder)
+    hf = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": cfg.hidden_size,
+          "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+          "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "vocab_size": cfg.vocab_size,
+          "rms_norm_eps": cfg.rms_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position,
+          "tie_word_embeddings": cfg.tie_embeddings}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f)
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    return cfg

@@ -34,6 +34,11 @@ class Tokenizer:
                 eos.append(eos_id)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
 
+    @property
+    def folder(self) -> str:
+        """Where the tokenizer files it runs are: a checkpoint with a copy of them tokenizes alike."""
+        return self._folder
+
     def _token_id(self, token: str) -> int | None:
         if self._fast is not None:
             return self._fast.token_to_id(token)

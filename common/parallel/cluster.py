@@ -6,12 +6,17 @@ group when TP spans nodes). Node 0 holds rank 0, the driver, which serves the in
 `dist_init_addr` is node 0's HOST:PORT: torch.distributed's rendezvous on PORT, the nodes'
 control link (common.parallel.node_link) on PORT + 1.
 
+Node 0 binds both ports: another instance whose node 0 shares its host needs a pair of its own,
+or its nodes would join that instance's group. A pair already taken is refused at start
+(`check_rendezvous_ports`), naming the port and the flag.
+
 This host's address (`host_ip`) is what its peers reach it on: its Mooncake segments and its
 gloo/NCCL traffic. Unless given, it is the address of the interface that routes toward node 0,
 i.e. the compute network, not the management one.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -88,7 +93,36 @@ def make_nodes(nnodes: int, node_rank: int, dist_init_addr: str | None, host_ip:
     if not dist_init_addr:
         raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
     host, _ = split_addr(dist_init_addr)
-    return Nodes(nnodes, node_rank, dist_init_addr, host_ip or route_source(host), timeout_s)
+    nodes = Nodes(nnodes, node_rank, dist_init_addr, host_ip or route_source(host), timeout_s)
+    if nodes.head:
+        check_rendezvous_ports(nodes)
+    return nodes
+
+
+def check_rendezvous_ports(nodes: Nodes) -> None:
+    """Node 0: ValueError unless it can bind both ports of --dist-init-addr now, before it loads
+    anything (its process group's store binds PORT only once every node has joined)."""
+    host, port = split_addr(nodes.dist_init_addr)
+    for p in (port, port + 1):
+        with socket.socket() as s:
+            # As the store and the control link bind: a closed connection's TIME_WAIT (an instance
+            # that re-forms) does not hold the port, a listener does.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, p))
+            except OSError as e:
+                raise ValueError(rendezvous_port_error(nodes, p, e)) from None
+
+
+def rendezvous_port_error(nodes: Nodes, port: int, e: OSError) -> str:
+    host, first = split_addr(nodes.dist_init_addr)
+    what = "its rendezvous (PORT)" if port == first else "its nodes' control link (PORT + 1)"
+    if e.errno == errno.EADDRINUSE:
+        return (f"{host}:{port}, {what} of --dist-init-addr {nodes.dist_init_addr}, is taken: another instance's "
+                "node 0 on this host, or another program, listens there. Each instance over several nodes needs two "
+                "ports of its own on its node 0: give this one another --dist-init-addr port (deploy/pd.sh: DIST_PORT)")
+    return (f"node 0 cannot listen on {host}:{port}, {what} of --dist-init-addr {nodes.dist_init_addr} ({e.strerror}): "
+            "it must name an address of node 0's own host")
 
 
 def route_source(host: str) -> str:

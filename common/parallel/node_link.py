@@ -39,6 +39,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from common.parallel.cluster import rendezvous_port_error
+from common.runner.layout import ParallelConfigError
+
 logger = logging.getLogger(__name__)
 
 BEATS_PER_SILENCE = 6
@@ -187,7 +190,10 @@ def accept_nodes(nodes, instance: tuple, deadline_s: float,
     the driver's heartbeats while the others come. Raises TimeoutError naming the nodes that did
     not come, ValueError for one that does not fit (the links started are closed then)."""
     host, port = nodes.control_addr
-    listener = mpc.Listener((host, port), authkey=_AUTHKEY)
+    try:
+        listener = mpc.Listener((host, port), authkey=_AUTHKEY)
+    except OSError as e:  # taken since the check at start (check_rendezvous_ports)
+        raise ParallelConfigError(rendezvous_port_error(nodes, port, e)) from None
     joined: dict[int, Link] = {}
     errors: list[str] = []
 

@@ -33,11 +33,22 @@ def check(cfg: Config, topo: Topology) -> list[str]:
     if cfg["SPEC"] not in ("", "none", "dflash"):
         errors.append(f"SPEC={cfg['SPEC']!r}: expected none or dflash (or empty).")
     seen: dict[tuple[str, int], str] = {}
-    for s in topo.services:
-        other = seen.setdefault((s.node.ip, s.port), s.name)
-        if other != s.name:
-            errors.append(f"{s.name} and {other} would both listen on {s.node.ip}:{s.port}; change a *_PORT.")
+    for ip, port, who in _listening(topo):
+        other = seen.setdefault((ip, port), who)
+        if other != who:
+            errors.append(f"{who} and {other} would both listen on {ip}:{port}; change a *_PORT or DIST_PORT.")
     return errors
+
+
+def _listening(topo: Topology) -> list[tuple[str, int, str]]:
+    """(address, port, who) of every port a service of the stack binds that the stack chooses."""
+    found = []
+    for s in topo.services:
+        found.append((s.node.ip, s.port, s.name))
+        if s.dist_port and s.head:
+            found.append((s.node.ip, s.dist_port, f"{s.instance_name}'s rendezvous"))
+            found.append((s.node.ip, s.dist_port + 1, f"{s.instance_name}'s control link"))
+    return found
 
 
 def _expandable_segments(conf: str) -> bool:

@@ -41,11 +41,15 @@ class Service:
     node: Node
     port: int
     args: tuple[str, ...]  # the service's command-line flags
+    dist_port: int = 0  # an instance over several nodes: node 0's rendezvous (PORT) and control link (PORT + 1)
+
+    @property
+    def instance_name(self) -> str:
+        return f"{self.role}{self.instance}" if self.role not in ("router", "metadata") else self.role
 
     @property
     def name(self) -> str:  # unique within a stack, stable across runs
-        base = f"{self.role}{self.instance}" if self.role not in ("router", "metadata") else self.role
-        return base if self.nnodes == 1 else f"{base}-rank{self.rank}"
+        return self.instance_name if self.nnodes == 1 else f"{self.instance_name}-rank{self.rank}"
 
     @property
     def head(self) -> bool:
@@ -114,7 +118,7 @@ def build_topology(cfg: Config, container: bool) -> Topology:
         services.append(Service("metadata", 0, 0, 1, node, port, ("--host", node.ip, "--port", str(port))))
         metadata_url = f"http://{node.ip}:{port}/metadata"
     for role in roles:
-        services += _worker_services(cfg, role, container, metadata_url)
+        services += _worker_services(cfg, role, container, metadata_url, _next_dist_port(cfg, services))
     (node,) = _nodes_exactly_one(cfg, "ROUTER_NODE")
     port = cfg.get_int("ROUTER_PORT")
     heads = {r: ",".join(s.addr for s in services if s.role == r and s.head) for r in roles}
@@ -147,7 +151,14 @@ def _opt(flag: str, value: str) -> list[str]:
     return [flag, value] if value else []
 
 
-def _worker_services(cfg: Config, role: str, container: bool, metadata_url: str) -> list[Service]:
+def _next_dist_port(cfg: Config, services: list[Service]) -> int:
+    """The rendezvous port of the next instance over several nodes: each takes two (PORT, PORT + 1)
+    of its own, so instances whose node 0 shares a host (replicas, or P and D, placed so) never
+    join each other's group."""
+    return max((s.dist_port + 2 for s in services if s.dist_port), default=cfg.get_int("DIST_PORT"))
+
+
+def _worker_services(cfg: Config, role: str, container: bool, metadata_url: str, dist_port: int) -> list[Service]:
     key = role.upper()
     nodes = parse_nodes(f"{key}_NODES", cfg[f"{key}_NODES"])
     per = cfg.get_int(f"{key}_NODES_PER_INSTANCE")
@@ -175,6 +186,7 @@ def _worker_services(cfg: Config, role: str, container: bool, metadata_url: str)
     for i in range(len(nodes) // per):
         group = nodes[i * per:(i + 1) * per]
         port = base_port + i
+        dist = dist_port + 2 * i if per > 1 else 0
         for rank, node in enumerate(group):
             args = ["--host", node.ip, "--port", str(port)]
             if role != "replica":  # a colocated replica starts no transfer engine
@@ -182,6 +194,6 @@ def _worker_services(cfg: Config, role: str, container: bool, metadata_url: str)
                 args += _opt("--mooncake-devices", cfg["RDMA_DEVICES"]) + _opt("--mooncake-metadata", metadata_url)
             if per > 1:
                 args += ["--nnodes", str(per), "--node-rank", str(rank),
-                         "--dist-init-addr", f"{group[0].ip}:{cfg['DIST_PORT']}"]
-            services.append(Service(role, i, rank, per, node, port, tuple(args + common + extra)))
+                         "--dist-init-addr", f"{group[0].ip}:{dist}"]
+            services.append(Service(role, i, rank, per, node, port, tuple(args + common + extra), dist))
     return services
