@@ -57,8 +57,9 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
     # The port answers from now on (NOT_SERVING, calls UNAVAILABLE saying why) while the model
     # loads and the instance's nodes join: a while, and again after a lost node (rejoin).
     server, gate, checks = await serve_gated(args.host, args.port, "pdflash.DecodeService", args.nodes, tls)
-    runner, tokenizer = await asyncio.to_thread(load_model, opts)
+    runner = None
     try:
+        runner, tokenizer = await asyncio.to_thread(load_model, opts)
         engine = Engine(runner, tokenizer.eos_token_ids, chunk_size=args.chunk_size, max_running=args.max_running,
                         proposer=load_proposer(args, runner), spec=spec_config(args))
         loop = EngineLoop(engine, asyncio.get_running_loop())
@@ -76,8 +77,10 @@ async def main(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await stop.wait()
         await server.stop(grace=2)
         await loop.stop()
-    finally:
-        runner.close()
+    finally:  # also after a failed start: the port closes here, not in the interpreter's exit
+        await server.stop(grace=None)
+        if runner is not None:
+            runner.close()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.model.weights import ModelNotFound
 from common.runner.layout import ParallelConfigError
 from common.service.tls import Tls
 
@@ -72,6 +73,6 @@ def run_service(main_coro) -> None:
 
     try:
         asyncio.run(runner())
-    except ParallelConfigError as e:  # --tp/--pp that the model cannot take: one line, no traceback
+    except (ParallelConfigError, ModelNotFound) as e:  # --tp/--pp the model cannot take, a bad --model: one line
         print(f"python -m {sys.modules['__main__'].__spec__.parent}: error: {e}", file=sys.stderr)
         sys.exit(2)
