@@ -12,13 +12,13 @@ from common.service.loader import (
     ModelOptions,
     add_model_args,
     add_parallel_args,
-    add_spec_args,
     load_model,
     load_proposer,
     parse_nodes,
     spec_config,
 )
 from common.service.nodes import serve_node, watch_nodes
+from common.service.spec_args import add_spec_args
 from common.service.tls import Tls, add_tls_args
 from common.service.transfer_ranks import TransferRanks, add_mooncake_args
 from prefill_svc.kv_sender import KVSender

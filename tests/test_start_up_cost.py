@@ -1,7 +1,8 @@
 """What a service process imports to load its model: every stack start pays it once per process
 (router, P, D, each forkserver and node), dozens of times in this suite. torch._dynamo with sympy
 and the inductor cost 3-4 s of CPU per process, transformers 2 s; nothing here needs them (the
-chat template, rendered by transformers, is the router's)."""
+chat template, rendered by transformers, is the router's). `pdflash up` itself, which runs no model, imports
+no torch at all."""
 from __future__ import annotations
 
 import json
@@ -26,3 +27,11 @@ def test_loading_the_model_imports_nothing_heavy():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[-1]) == []
+
+
+def test_up_imports_no_torch():
+    """`pdflash up` only starts and watches processes: torch would add seconds of CPU to every stack start."""
+    code = "import sys; import common.tools.up; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False"]

@@ -20,11 +20,10 @@ import urllib.request
 from dataclasses import dataclass, field
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.parallel.ports import free_port
-from common.service.loader import add_spec_args, spec_flags
+from common.service.spec_args import add_spec_args, spec_flags
 from common.service.tls import Tls, add_tls_args, blocking_channel, tls_flags
 
 STARTUP_TIMEOUT_S = 300.0
@@ -200,10 +199,15 @@ def threads_env(args: argparse.Namespace, ranks: int) -> dict[str, str]:
     """On the CPU the stack's `ranks` compute processes share the host's cores: one share each,
     unless OMP_NUM_THREADS says otherwise. torch's default, a thread per core in every process,
     has them spin waiting on each other: several times the CPU for the same work on a small host."""
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device != "cpu" or "OMP_NUM_THREADS" in os.environ:
+    if "OMP_NUM_THREADS" in os.environ or (args.device or _default_device()) != "cpu":
         return {}
     return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
+
+
+def _default_device() -> str:
+    import torch  # here only: `up` runs no model, and importing torch costs seconds of CPU per stack start
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def run(args: argparse.Namespace) -> int:

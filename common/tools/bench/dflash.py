@@ -26,7 +26,8 @@ from common.engine.meta import meta_info
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.model.tokenizer import Tokenizer
-from common.service.loader import ModelOptions, add_model_args, add_spec_args, load_model, load_proposer, spec_config
+from common.service.loader import ModelOptions, add_model_args, load_model, load_proposer, spec_config
+from common.service.spec_args import add_spec_args
 from common.tools.bench import gsm8k_data, plot, report, stats
 
 LONG_QUESTION_OFFSET = 500  # long prompts' context comes from test items after this one
