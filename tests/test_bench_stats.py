@@ -237,3 +237,14 @@ def test_warmup_reads_backends_from_server_info():
                          {"role": "prefill", "addr": "a:2"}]}
     assert warmup.backends(info) == (["a:1", "a:2"], ["b:1"])
     assert warmup.backends({"backends": [{"role": "replica", "addr": "r:1"}]}) == ([], ["r:1"])
+
+
+def test_provenance_names_repository_files_relative_to_it():
+    """A saved result names files of the repository (the default dataset) as paths from its root,
+    not where this checkout happens to be; other values pass unchanged."""
+    from common.tools.bench import report
+
+    args = argparse.Namespace(dataset=data.DEFAULT_TEST, out="/elsewhere/out", num=32)
+    options = report.provenance(args)["options"]
+    assert options == {"dataset": os.path.join("common", "tools", "bench", "data", "gsm8k", "test.jsonl"),
+                       "out": "/elsewhere/out", "num": 32}

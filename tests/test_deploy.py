@@ -260,6 +260,10 @@ def test_multi_node_instances_meet_on_ports_of_their_own():
     err = refused("dp2-tp32", *sets, "DIST_PORT=32999")
     assert "replica0's control link and replica0-rank0 would both listen on 10.0.0.1:33000" in err
     assert "replica1's rendezvous and replica1-rank0 would both listen on 10.0.0.1:33001" in err
+    # DIST_PORT 30000 beside the router (10.10.0.1:30000, its RouterService on 30001)
+    err = refused("dp2-tp32", "DIST_PORT=30000")
+    assert "would both listen on 10.10.0.1:30000" in err
+    assert "router's gRPC and replica0's control link would both listen on 10.10.0.1:30001" in err
 
 
 def test_dp2_profiles_differ_only_in_speculation():

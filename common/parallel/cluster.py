@@ -92,7 +92,10 @@ def make_nodes(nnodes: int, node_rank: int, dist_init_addr: str | None, host_ip:
         return Nodes(host_ip=host_ip or LOOPBACK)
     if not dist_init_addr:
         raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
-    host, _ = split_addr(dist_init_addr)
+    host, port = split_addr(dist_init_addr)
+    if not 0 < port < 65535:
+        raise ValueError(f"--dist-init-addr {dist_init_addr}: PORT must be in [1, 65534] (PORT + 1 is the nodes' "
+                         "control link)")
     nodes = Nodes(nnodes, node_rank, dist_init_addr, host_ip or route_source(host), timeout_s)
     if nodes.head:
         check_rendezvous_ports(nodes)
@@ -103,15 +106,16 @@ def check_rendezvous_ports(nodes: Nodes) -> None:
     """Node 0: ValueError unless it can bind both ports of --dist-init-addr now, before it loads
     anything (its process group's store binds PORT only once every node has joined)."""
     host, port = split_addr(nodes.dist_init_addr)
-    for p in (port, port + 1):
+    # As each binds: torch's store PORT on every address of the host, the control link PORT + 1
+    # on HOST alone; a closed connection's TIME_WAIT (an instance that re-forms) does not hold the
+    # port, a listener does.
+    for addr in (("0.0.0.0", port), (host, port + 1)):
         with socket.socket() as s:
-            # As the store and the control link bind: a closed connection's TIME_WAIT (an instance
-            # that re-forms) does not hold the port, a listener does.
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                s.bind((host, p))
+                s.bind(addr)
             except OSError as e:
-                raise ValueError(rendezvous_port_error(nodes, p, e)) from None
+                raise ValueError(rendezvous_port_error(nodes, addr[1], e)) from None
 
 
 def rendezvous_port_error(nodes: Nodes, port: int, e: OSError) -> str:

@@ -11,7 +11,7 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.model.weights import ModelNotFound
+from common.model.errors import ModelNotFound
 from common.runner.layout import ParallelConfigError
 from common.service.tls import Tls
 
@@ -35,6 +35,10 @@ def setup_logging(role: str) -> logging.Logger:
     return logging.getLogger(role)
 
 
+class ListenError(OSError):
+    """The service's port cannot be listened on (in use, or not an address of this host)."""
+
+
 async def serve_grpc(host: str, port: int, add_servicers, tls: Tls | None = None,
                      health_servicer: health.aio.HealthServicer | None = None, serving: bool = True) -> grpc.aio.Server:
     """Start a grpc.aio server with our servicers and the standard health service (SERVING, or
@@ -46,10 +50,13 @@ async def serve_grpc(host: str, port: int, add_servicers, tls: Tls | None = None
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{host}:{port}"
-    bound = (server.add_insecure_port(address) if tls is None
-             else server.add_secure_port(address, tls.server_credentials()))
+    try:
+        bound = (server.add_insecure_port(address) if tls is None
+                 else server.add_secure_port(address, tls.server_credentials()))
+    except RuntimeError as e:  # grpc's word for a port in use
+        raise ListenError(f"cannot listen on {host}:{port}: {e}") from None
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+        raise ListenError(f"cannot listen on {host}:{port}")
     await server.start()
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     await health_servicer.set("", status)
@@ -73,6 +80,6 @@ def run_service(main_coro) -> None:
 
     try:
         asyncio.run(runner())
-    except (ParallelConfigError, ModelNotFound) as e:  # --tp/--pp the model cannot take, a bad --model: one line
+    except (ParallelConfigError, ListenError, ModelNotFound) as e:  # a usage error: one line, no traceback
         print(f"python -m {sys.modules['__main__'].__spec__.parent}: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -155,6 +155,7 @@ def load_model(opts: ModelOptions) -> tuple[ModelRunner, Tokenizer]:
     cfg, tensors = load_weights(src)
     check_parallel(cfg, opts.tp, opts.pp, opts.ep)  # e.g. --ep without the --tp ranks to shard over
     pages = kv_pages(opts, cfg, tensors)
+    tokenizer = Tokenizer(src, cfg.eos_token_ids)  # first: a failure here leaves no rank processes behind
     if opts.tp * opts.pp > 1:
         from common.parallel.driver import ParallelRunner
 
@@ -167,4 +168,4 @@ def load_model(opts: ModelOptions) -> tuple[ModelRunner, Tokenizer]:
         runner = ModelRunner(cfg, tensors, dtype=opts.dtype, device=opts.device, num_pages=pages,
                              page_size=opts.page_size, enforce_eager=opts.enforce_eager, state_slots=opts.state_slots,
                              shared_kv=opts.shared_kv)
-    return runner, Tokenizer(src, cfg.eos_token_ids)
+    return runner, tokenizer

@@ -45,6 +45,9 @@ def _listening(topo: Topology) -> list[tuple[str, int, str]]:
     found = []
     for s in topo.services:
         found.append((s.node.ip, s.port, s.name))
+        if s.role == "router":  # its RouterService: --grpc-port, by default the HTTP port + 1
+            grpc = _flag_value(" ".join(s.args), "--grpc-port")
+            found.append((s.node.ip, int(grpc) if grpc.isdigit() else s.port + 1, "router's gRPC"))
         if s.dist_port and s.head:
             found.append((s.node.ip, s.dist_port, f"{s.instance_name}'s rendezvous"))
             found.append((s.node.ip, s.dist_port + 1, f"{s.instance_name}'s control link"))

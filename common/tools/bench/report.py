@@ -40,9 +40,16 @@ def provenance(args: Any) -> dict[str, Any]:
                                 text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    options = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    return {"argv": sys.argv, "options": options, "git_commit": commit,
+    options = {k: _in_repo(v) for k, v in vars(args).items() if not k.startswith("_")}
+    return {"argv": [_in_repo(a) for a in sys.argv], "options": options, "git_commit": commit,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _in_repo(value: Any) -> Any:
+    """A path inside the repository relative to its root: results are read on other machines."""
+    if isinstance(value, str) and value.startswith(REPO_ROOT + os.sep):
+        return os.path.relpath(value, REPO_ROOT)
+    return value
 
 
 def fmt(x: Any, digits: int = 2, unit: str = "") -> str:
