@@ -17,6 +17,11 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
   gemv       the decode GEMV kernels (common.model.gemv) against cuBLAS at the embedded and 8B
              shapes, M 1 and 8, fp32 and bf16: results, and microseconds per product in CUDA graphs
              and in plain launches (common/tools/gpu/gemv_check.py; about a minute)
+  flashinfer flashinfer's fused add-RMSNorm, SiLU x up, RoPE + paged-KV append and graph decode
+             attention against ours (common.model.fused, Triton attention), embedded and 8B shapes,
+             bf16, batch 1, 8, 32: results, and microseconds per op in CUDA graphs
+             (common/tools/gpu/flashinfer_check.py; needs the `flashinfer` extra, else one line;
+             its first run compiles the kernels with nvcc)
   replay     step times of the embedded shape (random weights) through the engine's decoder with
              graphs, fp32 and bf16, at batch 1, 8 and 32: plain, and speculative with each block;
              with PDFLASH_GEMV=auto, and each dtype with cuBLAS alone as the baseline
@@ -69,7 +74,7 @@ from common.model import gemv
 from common.model.shapes import SHAPES, random_weights
 from common.runner.model_runner import ModelRunner
 from common.tools.gpu.checks import fused_check, kernel_check, tiny_static_check
-from common.tools.gpu import gemv_check
+from common.tools.gpu import flashinfer_check, gemv_check
 from common.tools.gpu.moe_graphs import moe_graphs
 from common.tools.gpu.moe_shapes import moe_shapes
 from common.tools.gpu.local_copy import local_copy
@@ -263,6 +268,8 @@ def _summary(results: dict) -> list[str]:
         lines.append(f"spec     {r['case']}, concurrency {r['concurrency']}: {r['identical']}/{r['requests']} identical "
                      f"to plain decoding (accept length {r['accept_length_weighted']:.2f})")
     lines += gemv_check.summary_lines(_rows(results, "gemv"))
+    if isinstance(results.get("flashinfer"), dict):
+        lines += flashinfer_check.summary_lines(results["flashinfer"])
     for r in _rows(results, "replay"):
         what = "plain" if r["block"] == 0 else f"spec B={r['block']:2}"
         lines.append(f"replay   {r['dtype']} gemv {r['gemv']:6} {what:10} batch {r['batch']:2}: "
@@ -336,6 +343,7 @@ def run(args: argparse.Namespace) -> int:
         "greedy": lambda: _greedy(args.model),
         "speculative": lambda: _speculative(args.model),
         "gemv": gemv_check.gemv_check,
+        "flashinfer": flashinfer_check.flashinfer_check,
         "replay": _replay,
         "profile": lambda: _profile(args.out_dir),
         "spec-overhead": spec_overhead.spec_overhead,
