@@ -131,7 +131,7 @@ if fused.HAS_TRITON:
             u_tile += BLOCK_K
             x_tile += BLOCK_K
         ok = col_ok[:, None] & row_ok[None, :]
-        if SPLIT > 1:  # fp32 partial sums, [split, M, N] (and up after gate: [split, M, 2N]); _split_sum_kernel finishes
+        if SPLIT > 1:  # fp32 partial sums [split, M, N] (up after gate: 2N wide) for _split_sum_kernel
             width = N
             if SILU_MUL:
                 width = 2 * N
