@@ -137,16 +137,8 @@ if HAS_TRITON:
         ok = cols < width
         gate = tl.load(gu_ptr + row * stride_row + cols, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(gu_ptr + row * stride_row + width + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * width + cols, silu_mul_rounded(gate, up, out_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def silu_mul_rounded(gate, up, dtype: tl.constexpr):
-        """SiLU(gate) * up from fp32 gate and up, in `dtype`, rounded where silu_mul's plain path
-        rounds: gate and up (the product that made them), SiLU's output, the product. Also the
-        epilogue of the matrix-product kernels that fuse SiLU x up (gemv.py, mma.py)."""
-        gate = gate.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        return (act * up.to(dtype).to(tl.float32)).to(dtype)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * width + cols, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,

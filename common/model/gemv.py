@@ -1,25 +1,18 @@
 """Decode-sized matrix products on CUDA: y = x W^T (+ b) for a few rows of x, and the MLP's
-SiLU(x Wg^T) * (x Wu^T) in one kernel; and which kernel computes each product.
+SiLU(x Wg^T) * (x Wu^T) in one kernel.
 
-A decode step multiplies each weight by one to a few dozen rows: the product is memory-bound, and
-at the small model's shapes cuBLAS's kernels take ~4 us where reading the weight takes under 1 us
+A decode step multiplies each weight by one to eight rows: the product is memory-bound, and at
+the small model's shapes cuBLAS's kernels take ~4 us where reading the weight takes under 1 us
 (issue 19). Here one Triton kernel reads a block of weight rows once and multiplies it with
 every row of x, accumulating in fp32 with plain multiplies and sums (no tl.dot: fp32 inputs get
 exact fp32 products, never TF32); the output is rounded once, to x's dtype. With SILU_MUL a
 program computes output column j of gate and of up (rows j and I + j of the fused gate/up
-weight) and rounds where common.model.fused.silu_mul's plain path rounds. Past one row in bf16
-and fp16 the tensor-core kernel of common.model.mma does the same with tl.dot.
+weight) and rounds where common.model.fused.silu_mul's plain path rounds.
 
-Which kernel runs is chosen per (rows, N, K, dtype, bias, fused SiLU), by PDFLASH_GEMV:
-  cublas  cuBLAS (F.linear, then fused.silu_mul) for every product
-  triton  one row: this module's kernel with its DEFAULT blocks; 2..mma.MAX_ROWS rows in bf16 or
-          fp16: mma's kernel with its DEFAULT tiles; 2..MAX_ROWS rows in fp32: this module's
-          kernel; more rows: cuBLAS
-  auto    (the default) times cuBLAS and the candidates() of the shape once, on first use outside
-          CUDA-graph capture, and keeps the fastest: one row, this module's CANDIDATES; 2 to
-          AUTO_MMA_ROWS rows in bf16 or fp16, mma.CANDIDATES; anything else is cuBLAS untimed
-Inside a capture the kept choice is used: a graph's warm-up run comes first and fills it. fp32
-never reaches mma's kernel in any mode.
+Which kernel runs is chosen per (rows, N, K, dtype, bias, fused SiLU): PDFLASH_GEMV=cublas keeps
+cuBLAS, =triton takes the Triton kernel with its DEFAULT blocks, and =auto (the default) times
+cuBLAS and each of the CANDIDATES once, on first use outside CUDA-graph capture, and keeps the
+fastest. Inside a capture the kept choice is used: a graph's warm-up run comes first and fills it.
 """
 from __future__ import annotations
 
@@ -31,15 +24,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.model import fused, mma
+from common.model import fused
 
-MAX_ROWS = 8  # this module's kernel: decode batches and verify blocks up to this many rows
-# What `auto` times this module's kernel against cuBLAS at: one row. On the H200 it beat cuBLAS at
-# one row (an embedded layer's products 10.2 against 18.4 us in bf16) and lost at eight in bf16
-# (23.7 against 18.0), where the per-shape timing still picked it once and a batch-8 step got 16%
-# slower; rows in between were not measured. PDFLASH_GEMV=triton uses it up to MAX_ROWS in fp32.
+MAX_ROWS = 8  # decode batches and verify blocks up to this many rows; more go to cuBLAS
+# What `auto` times against cuBLAS: one row. On the H200 the kernel beat cuBLAS at one row (an
+# embedded layer's products 10.2 against 18.4 us in bf16) and lost at eight in bf16 (23.7 against
+# 18.0), where the per-shape timing still picked it once and a batch-8 step got 16% slower; rows
+# in between were not measured. PDFLASH_GEMV=triton uses it up to MAX_ROWS.
 AUTO_ROWS = 1
-AUTO_MMA_ROWS = 32  # the tensor-core kernel (mma) is timed against cuBLAS for 2 to this many rows
 MODES = ("auto", "triton", "cublas")
 
 
@@ -70,8 +62,7 @@ def _mode_from_env() -> str:
 
 
 _mode = _mode_from_env()
-Choice = Blocks | mma.Tiles | None  # a launch shape of this module's kernel or of mma's; None is cuBLAS
-_chosen: dict[tuple, Choice] = {}  # auto's choice per shape
+_chosen: dict[tuple, Blocks | None] = {}  # auto's choice per shape; None is cuBLAS
 
 
 @contextmanager
@@ -109,52 +100,32 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, blocks: Blocks = DEFAUL
     return _launch(x, weight, None, weight.shape[0] // 2, blocks, silu_mul=True)
 
 
-def candidates(x: torch.Tensor) -> tuple[Blocks | mma.Tiles, ...]:
-    """What `auto` times against cuBLAS for x's rows and dtype (none: cuBLAS untimed)."""
-    M = x.shape[0]
-    if M <= AUTO_ROWS:
-        return CANDIDATES
-    if x.dtype in mma.DTYPES and M <= AUTO_MMA_ROWS:
-        return mma.CANDIDATES
-    return ()
-
-
-def timings(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
-            choices: tuple[Blocks | mma.Tiles, ...] | None = None) -> dict[Choice, float]:
-    """Median GPU time in ms of cuBLAS (key None) and of each candidate (default: candidates(x)),
-    each run after the L2 cache is flushed (as a decode step finds the weights: the step reads far
-    more than L2). A launch shape that needs more shared memory than this GPU has is left out."""
-    from triton.runtime.errors import OutOfResources
+def timings(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool
+            ) -> dict[Blocks | None, float]:
+    """Median GPU time in ms of cuBLAS (key None) and of each candidate, each run after the L2
+    cache is flushed (as a decode step finds the weights: the step reads far more than L2)."""
     from triton.testing import do_bench
 
-    times = {}
-    for c in (None, *(candidates(x) if choices is None else choices)):
-        try:
-            times[c] = do_bench(lambda c=c: run(x, weight, bias, silu_mul, c), warmup=2, rep=10, return_mode="median")
-        except OutOfResources:
-            pass
-    return times
+    return {b: do_bench(lambda b=b: run(x, weight, bias, silu_mul, b), warmup=2, rep=10, return_mode="median")
+            for b in (None, *CANDIDATES)}
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
-        choice: Choice) -> torch.Tensor:
-    """One product, with or without SiLU x up: through cuBLAS (None), this module's kernel
-    (Blocks) or the tensor-core kernel (mma.Tiles)."""
-    if isinstance(choice, mma.Tiles):
-        return mma.mm_silu_mul(x, weight, choice) if silu_mul else mma.mm(x, weight, bias, choice)
-    if choice is not None:
-        return gemv_silu_mul(x, weight, choice) if silu_mul else gemv(x, weight, bias, choice)
+        blocks: Blocks | None) -> torch.Tensor:
+    """One product, with or without SiLU x up: through cuBLAS (blocks None) or the Triton kernel."""
+    if blocks is not None:
+        return gemv_silu_mul(x, weight, blocks) if silu_mul else gemv(x, weight, bias, blocks)
     y = F.linear(x, weight, bias)
     return fused.silu_mul(y) if silu_mul else y
 
 
-def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> Choice:
-    """The kernel and launch shape that computes this product, or None for cuBLAS."""
+def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> Blocks | None:
+    """The blocks of the Triton kernel that computes this product, or None for cuBLAS."""
     if _mode == "cublas" or not _fits(x, weight, bias):
         return None
     if _mode == "triton":
-        return _triton_default(x)
-    if not candidates(x):
+        return DEFAULT
+    if x.shape[0] > AUTO_ROWS:
         return None
     key = (silu_mul, x.shape[0], weight.shape[0], weight.shape[1], x.dtype, bias is not None)
     if key not in _chosen:
@@ -165,21 +136,9 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     return _chosen[key]
 
 
-def _triton_default(x: torch.Tensor) -> Choice:
-    """PDFLASH_GEMV=triton's kernel for x's rows and dtype (the module docstring's table)."""
-    M = x.shape[0]
-    if M == 1 or (x.dtype not in mma.DTYPES and M <= MAX_ROWS):
-        return DEFAULT
-    if x.dtype in mma.DTYPES and M <= mma.MAX_ROWS:
-        return mma.DEFAULT
-    return None
-
-
 def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Decode rows on CUDA, one dtype, rows contiguous, and no autograd (fused.active); the row
-    limits are each kernel's (_triton_default, candidates)."""
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] >= 1 and x.dtype == weight.dtype
-            and (bias is None or bias.dtype == x.dtype)
+    """Decode rows on CUDA, one dtype, rows contiguous, and no autograd (fused.active)."""
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
             and x.stride(1) == 1 and weight.stride(1) == 1 and (bias is None or bias.stride(0) == 1)
             and fused.active(*(t for t in (x, weight, bias) if t is not None)))
 
@@ -201,8 +160,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
 if fused.HAS_TRITON:
     import triton
     import triton.language as tl
-
-    from common.model.fused import silu_mul_rounded
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_x, stride_w, stride_out, M: tl.constexpr,
@@ -233,8 +190,8 @@ if fused.HAS_TRITON:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         dtype = out_ptr.dtype.element_ty
-        if SILU_MUL:
-            y = silu_mul_rounded(acc, acc_up, dtype)
-        else:
-            y = acc.to(dtype)
-        tl.store(out_ptr + rows * stride_out + cols[None, :], y, mask=(rows < M) & col_ok[None, :])
+        if SILU_MUL:  # rounded where the plain path rounds: gate and up, SiLU's output, the product
+            gate = acc.to(dtype).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            acc = act * acc_up.to(dtype).to(tl.float32)
+        tl.store(out_ptr + rows * stride_out + cols[None, :], acc.to(dtype), mask=(rows < M) & col_ok[None, :])

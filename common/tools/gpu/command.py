@@ -14,11 +14,9 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
   speculative  --spec dflash (block pinned to 16, CUDA graphs) against plain decoding (graphs)
              on 32 GSM8K chat prompts, fp32: one at a time and 8 at once, greedy and seeded
              sampling (T 0.8, top-p 0.95), and requests that stop inside a block; must be identical
-  gemv       the decode product kernels (common.model.gemv, and common.model.mma on tensor cores)
-             against cuBLAS at the embedded and 8B shapes (layer products and LM head), fp32 at M 1
-             and 8, bf16 at M 1, 8, 16 and 32: results, microseconds per product in CUDA graphs
-             (and the fraction of the copy bandwidth) and in plain launches, per-layer sums
-             (common/tools/gpu/gemv_check.py; a few minutes)
+  gemv       the decode GEMV kernels (common.model.gemv) against cuBLAS at the embedded and 8B
+             shapes, M 1 and 8, fp32 and bf16: results, and microseconds per product in CUDA graphs
+             and in plain launches (common/tools/gpu/gemv_check.py; about a minute)
   flashinfer flashinfer's fused add-RMSNorm, SiLU x up, RoPE + paged-KV append and graph decode
              attention against ours (common.model.fused, Triton attention), embedded and 8B shapes,
              bf16, batch 1, 8, 32: results, and microseconds per op in CUDA graphs
