@@ -100,12 +100,17 @@ def _mask(keys: int, kv_len: torch.Tensor, T: int, causal: bool, kv_start: torch
 
 
 MAX_SPLITS = 64  # the merge kernel loads a row's slices in one block of this size
+# Programs a call aims for. On the H200 (bf16, graphs) 256 left long contexts at large batches
+# latency-bound, few programs each walking its keys one block after another: batch 32 at 2048
+# tokens of context took 2.45 ms per embedded step against 1.78 with 2048 (8B shape 8.73 against
+# 7.69 ms); short contexts and batch 1 moved within the noise (docs/PERFORMANCE.md).
+TARGET_PROGRAMS = 2048
 
 
 def num_splits(batch: int, kv_heads: int, max_keys: int, block_n: int = 32) -> int:
-    """Context slices per (row, KV head): enough programs to fill a large GPU at batch 1, but no
-    more slices than blocks of keys. A runtime argument: one compiled kernel serves them all."""
-    return max(1, min(256 // (batch * kv_heads), -(-max_keys // block_n), MAX_SPLITS))
+    """Context slices per (row, KV head): about TARGET_PROGRAMS programs in all, but no more slices
+    than blocks of keys. A runtime argument: one compiled kernel serves them all."""
+    return max(1, min(TARGET_PROGRAMS // (batch * kv_heads), -(-max_keys // block_n), MAX_SPLITS))
 
 
 def static_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, page_table: torch.Tensor, kv_len: torch.Tensor,
