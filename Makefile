@@ -13,10 +13,13 @@ PIP_FLAGS := --no-compile
 # downloads and unpacks in parallel, half pip's CPU and a fraction of its wall time for this set.
 # uv reads no pip configuration, so the wheel folders pip is given (find-links) are passed on;
 # where uv cannot be had or fails, pip installs everything as before.
-# Test workers: most of the suite's time is spent waiting on the stacks it starts (start-up,
-# deadlines, faults), which a second worker overlaps; tests/conftest.py keeps each stack on one
-# and orders the groups longest first (xdist's own order, by number of tests, is turned off).
-WORKERS ?= 2
+# Test workers: much of the suite's time is spent waiting on the stacks it starts (start-up,
+# deadlines, faults), which more workers overlap: on a 2-core machine 2 workers took 18.7 min and
+# 3 took 13.1 min for the same tests, 4 no less (13.6 min): the cores are busy from there
+# (docs/PERFORMANCE.md "The test suite's time"); tests/conftest.py
+# keeps each stack on one worker and orders the groups longest first (xdist's own order, by
+# number of tests, is turned off).
+WORKERS ?= 3
 
 .PHONY: setup run test protos clean
 

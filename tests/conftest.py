@@ -9,7 +9,7 @@ from typing import TypeVar
 import pytest
 from filelock import FileLock
 
-# The suite runs two xdist workers on two cores, each next to the service processes of its stacks:
+# The suite runs three xdist workers on two cores, each next to the service processes of its stacks:
 # one compute thread per process. With torch's default (a thread per core) every process's
 # threads spin waiting on each other on the busy cores, several times the CPU for the same work.
 # Before torch is imported, here and in every process the tests start (they inherit it).
@@ -20,8 +20,8 @@ T = TypeVar("T")
 
 def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, compute: Callable[[], T]) -> T:
     """compute() once per test run however many xdist workers ask: a reference output that tests
-    on both workers compare against (the session stacks' groups may land on either) is computed by
-    the first to ask and read by the other from the run's own temporary folder, never from an
+    on several workers compare against (the session stacks' groups may land on any) is computed by
+    the first to ask and read by the others from the run's own temporary folder, never from an
     earlier run's."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return compute()
@@ -121,7 +121,7 @@ def shared_stack(request):
     return request.getfixturevalue(f"{request.param}_stack")
 
 
-# The suite runs on two workers (pytest-xdist, `--dist loadgroup`, see the Makefile): a test
+# The suite runs on several workers (pytest-xdist, `--dist loadgroup`, see the Makefile): a test
 # runs on the worker of its group. Tests on a session stack share that stack's group, so that
 # it starts once; every other test keeps to its module's group, so that a module's own stack
 # (module-scoped fixtures) starts once too.
@@ -137,7 +137,7 @@ def stack_group(item) -> str | None:
 
 # The groups that take longest (their stacks: minutes each on two cores), handed out first: xdist
 # hands groups out in collection order (the Makefile turns its own by-size order off), and a long
-# group handed out last would run alone at the end while the other worker idles.
+# group handed out last would run alone at the end while the other workers idle.
 LONGEST_FIRST = ("test_pd_kimi_linear", "test_deploy_netns", "test_pd_deepseek", "pd_stack", "test_pd_parallel",
                  "test_faults", "colocated_stack", "test_dflash_lossless")
 
