@@ -265,8 +265,10 @@ def test_pd_8node_profile_spanning_hosts_loses_a_node(reference, cluster_namespa
         for r in burst:  # each answered before the cut, or failed as clearly and in time
             got = json.loads(r.communicate(timeout=90)[0])
             assert got.get("output_ids") == ref or NAMES_A_BACKEND.match(got.get("error", "")), got
+        # Each of the burst's deadlines runs from when the router took it up, on loaded cores seconds
+        # after it was sent (28.1 s after the cut once, on three test workers); a hang runs to 90 s.
         took = time.monotonic() - cut
-        assert took < DEADLINE_S + 3, f"the burst ended {took:.1f} s after the cut (deadline {DEADLINE_S} s)"
+        assert took < DEADLINE_S + 10, f"the burst ended {took:.1f} s after the cut (deadline {DEADLINE_S} s)"
         for host, peer in routes:
             sh("ip", "-n", host, "route", "del", "blackhole", f"{ns.ip[peer]}/32")
         for port in into_d:
