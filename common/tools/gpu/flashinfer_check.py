@@ -24,7 +24,6 @@ part prints one line and returns. It compiles each kernel with nvcc on first use
 """
 from __future__ import annotations
 
-import statistics
 import traceback
 from collections.abc import Callable
 from types import ModuleType
@@ -36,6 +35,7 @@ from common.model.config import ModelConfig
 from common.model.shapes import SHAPES
 from common.model.static_attention import static_attention_triton
 from common.model.transformer import rope_cos_sin
+from common.tools.gpu.timing import us_per_op
 
 SHAPE_NAMES = ("embedded", "llama3-8b")
 BATCHES = (1, 8, 32)
@@ -48,7 +48,6 @@ INPUT_SETS = 4  # element-wise ops cycle through these many inputs
 STREAM_BYTES = 256 << 20  # KV read per attention timing: several times the H200's 60 MB L2
 MAX_KV_COPIES = 1024
 GRAPH_OPS = 50
-REPLAYS = 20
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended decode workspace
 
 
@@ -233,7 +232,7 @@ def _attention(fi: ModuleType, shape: str, cfg: ModelConfig, bs: int, context: i
 
 
 def _graph_us(ops: list[Callable[[], object]]) -> float:
-    """Median microseconds per op over REPLAYS replays of one CUDA graph that runs the ops in
+    """Median microseconds per op over timing.REPLAYS replays of one CUDA graph that runs the ops in
     turn, max(GRAPH_OPS, len(ops)) of them."""
     n = max(GRAPH_OPS, len(ops))
 
@@ -241,24 +240,7 @@ def _graph_us(ops: list[Callable[[], object]]) -> float:
         for i in range(n):
             ops[i % len(ops)]()
 
-    run()  # compile (Triton, flashinfer's nvcc on first use), workspaces
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        run()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / n)
-    return statistics.median(times)
+    return us_per_op(run, n)
 
 
 LAYER_OPS = {"add_rmsnorm": 2, "silu_mul": 1, "rope_kv": 1, "attention": 1}  # per decoder layer

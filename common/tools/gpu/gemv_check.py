@@ -12,16 +12,15 @@ model's LM head) at the embedded and the Llama-3-8B shapes, M = 1 and 8 rows, fp
 """
 from __future__ import annotations
 
-import statistics
 
 import torch
 
 from common.model import gemv
 from common.model.shapes import SHAPES
+from common.tools.gpu.timing import us_per_op
 
 STREAM_BYTES = 256 << 20  # weight copies per timing: several times the H200's 60 MB L2
 GRAPH_PRODUCTS = 50
-REPLAYS = 20
 
 
 def _products(shape: str) -> dict[str, tuple[int, int, bool]]:
@@ -44,35 +43,15 @@ def _err(x: torch.Tensor, w: torch.Tensor, silu_mul: bool, blocks: gemv.Blocks) 
 
 def _us_per_product(xs: list[torch.Tensor], ws: list[torch.Tensor], silu_mul: bool, blocks: gemv.Blocks | None,
                     graph: bool) -> float:
-    """Median microseconds per product over REPLAYS runs of max(GRAPH_PRODUCTS, copies) products,
-    cycling through the weight copies."""
+    """Median microseconds per product over timing.REPLAYS runs of max(GRAPH_PRODUCTS, copies)
+    products, cycling through the weight copies."""
     n = max(GRAPH_PRODUCTS, len(ws))
 
     def products() -> None:
         for i in range(n):
             gemv.run(xs[i % len(xs)], ws[i % len(ws)], None, silu_mul, blocks)
 
-    products()  # compile, cuBLAS handles
-    run = products
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            products()
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(g):
-            products()
-        run = g.replay
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / n)
-    return statistics.median(times)
+    return us_per_op(products, n, graph)
 
 
 def gemv_check() -> list[dict]:

@@ -1,0 +1,36 @@
+"""Microseconds per op on CUDA: many ops in one launch sequence (captured in a CUDA graph, or
+launched plainly), timed with CUDA events over several replays."""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+REPLAYS = 20
+
+
+def us_per_op(run: Callable[[], None], ops: int, graph: bool = True) -> float:
+    """Median microseconds per op over REPLAYS runs of `run`, which launches `ops` ops. Runs it
+    once first (Triton compiles, cuBLAS and flashinfer set up), then, with `graph`, captures it
+    on a side stream's warm-up as torch.cuda.graph expects and times the replays."""
+    run()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(g):
+            run()
+        run = g.replay
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / ops)
+    return statistics.median(times)
