@@ -49,7 +49,11 @@ class LocalRanks:
         multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=timeout)
 
     def dead(self) -> list:
-        return [p for p in self.procs if not p.is_alive()]
+        """Exited ranks, those a signal ended first: a rank killed from outside is the cause, and
+        the ranks in a collective with it exit with code 1 on their own soon after, sometimes
+        before the watch looks."""
+        gone = [p for p in self.procs if not p.is_alive()]
+        return sorted(gone, key=lambda p: p.exitcode is None or p.exitcode >= 0)
 
     def join(self, timeout: float) -> None:
         for p in self.procs:
