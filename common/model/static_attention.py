@@ -99,23 +99,41 @@ def _mask(keys: int, kv_len: torch.Tensor, T: int, causal: bool, kv_start: torch
     return mask
 
 
-MAX_SPLITS = 64  # the merge kernel loads a row's slices in one block of this size
-# Programs a call aims for. On the H200 (bf16, graphs) 256 left long contexts at large batches
-# latency-bound, few programs each walking its keys one block after another: batch 32 at 2048
-# tokens of context took 2.45 ms per embedded step against 1.78 with 2048 (8B shape 8.73 against
-# 7.69 ms); short contexts and batch 1 moved within the noise (docs/PERFORMANCE.md).
-TARGET_PROGRAMS = 2048
+MAX_SPLITS = 64  # slices per (row, KV head) at most: the merge kernel loads them in one block
 
 
-def num_splits(batch: int, kv_heads: int, max_keys: int, block_n: int = 32) -> int:
-    """Context slices per (row, KV head): about TARGET_PROGRAMS programs in all, but no more slices
-    than blocks of keys. A runtime argument: one compiled kernel serves them all."""
-    return max(1, min(TARGET_PROGRAMS // (batch * kv_heads), -(-max_keys // block_n), MAX_SPLITS))
+@dataclass(frozen=True)
+class Launch:
+    """How the Triton kernels are launched; `gpu-check --parts attention-launch` times the choices
+    against each other (docs/PERFORMANCE.md, 2026-12-03).
+
+    target_programs: programs a call aims for: 256 left long contexts at large batches
+    latency-bound (few programs each walking its keys block after block), 2048 split short
+    contexts into slices of one block each. On the H200 (bf16, graphs), against 2048 programs, 4
+    warps, 3 stages and a 64-wide merge, these values took the 8B shape's batch-32 attention from
+    18.3 to 14.6 us at 160 tokens and from 81.1 to 70.4 us at 2048, its verify block (batch 8, T 16)
+    from 53.4 to 31.5 us, no case more than 5% slower; the whole 8B step at batch 32 1.53x -> 1.47x
+    its floor."""
+    target_programs: int = 1024
+    block_n: int = 32  # keys per block of the split kernel
+    num_warps: int = 2
+    num_stages: int = 2
+    fit_merge: bool = True  # the merge kernel's block of slices: the next power of two, not MAX_SPLITS
+
+
+LAUNCH = Launch()
+
+
+def num_splits(batch: int, kv_heads: int, max_keys: int, launch: Launch) -> int:
+    """Context slices per (row, KV head): about launch.target_programs programs in all, but no more
+    slices than blocks of keys. A runtime argument: one compiled kernel serves them all."""
+    return max(1, min(launch.target_programs // (batch * kv_heads), -(-max_keys // launch.block_n), MAX_SPLITS))
 
 
 def static_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, page_table: torch.Tensor, kv_len: torch.Tensor,
                             T: int = 1, causal: bool = True, kv_start: torch.Tensor | None = None,
                             scale: float | None = None) -> torch.Tensor:
+    launch = LAUNCH  # read per call: gpu-check swaps it to time the choices
     rows = page_table.shape[0]
     Hq, d = q.shape[1], q.shape[2]
     page_size, Hkv = kv_layer.shape[2], kv_layer.shape[3]
@@ -123,7 +141,7 @@ def static_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, page_table:
     # columns of one packed buffer); the innermost dimension must not be.
     assert q.stride(2) == 1 and page_table.stride(1) == 1
     group = Hq // Hkv
-    splits = num_splits(rows, Hkv, page_table.shape[1] * page_size)
+    splits = num_splits(rows, Hkv, page_table.shape[1] * page_size, launch)
     k_cache = kv_layer[0].view(-1, Hkv, d)  # [slot, head, dim]
     v_cache = kv_layer[1].view(-1, Hkv, d)
     part_out = torch.empty(rows * T, Hq, splits, d, dtype=torch.float32, device=q.device)
@@ -136,10 +154,11 @@ def static_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, page_table:
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0), kv_len.stride(0),
         start.stride(0), d ** -0.5 if scale is None else scale, splits,
         T=T, CAUSAL=causal, WINDOW=kv_start is not None, PAGE=page_size, GROUP=group, D=d,
-        BLOCK_M=max(16, triton.next_power_of_2(T * group)), BLOCK_D=block_d, BLOCK_N=32,
-        IEEE=q.dtype == torch.float32)
+        BLOCK_M=max(16, triton.next_power_of_2(T * group)), BLOCK_D=block_d, BLOCK_N=launch.block_n,
+        IEEE=q.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages)
     _merge_kernel[(rows * T, Hq)](part_out, part_lse, out, out.stride(0), out.stride(1), splits,
-                                  D=d, BLOCK_S=MAX_SPLITS, BLOCK_D=block_d)
+                                  D=d, BLOCK_S=max(2, triton.next_power_of_2(splits)) if launch.fit_merge else MAX_SPLITS,
+                                  BLOCK_D=block_d)
     return out
 
 

@@ -29,6 +29,10 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
   spec-overhead  a plain decode step under --spec none against a plain step under --spec dflash,
              batch 1 and 8, context ~100 and ~2000, and host synchronisations per step
              (common/tools/gpu/spec_overhead.py; under a minute)
+  attention-launch  the attention kernel's launch choices (warps, stages, key block, program
+             target, merge block) timed against the shipped one at the embedded and 8B shapes,
+             then the 8B floor with the shipped and the best in turn, and the kernel check with
+             the best (common/tools/gpu/attention_launch.py; a few minutes)
   bench      `pdflash bench engine --device cuda --dtype bf16`: ours vs transformers at batch
              1, 8, 32 (engine.json), with PDFLASH_GEMV=auto
   floor      the same with `--shape llama3-8b`: the 8B-shaped step against its memory floor
@@ -74,7 +78,7 @@ from common.model import gemv
 from common.model.shapes import SHAPES, random_weights
 from common.runner.model_runner import ModelRunner
 from common.tools.gpu.checks import fused_check, kernel_check, tiny_static_check
-from common.tools.gpu import flashinfer_check, gemv_check
+from common.tools.gpu import attention_launch, flashinfer_check, gemv_check
 from common.tools.gpu.moe_graphs import moe_graphs
 from common.tools.gpu.moe_shapes import moe_shapes
 from common.tools.gpu.local_copy import local_copy
@@ -212,12 +216,12 @@ def _profile(out_dir: str, steps: int = 5) -> list[dict]:
     return rows
 
 
-def _bench(out_dir: str, model: str | None, floor: bool) -> dict:
+def _bench(out_dir: str, model: str | None, floor: bool, name: str | None = None) -> dict:
     """bench engine on cuda: the comparison with transformers (engine.json), or the
-    Llama-3-8B-shaped floor check alone (floor.json)."""
+    Llama-3-8B-shaped floor check alone (floor.json); saved as `name` if given."""
     from common.tools import cli
 
-    path = os.path.join(out_dir, "floor.json" if floor else "engine.json")
+    path = os.path.join(out_dir, name or ("floor.json" if floor else "engine.json"))
     argv = ["bench", "engine", "--device", "cuda", "--dtype", "bf16", "--batches", "1,8,32",
             "--decode-prompt-tokens", "128", "--new-tokens", "64", "--repeats", "2", "--warmup", "1",
             "--prefill-tokens", "700", "--out", path]
@@ -280,6 +284,8 @@ def _summary(results: dict) -> list[str]:
         lines.append(f"profile  {r['dtype']} {what} batch {r['batch']:2}: {r['kernels_per_step']:.0f} kernels, "
                      f"{r['kernel_ms_per_step']:.3f} ms of kernel time per step ({r['table']})")
     lines += spec_overhead.summary_lines(_rows(results, "spec-overhead"))
+    if isinstance(results.get("attention-launch"), dict):
+        lines += attention_launch.summary_lines(results["attention-launch"])
     for b in (results.get("bench"), results.get("floor")):
         if not isinstance(b, dict):
             continue
@@ -355,6 +361,8 @@ def run(args: argparse.Namespace) -> int:
         parts["bench"] = lambda: _bench(args.out_dir, args.model, floor=False)
         parts["floor"] = lambda: _bench(args.out_dir, args.model, floor=True)
         parts["pd-local"] = lambda: pd_local(args.out_dir, args.model)
+        parts["attention-launch"] = lambda: attention_launch.attention_launch(
+            lambda name: _bench(args.out_dir, None, floor=True, name=name))
     if args.small:
         parts = {"moe-shapes": parts["moe-shapes"]}
     elif args.parts:

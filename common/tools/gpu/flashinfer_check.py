@@ -25,7 +25,6 @@ part prints one line and returns. It compiles each kernel with nvcc on first use
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -35,7 +34,7 @@ from common.model.config import ModelConfig
 from common.model.shapes import SHAPES
 from common.model.static_attention import static_attention_triton
 from common.model.transformer import rope_cos_sin
-from common.tools.gpu.timing import us_per_op
+from common.tools.gpu.timing import cycled_us_per_op
 
 SHAPE_NAMES = ("embedded", "llama3-8b")
 BATCHES = (1, 8, 32)
@@ -47,7 +46,6 @@ TOLERANCE = 2.0 ** -6  # two bf16 roundings, relative to the largest output
 INPUT_SETS = 4  # element-wise ops cycle through these many inputs
 STREAM_BYTES = 256 << 20  # KV read per attention timing: several times the H200's 60 MB L2
 MAX_KV_COPIES = 1024
-GRAPH_OPS = 50
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended decode workspace
 
 
@@ -134,8 +132,8 @@ def _add_rmsnorm(fi: ModuleType, shape: str, cfg: ModelConfig, bs: int) -> dict:
     both = torch.cat([s, ours]), torch.cat([residual, normed])
     # flashinfer works in place: its timing ops run on their own copies (their values drift, unchecked)
     fh, fd = [h.clone() for h in hs], [d.clone() for d in ds]
-    ours_us = _graph_us([lambda i=i: fused.add_rms_norm(hs[i], ds[i], w, cfg.rms_eps) for i in range(INPUT_SETS)])
-    fi_us = _graph_us([lambda i=i: fi.norm.fused_add_rmsnorm(fd[i], fh[i], w, cfg.rms_eps) for i in range(INPUT_SETS)])
+    ours_us = cycled_us_per_op([lambda i=i: fused.add_rms_norm(hs[i], ds[i], w, cfg.rms_eps) for i in range(INPUT_SETS)])
+    fi_us = cycled_us_per_op([lambda i=i: fi.norm.fused_add_rmsnorm(fd[i], fh[i], w, cfg.rms_eps) for i in range(INPUT_SETS)])
     return _row(shape, "add_rmsnorm", bs, None, *both, ours_us, fi_us)
 
 
@@ -144,20 +142,27 @@ def _silu_mul(fi: ModuleType, shape: str, cfg: ModelConfig, bs: int) -> dict:
     xs = [_randn(bs, 2 * cfg.intermediate_size, g=g) for _ in range(INPUT_SETS)]
     outs = [torch.empty(bs, cfg.intermediate_size, dtype=DTYPE, device="cuda") for _ in range(INPUT_SETS)]
     ours, theirs = fused.silu_mul(xs[0]), fi.activation.silu_and_mul(xs[0])
-    ours_us = _graph_us([lambda i=i: fused.silu_mul(xs[i]) for i in range(INPUT_SETS)])
-    fi_us = _graph_us([lambda i=i: fi.activation.silu_and_mul(xs[i], out=outs[i]) for i in range(INPUT_SETS)])
+    ours_us = cycled_us_per_op([lambda i=i: fused.silu_mul(xs[i]) for i in range(INPUT_SETS)])
+    fi_us = cycled_us_per_op([lambda i=i: fi.activation.silu_and_mul(xs[i], out=outs[i]) for i in range(INPUT_SETS)])
     return _row(shape, "silu_mul", bs, None, ours, theirs, ours_us, fi_us)
 
 
-class _Pages:
+class Pages:
     """bs rows of `context` keys each (the last one the token being decoded) over a shuffled page
-    pool with one scratch page, and `copies` layers' KV caches over it."""
+    pool with one scratch page, and `copies` layers' KV caches over it. `width`: pages per row of
+    the table, padded with the scratch page as a CUDA graph's static table is (default: no more
+    than the rows own)."""
 
-    def __init__(self, cfg: ModelConfig, bs: int, context: int, copies: int, g: torch.Generator):
+    def __init__(self, cfg: ModelConfig, bs: int, context: int, copies: int, g: torch.Generator,
+                 width: int | None = None):
         per_row = -(-context // PAGE_SIZE)
         self.num_pages = bs * per_row + 1
         order = torch.randperm(self.num_pages - 1, device="cuda", generator=g)
-        self.page_table = order.view(bs, per_row)  # int64, as the static inputs hold it
+        table = order.view(bs, per_row)  # int64, as the static inputs hold it
+        if width is not None and width > per_row:
+            scratch = torch.full((bs, width - per_row), self.num_pages - 1, dtype=table.dtype, device="cuda")
+            table = torch.cat([table, scratch], dim=1)
+        self.page_table = table.contiguous()
         self.kv_len = torch.full((bs,), context, dtype=torch.int64, device="cuda")
         self.indptr, self.indices, self.last_page_len = csr_pages(self.page_table, self.kv_len, PAGE_SIZE)
         shape = (2, self.num_pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
@@ -174,7 +179,7 @@ class _Pages:
 
 def _rope_kv(fi: ModuleType, shape: str, cfg: ModelConfig, bs: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(bs)
-    pages = _Pages(cfg, bs, CONTEXT, 1, g)
+    pages = Pages(cfg, bs, CONTEXT, 1, g)
     Hq, Hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     cos_table, sin_table = rope_cos_sin(cfg, "cuda")
     # flashinfer's table [positions, d]: cos of each frequency, then its sin (our sin table's
@@ -187,7 +192,7 @@ def _rope_kv(fi: ModuleType, shape: str, cfg: ModelConfig, bs: int) -> dict:
         q, k, v = qkv[:, :Hq * d], qkv[:, Hq * d:(Hq + Hkv) * d], qkv[:, (Hq + Hkv) * d:]
         fi.rope.apply_rope_with_cos_sin_cache_inplace(pages.positions, q, k, d, cos_sin_cache, is_neox=True)
         fi.page.append_paged_kv_cache(k.view(bs, Hkv, d), v.view(bs, Hkv, d), pages.batch_indices, pages.positions,
-                                      _Pages.kv_tuple(layer), pages.indices, pages.indptr, pages.last_page_len, "NHD")
+                                      Pages.kv_tuple(layer), pages.indices, pages.indptr, pages.last_page_len, "NHD")
         return q.view(bs, Hq, d)
 
     ours_kv, fi_kv = pages.layers[0].clone(), pages.layers[0].clone()
@@ -195,10 +200,10 @@ def _rope_kv(fi: ModuleType, shape: str, cfg: ModelConfig, bs: int) -> dict:
     q_fi = theirs(qkvs[0].clone(), fi_kv)
     both = (torch.cat([q_ours.flatten(), ours_kv.flatten()]), torch.cat([q_fi.flatten(), fi_kv.flatten()]))
     layer = pages.layers[0]
-    ours_us = _graph_us([lambda i=i: fused.rope_write_kv(qkvs[i], cos, sin, Hq, Hkv, layer, pages.write_slots)
+    ours_us = cycled_us_per_op([lambda i=i: fused.rope_write_kv(qkvs[i], cos, sin, Hq, Hkv, layer, pages.write_slots)
                          for i in range(INPUT_SETS)])
     fi_qkvs = [x.clone() for x in qkvs]  # rotated in place again at every replay
-    fi_us = _graph_us([lambda i=i: theirs(fi_qkvs[i], layer) for i in range(INPUT_SETS)])
+    fi_us = cycled_us_per_op([lambda i=i: theirs(fi_qkvs[i], layer) for i in range(INPUT_SETS)])
     return _row(shape, "rope_kv", bs, CONTEXT, *both, ours_us, fi_us)
 
 
@@ -207,7 +212,7 @@ def _attention(fi: ModuleType, shape: str, cfg: ModelConfig, bs: int, context: i
     Hq, Hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layer_bytes = 2 * (bs * -(-context // PAGE_SIZE) + 1) * PAGE_SIZE * Hkv * d * DTYPE.itemsize
     copies = max(1, min(MAX_KV_COPIES, -(-STREAM_BYTES // layer_bytes)))
-    pages = _Pages(cfg, bs, context, copies, g)
+    pages = Pages(cfg, bs, context, copies, g)
     qs = [_randn(bs, Hq, d, g=g) for _ in range(INPUT_SETS)]
     outs = [torch.empty(bs, Hq, d, dtype=DTYPE, device="cuda") for _ in range(INPUT_SETS)]
     wrapper = fi.decode.BatchDecodeWithPagedKVCacheWrapper(
@@ -222,25 +227,13 @@ def _attention(fi: ModuleType, shape: str, cfg: ModelConfig, bs: int, context: i
         return static_attention_triton(qs[i % INPUT_SETS], pages.layers[i % copies], pages.page_table, pages.kv_len)
 
     def theirs(i: int) -> torch.Tensor:
-        return wrapper.run(qs[i % INPUT_SETS], _Pages.kv_tuple(pages.layers[i % copies]), out=outs[i % INPUT_SETS])
+        return wrapper.run(qs[i % INPUT_SETS], Pages.kv_tuple(pages.layers[i % copies]), out=outs[i % INPUT_SETS])
 
     n = max(INPUT_SETS, copies)
     both = ours(0), theirs(0).clone()
-    ours_us = _graph_us([lambda i=i: ours(i) for i in range(n)])
-    fi_us = _graph_us([lambda i=i: theirs(i) for i in range(n)])
+    ours_us = cycled_us_per_op([lambda i=i: ours(i) for i in range(n)])
+    fi_us = cycled_us_per_op([lambda i=i: theirs(i) for i in range(n)])
     return _row(shape, "attention", bs, context, *both, ours_us, fi_us)
-
-
-def _graph_us(ops: list[Callable[[], object]]) -> float:
-    """Median microseconds per op over timing.REPLAYS replays of one CUDA graph that runs the ops in
-    turn, max(GRAPH_OPS, len(ops)) of them."""
-    n = max(GRAPH_OPS, len(ops))
-
-    def run() -> None:
-        for i in range(n):
-            ops[i % len(ops)]()
-
-    return us_per_op(run, n)
 
 
 LAYER_OPS = {"add_rmsnorm": 2, "silu_mul": 1, "rope_kv": 1, "attention": 1}  # per decoder layer

@@ -34,3 +34,15 @@ def us_per_op(run: Callable[[], None], ops: int, graph: bool = True) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / ops)
     return statistics.median(times)
+
+
+def cycled_us_per_op(ops: list[Callable[[], object]], at_least: int = 50) -> float:
+    """Microseconds per op of one CUDA graph that runs the ops in turn, at least `at_least` of
+    them (inputs cycled so that each op reads what the one before did not)."""
+    n = max(at_least, len(ops))
+
+    def run() -> None:
+        for i in range(n):
+            ops[i % len(ops)]()
+
+    return us_per_op(run, n)
