@@ -4,10 +4,13 @@ costs measured for the speculation policy. `$XDG_CACHE_HOME/pdflash`, else `~/.c
 deleting it costs only the time to rebuild."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 CACHE_ROOT = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdflash")
 
@@ -36,3 +39,21 @@ def publish(build, final: str) -> bool:
         return os.path.isdir(final)  # another process published it first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def building(final: str) -> Iterator[None]:
+    """Hold the lock of the folder `final` is built in: processes started together (a stack's
+    services, test workers) wait for the first one's build and read it, instead of each spending
+    the same seconds of CPU on it. One lock per folder, not per build: builds are rare, and
+    nothing is left behind per build. Not reentrant: never nest two for one folder. Where the
+    cache cannot be written, no lock is held."""
+    try:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        lock = open(os.path.join(os.path.dirname(final), ".lock"), "a")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

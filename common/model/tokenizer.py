@@ -5,7 +5,7 @@ import hashlib
 import json
 import os
 
-from common.model.cache import CACHE_ROOT, publish, source_key
+from common.model.cache import CACHE_ROOT, building, publish, source_key
 from common.model.weights import ModelSource, converted_folder
 
 
@@ -75,12 +75,13 @@ def _load(src: ModelSource):
     process that needs it (reading one from a GGUF file takes seconds); tokenizer.json there is
     the tokenizer transformers runs, after whatever its tokenizer class changed when loading."""
     folder = _saved_folder(src)
-    if not os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
-        from transformers import AutoTokenizer
+    with building(folder):
+        if not os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+            from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(src.folder, **({"gguf_file": src.gguf_file} if src.kind == "gguf" else {}))
-        if not publish(tok.save_pretrained, folder):
-            return src.folder, {}, None, tok  # the cache cannot be written: transformers serves it
+            tok = AutoTokenizer.from_pretrained(src.folder, **({"gguf_file": src.gguf_file} if src.kind == "gguf" else {}))
+            if not publish(tok.save_pretrained, folder):
+                return src.folder, {}, None, tok  # the cache cannot be written: transformers serves it
     with open(os.path.join(folder, "tokenizer_config.json")) as f:
         config = json.load(f)
     fast = _fast_tokenizer(folder, config)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from common.model.cache import CACHE_ROOT, publish, source_key
+from common.model.cache import CACHE_ROOT, building, publish, source_key
 from common.model.config import ModelConfig, RopeScaling
 from common.model.errors import ModelNotFound
 from common.model.kimi_linear import deepseek_ffn_names
@@ -136,17 +136,18 @@ def _load_gguf(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
     folder = os.path.join(converted_folder(src), "weights")
     weights, config = os.path.join(folder, "model.safetensors"), os.path.join(folder, "pdflash_config.json")
-    if os.path.isfile(weights) and os.path.isfile(config):
-        with open(config) as f:
-            return _config_from_json(json.load(f)), load_file(weights)
-    cfg, tensors = _convert_gguf(src)
+    with building(folder):
+        if os.path.isfile(weights) and os.path.isfile(config):
+            with open(config) as f:
+                return _config_from_json(json.load(f)), load_file(weights)
+        cfg, tensors = _convert_gguf(src)
 
-    def build(tmp: str) -> None:
-        save_file(tensors, os.path.join(tmp, "model.safetensors"))
-        with open(os.path.join(tmp, "pdflash_config.json"), "w") as f:
-            json.dump(asdict(cfg), f)
+        def build(tmp: str) -> None:
+            save_file(tensors, os.path.join(tmp, "model.safetensors"))
+            with open(os.path.join(tmp, "pdflash_config.json"), "w") as f:
+                json.dump(asdict(cfg), f)
 
-    publish(build, folder)
+        publish(build, folder)
     return cfg, tensors
 
 
