@@ -29,6 +29,7 @@ from common.engine.sampling import SamplingParams
 from common.engine.spec_policy import SpecConfig, StepCosts
 from common.engine.spec_stats import SpecStats
 from common.kv.seq_cache import SeqCache
+from common.model.cache import building
 
 logger = logging.getLogger(__name__)
 
@@ -40,22 +41,28 @@ STEP_CODE = ("common.engine.decoder", "common.engine.sampling", "common.model.tr
 
 
 def step_costs(decoder: Decoder, config: SpecConfig, blocks: list[int]) -> StepCosts:
-    """The cached costs for this model, drafter and device, or new measurements (then cached)."""
-    path = None
-    if config.cache_dir:
-        path = os.path.join(config.cache_dir, "step-costs", f"{_signature(decoder, blocks)}.json")
+    """The cached costs for this model, drafter and device, or new measurements (then cached).
+    Processes that start together measure one after another (the cache's lock): at once, each
+    would time the others' work too, and the second finds the first's costs if they match."""
+    if not config.cache_dir:
+        return _measured(decoder, blocks, None)
+    path = os.path.join(config.cache_dir, "step-costs", f"{_signature(decoder, blocks)}.json")
+    with building(path):
         if os.path.isfile(path):
             with open(path) as f:
                 return StepCosts.from_json(json.load(f))
-    start = time.perf_counter()
-    costs = measure(decoder, blocks)
-    logger.info("measured step costs in %.1f s%s", time.perf_counter() - start, f" (kept in {path})" if path else "")
-    if path:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        costs = _measured(decoder, blocks, path)
         tmp = f"{path}.{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(costs.to_json(), f)
         os.replace(tmp, path)
+    return costs
+
+
+def _measured(decoder: Decoder, blocks: list[int], path: str | None) -> StepCosts:
+    start = time.perf_counter()
+    costs = measure(decoder, blocks)
+    logger.info("measured step costs in %.1f s%s", time.perf_counter() - start, f" (kept in {path})" if path else "")
     return costs
 
 
