@@ -14,12 +14,12 @@ PIP_FLAGS := --no-compile
 # uv reads no pip configuration, so the wheel folders pip is given (find-links) are passed on;
 # where uv cannot be had or fails, pip installs everything as before.
 # Test workers: much of the suite's time is spent waiting on the stacks it starts (start-up,
-# deadlines, faults), which more workers overlap: on a 2-core machine 2 workers took 18.7 min, 3
-# took 13.1-15.0 min and 4 12.6 min for the same tests, once processes starting together no longer
-# each converted the model (docs/PERFORMANCE.md "The test suite's time"); tests/conftest.py
+# deadlines, faults), which more workers overlap: on a 2-core machine 2 workers took 18.7 min and
+# 3 took 13.1 min for the same tests, 4 no less (13.6 min): the cores are busy from there
+# (docs/PERFORMANCE.md "The test suite's time"); tests/conftest.py
 # keeps each stack on one worker and orders the groups longest first (xdist's own order, by
 # number of tests, is turned off).
-WORKERS ?= 4
+WORKERS ?= 3
 
 .PHONY: setup run test protos clean
 
