@@ -136,19 +136,19 @@ def _load_gguf(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
     folder = os.path.join(converted_folder(src), "weights")
     weights, config = os.path.join(folder, "model.safetensors"), os.path.join(folder, "pdflash_config.json")
-    with building(folder):
-        if os.path.isfile(weights) and os.path.isfile(config):
-            with open(config) as f:
-                return _config_from_json(json.load(f)), load_file(weights)
-        cfg, tensors = _convert_gguf(src)
+    with building(folder):  # held while converting only: readers of a finished build read in parallel
+        if not (os.path.isfile(weights) and os.path.isfile(config)):
+            cfg, tensors = _convert_gguf(src)
 
-        def build(tmp: str) -> None:
-            save_file(tensors, os.path.join(tmp, "model.safetensors"))
-            with open(os.path.join(tmp, "pdflash_config.json"), "w") as f:
-                json.dump(asdict(cfg), f)
+            def build(tmp: str) -> None:
+                save_file(tensors, os.path.join(tmp, "model.safetensors"))
+                with open(os.path.join(tmp, "pdflash_config.json"), "w") as f:
+                    json.dump(asdict(cfg), f)
 
-        publish(build, folder)
-    return cfg, tensors
+            publish(build, folder)
+            return cfg, tensors
+    with open(config) as f:
+        return _config_from_json(json.load(f)), load_file(weights)
 
 
 def _config_from_json(d: dict) -> ModelConfig:

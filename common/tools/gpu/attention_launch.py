@@ -26,7 +26,7 @@ import torch
 from common.model import static_attention as sa
 from common.model.shapes import SHAPES
 from common.tools.gpu.checks import kernel_check
-from common.tools.gpu.flashinfer_check import DTYPE, MAX_KV_COPIES, PAGE_SIZE, STREAM_BYTES, TOLERANCE, Pages
+from common.tools.gpu.flashinfer_check import DTYPE, PAGE_SIZE, TOLERANCE, Pages, kv_copies
 from common.tools.gpu.timing import cycled_us_per_op
 
 SHAPE_NAMES = ("embedded", "llama3-8b")
@@ -46,8 +46,7 @@ class _Case:
         self.key = f"{shape} b{bs} ctx{context}" + (f" T{T}" if T > 1 else "")
         cfg = SHAPES[shape]
         g = torch.Generator(device="cuda").manual_seed(bs * 7 + context + T)
-        layer_bytes = 2 * (bs * -(-context // PAGE_SIZE) + 1) * PAGE_SIZE * cfg.num_kv_heads * cfg.head_dim * DTYPE.itemsize
-        self.copies = max(1, min(MAX_KV_COPIES, -(-STREAM_BYTES // layer_bytes)))
+        self.copies = kv_copies(cfg, bs, context)
         self.pages = Pages(cfg, bs, context, self.copies, g, width=TABLE_WIDTH)
         self.T = T
         self.qs = [torch.randn(bs * T, cfg.num_heads, cfg.head_dim, device="cuda", generator=g).to(DTYPE)
@@ -107,13 +106,9 @@ def _sweep(shipped: sa.Launch, floor: Callable[[str], dict]) -> dict:
         raise RuntimeError(f"the shipped launch does not run: {base}")
     rows = [{"launch": asdict(shipped), "us": base, "score": 1.0}]
     _print(rows[-1])
-    for launch in [*ROUND_1, None]:
-        if launch is None:  # round 2: the best so far at other targets, merge fitted or not
-            best = min(rows, key=lambda r: r["score"])["launch"]
-            launches = [replace(sa.Launch(**best), target_programs=t, fit_merge=f)
-                        for t, f in itertools.product(TARGETS, (False, True))]
-        else:
-            launches = [launch]
+
+    def time_each(launches: list[sa.Launch]) -> sa.Launch:
+        """Time the launches not timed yet; the best of all timed so far."""
         for candidate in launches:
             if any(r["launch"] == asdict(candidate) for r in rows):
                 continue
@@ -121,7 +116,10 @@ def _sweep(shipped: sa.Launch, floor: Callable[[str], dict]) -> dict:
             rows.append({"launch": asdict(candidate)} | ({"error": times, "score": math.inf} if isinstance(times, str)
                                                          else {"us": times, "score": _score(times, base)}))
             _print(rows[-1])
-    best = sa.Launch(**min(rows, key=lambda r: r["score"])["launch"])
+        return sa.Launch(**min(rows, key=lambda r: r["score"])["launch"])
+
+    best = time_each(ROUND_1)
+    best = time_each([replace(best, target_programs=t, fit_merge=f) for t, f in itertools.product(TARGETS, (False, True))])
     verify = [_Case(shape, *VERIFY_CASE) for shape in SHAPE_NAMES]
     result = {"rows": rows, "shipped": asdict(shipped), "best": asdict(best),
               "verify_us": {"shipped": _times(shipped, verify), "best": _times(best, verify)}}

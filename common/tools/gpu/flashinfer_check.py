@@ -147,6 +147,12 @@ def _silu_mul(fi: ModuleType, shape: str, cfg: ModelConfig, bs: int) -> dict:
     return _row(shape, "silu_mul", bs, None, ours, theirs, ours_us, fi_us)
 
 
+def kv_copies(cfg: ModelConfig, bs: int, context: int) -> int:
+    """Layers' KV caches an attention timing cycles through so that it streams past the L2 cache."""
+    layer_bytes = 2 * (bs * -(-context // PAGE_SIZE) + 1) * PAGE_SIZE * cfg.num_kv_heads * cfg.head_dim * DTYPE.itemsize
+    return max(1, min(MAX_KV_COPIES, -(-STREAM_BYTES // layer_bytes)))
+
+
 class Pages:
     """bs rows of `context` keys each (the last one the token being decoded) over a shuffled page
     pool with one scratch page, and `copies` layers' KV caches over it. `width`: pages per row of
@@ -210,8 +216,7 @@ def _rope_kv(fi: ModuleType, shape: str, cfg: ModelConfig, bs: int) -> dict:
 def _attention(fi: ModuleType, shape: str, cfg: ModelConfig, bs: int, context: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(bs + context)
     Hq, Hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    layer_bytes = 2 * (bs * -(-context // PAGE_SIZE) + 1) * PAGE_SIZE * Hkv * d * DTYPE.itemsize
-    copies = max(1, min(MAX_KV_COPIES, -(-STREAM_BYTES // layer_bytes)))
+    copies = kv_copies(cfg, bs, context)
     pages = Pages(cfg, bs, context, copies, g)
     qs = [_randn(bs, Hq, d, g=g) for _ in range(INPUT_SETS)]
     outs = [torch.empty(bs, Hq, d, dtype=DTYPE, device="cuda") for _ in range(INPUT_SETS)]
