@@ -188,12 +188,12 @@ def _write_to_frozen(dst: Peer, src: Peer, resume_after_s: float | None, src_idx
     assert src.ok("write", session, infos, src_idx, num_tokens)[0] > 0  # handshake and lanes before the freeze
     src.ok("fill", 77)  # new bytes, so that the test sees whether they landed
     os.kill(dst.proc.pid, signal.SIGSTOP)
+    start = time.monotonic()  # before the timer: a write that waits for the resume takes its time at least
     resume = None
     if resume_after_s is not None:
         resume = threading.Timer(resume_after_s, os.kill, (dst.proc.pid, signal.SIGCONT))
         resume.start()
     try:
-        start = time.monotonic()
         reply = src.call("write", session, infos, src_idx, num_tokens)
         return reply, time.monotonic() - start
     finally:
