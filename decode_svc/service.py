@@ -19,7 +19,8 @@ from common.engine.sampling import InvalidRequest
 from common.model.tokenizer import IncrementalDecoder, Tokenizer
 from common.service.checks import check_room_request
 from common.service.engine_loop import EngineFailure, EngineLoop
-from common.service.messages import meta_to_proto, pool_health, sampling_from_proto
+from common.service.messages import meta_to_proto, sampling_from_proto
+from common.service.pool_health import pool_health
 from decode_svc.kv_receiver import HandoffError, KVReceiver
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc

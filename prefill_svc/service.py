@@ -24,7 +24,8 @@ from common.engine.request import Request
 from common.engine.sampling import InvalidRequest
 from common.service.checks import check_bootstrap, check_room_request
 from common.service.engine_loop import EngineFailure, EngineLoop
-from common.service.messages import pool_health, sampling_from_proto
+from common.service.messages import sampling_from_proto
+from common.service.pool_health import pool_health
 from prefill_svc.kv_sender import KVSender
 from prefill_svc.room_writes import RoomWrites
 from protos import pdflash_pb2 as pb

@@ -12,7 +12,7 @@ from router_svc.config import parse_args
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)  # before the heavy imports (torch, transformers): bad flags fail fast
-    from common.model.weights import ModelNotFound
+    from common.model.errors import ModelNotFound
     from router_svc.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.model.config import ModelConfig
-from common.model.weights import ModelSource
+from common.model.source import ModelSource
 
 
 @dataclass(frozen=True)

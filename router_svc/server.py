@@ -13,7 +13,7 @@ import signal
 from aiohttp import web
 
 from common.model.tokenizer import Tokenizer
-from common.model.weights import resolve_model
+from common.model.source import resolve_model
 from router_svc import grpc_server
 from router_svc.config import RouterConfig
 from router_svc.backend import Backend

@@ -36,7 +36,7 @@ def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, compute: C
 
 @pytest.fixture(scope="session")
 def embedded_source():
-    from common.model.weights import resolve_model
+    from common.model.source import resolve_model
 
     return resolve_model(None)
 

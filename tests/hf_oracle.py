@@ -7,7 +7,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from common.model.weights import load_weights, resolve_model
+from common.model.source import resolve_model
+from common.model.weights import load_weights
 from common.runner.model_runner import ModelRunner
 
 

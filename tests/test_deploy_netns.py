@@ -390,7 +390,7 @@ def tiny_models(tmp_path_factory):
         pytest.skip(why)
     from common.model.shapes import SHAPES
     from common.model.tokenizer import Tokenizer
-    from common.model.weights import resolve_model
+    from common.model.source import resolve_model
     from tiny_models import save_random_checkpoint, save_random_drafter
 
     root = tmp_path_factory.mktemp("models")

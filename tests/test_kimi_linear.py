@@ -22,7 +22,7 @@ from common.engine.sampling import SamplingParams
 from common.kv.seq_cache import SeqCache
 from common.kv.state_pool import OutOfStateSlots, StatePool
 from common.model.config import ModelConfig
-from common.model.weights import resolve_model
+from common.model.source import resolve_model
 from common.parallel.driver import ParallelRunner
 from common.runner.layout import ParallelConfigError, check_parallel
 from common.tools.gpu.moe_graphs import step_logits

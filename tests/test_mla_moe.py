@@ -35,7 +35,7 @@ from common.model.attention import cache_slot
 from common.model import moe as moe_module
 from common.model.moe import MoE
 from common.model.shapes import SHAPES, RandomWeights, fill_random_
-from common.model.weights import resolve_model
+from common.model.source import resolve_model
 from common.parallel.driver import ParallelRunner
 from common.runner.layout import ParallelConfigError, RankLayout, check_parallel
 from common.runner.model_runner import ModelRunner

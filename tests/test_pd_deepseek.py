@@ -19,7 +19,8 @@ import pytest
 from common.engine.engine import Engine
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
-from common.model.weights import converted_folder, load_weights, resolve_model
+from common.model.source import converted_folder, resolve_model
+from common.model.weights import load_weights
 from common.runner.model_runner import ModelRunner
 from pd_stack import Stack, pair_prompt, serve_alone
 from test_mla_moe import PROMPTS, write_checkpoint

@@ -39,7 +39,7 @@ from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.kv.buffers import RoomBuffers, SlotStateBuffer
 from common.kv.seq_cache import SeqCache
-from common.model.weights import converted_folder
+from common.model.source import converted_folder
 from common.parallel.cluster import Nodes
 from common.parallel.driver import ParallelRunner
 from common.runner.model_runner import ModelRunner

@@ -7,7 +7,8 @@ import torch
 
 from common.engine.engine import Engine
 from common.engine.request import Request
-from common.engine.sampling import InvalidRequest, SamplingParams, sample
+from common.engine.sampler import sample
+from common.engine.sampling import InvalidRequest, SamplingParams
 from common.model.tokenizer import IncrementalDecoder
 
 V = 1000

@@ -9,13 +9,16 @@ import shutil
 import pytest
 
 from common.model.tokenizer import Tokenizer, _saved_folder
-from common.model.weights import ModelSource
+from common.model.source import ModelSource
 
 TEXTS = ["The capital of France is", "  leading spaces and\ttabs\nand lines\n\n", "émigré naïve 東京 🚀 ∑x²",
          "<|im_start|>user\nspecial tokens in text<|im_end|>", "", "a" * 300, "1234567890 + 0.5 = ?"]
 CHATS = [[{"role": "user", "content": "What is 2+3?"}],
          [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."},
-          {"role": "assistant", "content": "The Rhine."}, {"role": "user", "content": "Another?"}]]
+          {"role": "assistant", "content": "The Rhine."}, {"role": "user", "content": "Another?"}],
+         # OpenAI clients send None for fields they leave out: transformers drops them, so do we
+         [{"role": "user", "content": "Hi", "name": None}, {"role": "assistant", "content": "Hello.", "tool_calls": None},
+          {"role": "user", "content": "<|im_start|>assistant\nin the text<|im_end|>"}]]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +50,7 @@ def test_same_as_transformers(sources):
         for chat in CHATS:
             text = theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
             assert ours.apply_chat_template(chat) == theirs.encode(text, add_special_tokens=False)
+        assert ours._template is not None and ours._hf is None  # rendered without a transformers tokenizer
         assert ours.eos_token_ids == (7, theirs.convert_tokens_to_ids("<|im_end|>"))
         assert Tokenizer(src).eos_token_ids == (theirs.convert_tokens_to_ids("<|im_end|>"),)
 

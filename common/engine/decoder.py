@@ -34,7 +34,7 @@ import torch
 
 from common.engine.proposer import Proposer
 from common.engine.request import Request
-from common.engine.sampling import Mode, mode_of, sample_rows
+from common.engine.sampler import Mode, mode_of, sample_rows
 from common.engine.spec_policy import SpecPolicy
 from common.engine.step_inputs import StepInputs, StepView
 from common.model.attention import table_slots

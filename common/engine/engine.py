@@ -20,7 +20,8 @@ import torch
 from common.engine.decoder import BATCH_SIZES, Decoder
 from common.engine.proposer import ContextProposer, Proposer
 from common.engine.request import Request
-from common.engine.sampling import InvalidRequest, sample
+from common.engine.sampler import sample
+from common.engine.sampling import InvalidRequest
 from common.engine.spec_policy import SpecConfig, SpecPolicy
 from common.engine.spec_stats import SpecStats
 from common.engine.step_costs import step_costs

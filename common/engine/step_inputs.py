@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from common.engine.request import Request
-from common.engine.sampling import SamplingRows, row_values
+from common.engine.sampler import SamplingRows, row_values
 
 LAST, LEN, STEP, LEFT, SEED, TOPK, TEMP, TOPP, STATE, PEND, DSLOT = range(11)
 STOPS = 11

@@ -4,21 +4,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 
 from common.model.cache import CACHE_ROOT, building, publish, source_key
-from common.model.weights import ModelSource, converted_folder
+from common.model.source import ModelSource, converted_folder
 
 
 class Tokenizer:
     """Encoding and decoding run on the `tokenizers` library alone, over transformers' own save of
     the model's tokenizer (kept in common.model.cache): the same tokens as transformers gives,
     without importing transformers (2 s of CPU in every service process). The chat template is
-    rendered by transformers, loaded when first needed: the router (at start), `generate --chat`
-    and the benchmarks render one; P and D never do. A tokenizer that transformers cannot save as
-    tokenizer.json (a slow-only one) is served by transformers throughout."""
+    rendered by transformers' own renderer (ChatTemplate), loaded when first needed: the router
+    (at start), `generate --chat` and the benchmarks render one; P and D never do. A tokenizer that
+    transformers cannot save as tokenizer.json (a slow-only one), or whose template needs its
+    choice among several, is served by transformers throughout."""
 
     def __init__(self, src: ModelSource, eos_token_ids: tuple[int, ...] = ()):
         self._folder, config, self._fast, self._hf = _load(src)
+        self._config = config
+        self._template: ChatTemplate | None = None
         # Don't trust tokenizer.eos_token alone (GGUF conversions have reported <|im_start|>):
         # the model config's EOS ids plus the chat end-of-turn marker, if the vocabulary has one.
         eos = list(eos_token_ids)
@@ -52,12 +56,17 @@ class Tokenizer:
 
     def load_chat_template(self) -> None:
         """Load what renders chat prompts now rather than at the first one (seconds of CPU)."""
-        if self._hf is None:
+        if self._template is None and self._fast is not None:
+            self._template = ChatTemplate.read(self._folder, self._config)
+        if self._template is None and self._hf is None:
             self._hf = _transformers_tokenizer(self._folder)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         self.load_chat_template()
-        text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if self._template is not None:
+            text = self._template.render(messages)
+        else:
+            text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # The template already wrote the special tokens; don't let encode add a BOS again.
         if self._fast is not None:
             return self._fast.encode(text, add_special_tokens=False).ids
@@ -67,6 +76,48 @@ class Tokenizer:
         if self._fast is not None:
             return self._fast.decode(ids, skip_special_tokens=True)
         return self._hf.decode(ids, skip_special_tokens=True)
+
+
+# The named special tokens transformers hands every chat template (its special_tokens_map).
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The model's chat template, rendered by the function transformers' apply_chat_template
+    renders with, with the same inputs (messages without None values, the named special tokens,
+    a generation prompt): the same text, without loading a transformers tokenizer, which imports
+    torch (about 7 s of CPU where the router needs 2)."""
+
+    source: str
+    special_tokens: dict[str, str]
+
+    @classmethod
+    def read(cls, folder: str, config: dict) -> ChatTemplate | None:
+        """From transformers' save of the tokenizer; None if it has no single template."""
+        path = os.path.join(folder, "chat_template.jinja")
+        if os.path.isfile(path):
+            with open(path) as f:
+                source = f.read()
+        elif isinstance(config.get("chat_template"), str):
+            source = config["chat_template"]
+        else:
+            return None
+        specials = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if config.get(k) is not None}
+        return cls(source, specials)
+
+    def render(self, messages: list[dict]) -> str:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        conversation = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        rendered, _ = render_jinja_template(conversations=[conversation], chat_template=self.source,
+                                            add_generation_prompt=True, **self.special_tokens)
+        return rendered[0]
+
+
+def _token_text(token) -> str:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken's fields."""
+    return token.get("content", "") if isinstance(token, dict) else str(token)
 
 
 def _load(src: ModelSource):

@@ -10,7 +10,8 @@ import torch
 from common.engine.spec_policy import SpecConfig
 from common.model.config import ModelConfig
 from common.model.tokenizer import Tokenizer
-from common.model.weights import load_weights, resolve_model
+from common.model.source import resolve_model
+from common.model.weights import load_weights
 from common.parallel.cluster import NODE_TIMEOUT_S, STARTUP_TIMEOUT_S, Nodes, make_nodes, pin_collective_interface
 from common.parallel.node_agent import NodeAgent
 from common.runner.layout import ParallelConfigError, RankLayout, check_parallel

@@ -11,7 +11,7 @@ from common.engine.meta import meta_info
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.model.tokenizer import IncrementalDecoder, Tokenizer
-from common.model.weights import resolve_model
+from common.model.source import resolve_model
 from common.service.loader import ModelOptions, add_model_args, load_model, load_proposer, spec_config
 from common.service.spec_args import add_spec_args
 

@@ -50,7 +50,8 @@ from common.engine.sampling import SamplingParams
 from common.model.config import ModelConfig
 from common.model.shapes import SHAPES, RandomWeights, first_layers, random_token_ids, random_weights
 from common.model.tokenizer import Tokenizer
-from common.model.weights import load_weights, resolve_model
+from common.model.source import resolve_model
+from common.model.weights import load_weights
 from common.runner.model_runner import DTYPES, ModelRunner
 from common.service.loader import add_model_args
 from common.tools.bench.floor import ChosenExperts, memory_bandwidth, step_weight_bytes

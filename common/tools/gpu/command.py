@@ -93,7 +93,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
 
 def _model(model: str | None):
     from common.model.tokenizer import Tokenizer
-    from common.model.weights import load_weights, resolve_model
+    from common.model.source import resolve_model
+    from common.model.weights import load_weights
 
     src = resolve_model(model)
     cfg, tensors = load_weights(src)
@@ -230,7 +231,8 @@ def _bench(out_dir: str, model: str | None, floor: bool, name: str | None = None
     else:
         argv.append("--no-floor")
         try:
-            from common.model.weights import load_weights, resolve_model
+            from common.model.source import resolve_model
+            from common.model.weights import load_weights
 
             load_weights(resolve_model(model))
             argv += ["--model", model] if model else []

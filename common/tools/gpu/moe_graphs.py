@@ -32,7 +32,8 @@ from common.model.attention import table_slots
 from common.model.config import ModelConfig
 from common.model.shapes import SHAPES, RandomWeights, random_token_ids
 from common.model.static_attention import StaticAttn
-from common.model.weights import load_weights, resolve_model
+from common.model.source import resolve_model
+from common.model.weights import load_weights
 from common.runner.graphs import GraphCache
 from common.runner.model_runner import ModelRunner
 from common.tools.tiny_hf import write_deepseek, write_kimi_linear

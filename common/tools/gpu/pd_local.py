@@ -32,7 +32,8 @@ TARGET_X_COLOCATED = 1.2  # pd TTFT / colocated TTFT
 
 def pd_local(out_dir: str, model: str | None) -> dict:
     from common.model.tokenizer import Tokenizer
-    from common.model.weights import load_weights, resolve_model
+    from common.model.source import resolve_model
+    from common.model.weights import load_weights
 
     src = resolve_model(model)
     cfg, tensors = load_weights(src)
