@@ -42,7 +42,7 @@ def test_up_imports_no_torch():
     assert out.stdout.split() == ["False"]
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/map_files"), reason="reads the process's mapped libraries")
+@pytest.mark.skipif(not os.path.isfile("/proc/self/maps"), reason="reads the process's mapped libraries")
 def test_the_router_serves_without_torch():
     """A router ready to serve (model found, tokenizer and chat template loaded) has not loaded
     torch's library: about 7 s of CPU less at each of the dozens of router starts in this suite."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from common.model.cache import CACHE_ROOT, building, publish, source_key
 from common.model.source import ModelSource, converted_folder
@@ -91,10 +93,13 @@ class ChatTemplate:
 
     source: str
     special_tokens: dict[str, str]
+    renderer: Callable[..., tuple[list[str], Any]] = field(repr=False, compare=False)
 
     @classmethod
     def read(cls, folder: str, config: dict) -> ChatTemplate | None:
-        """From transformers' save of the tokenizer; None if it has no single template."""
+        """From transformers' save of the tokenizer; None if it has no single template. Imports
+        the renderer (2 s of CPU) here, so that the router pays it at start, not in its first
+        chat request."""
         path = os.path.join(folder, "chat_template.jinja")
         if os.path.isfile(path):
             with open(path) as f:
@@ -104,14 +109,14 @@ class ChatTemplate:
         else:
             return None
         specials = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if config.get(k) is not None}
-        return cls(source, specials)
-
-    def render(self, messages: list[dict]) -> str:
         from transformers.utils.chat_template_utils import render_jinja_template
 
+        return cls(source, specials, render_jinja_template)
+
+    def render(self, messages: list[dict]) -> str:
         conversation = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        rendered, _ = render_jinja_template(conversations=[conversation], chat_template=self.source,
-                                            add_generation_prompt=True, **self.special_tokens)
+        rendered, _ = self.renderer(conversations=[conversation], chat_template=self.source,
+                                    add_generation_prompt=True, **self.special_tokens)
         return rendered[0]
 
 
