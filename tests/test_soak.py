@@ -1,4 +1,4 @@
-"""`pdflash bench soak` for 30 s against the session's shared pd stack (DFlash, every KV page
+"""`pdflash bench soak` for 15 s against the session's shared pd stack (DFlash, every KV page
 checksummed on arrival): 8 clients, prompts of 16 to 1K tokens, short outputs, streamed and not,
 greedy and sampled, a fifth of the clients leaving mid-request. No failure but the deliberate
 departures, every pool (KV pages, draft KV pages) whole at the end, each service's RSS read.
@@ -32,10 +32,10 @@ def soak_args(url: str, out: str, **over) -> argparse.Namespace:
 def test_soak_leaves_every_pool_whole(pd_stack, embedded_tokenizer, make_embedded_runner, tmp_path_factory,
                                       tmp_path) -> None:
     prompts = lossless_prompts(embedded_tokenizer)
-    args = soak_args(pd_stack.url, str(tmp_path), concurrency=8, duration=30.0, max_len=1024, output_len=16,
+    args = soak_args(pd_stack.url, str(tmp_path), concurrency=8, duration=15.0, max_len=1024, output_len=16,
                      abort_share=0.2, drain_timeout=60.0)
     # All at once: the load, the stack's answers and the plain engine's (in this process), so
-    # that the soak's fixed 30 s take in the others' time.
+    # that the soak's fixed 15 s take in the others' time.
     with ThreadPoolExecutor(1) as background, ThreadPoolExecutor(8) as pool:
         soaking = background.submit(soak.run, args)
         answers = [pool.submit(pd_stack.generate, ids, max_new_tokens=MAX_NEW) for ids in prompts]
