@@ -41,7 +41,8 @@ class EngineLoop:
         handler whose client has gone (the router stopped first) is cancelled by gRPC but still
         returns its pages through the engine thread in its clean-up; the server's own grace does
         not wait for it, since for gRPC that call has ended."""
-        handlers = [t for t in self._handlers if not t.done()]
+        me = asyncio.current_task()  # a handler that stops the loop itself would wait on itself
+        handlers = [t for t in self._handlers if not t.done() and t is not me]
         if handlers:
             _, late = await asyncio.wait(handlers, timeout=grace_s)
             if late:
