@@ -77,7 +77,8 @@ def test_an_output_a_call_makes_reaches_the_stream_before_later_steps(embedded_r
         while not got or not got[-1].finished:
             got.append(await outputs.get())
         loop.close(req.rid)
-        await loop.stop()
+        async with asyncio.timeout(60):  # stop() from a handler returns: it does not wait out its grace on itself
+            await loop.stop(grace_s=3600)
         return [t for o in got for t in o.new_ids]
 
     assert asyncio.run(first_on_stream(True))[0] == 7
