@@ -150,6 +150,10 @@ class Reply:
 
 
 # ---- the worker process ------------------------------------------------------------------------
+# How gloo's TCP transport words a peer process that died mid-collective.
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
 def worker_main(spec: WorkerSpec, commands, writes, replies) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the driver stops us
@@ -158,9 +162,14 @@ def worker_main(spec: WorkerSpec, commands, writes, replies) -> None:
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     try:
         _serve(spec, commands, writes, replies)
-    except Exception:
-        # The driver sees this process exit and stops the service (see ParallelRunner).
-        logger.error("rank %d failed:\n%s", rank, traceback.format_exc())
+    except Exception as e:
+        # The driver sees this process exit and stops the service (see ParallelRunner). A
+        # collective that failed because another rank is gone is that rank's failure, which the
+        # driver reports: one line here, not a traceback that reads like a second fault.
+        if isinstance(e, RuntimeError) and any(m in str(e) for m in PEER_GONE):
+            logger.error("rank %d stopped: another rank of the instance is gone (%s)", rank, str(e).splitlines()[0])
+        else:
+            logger.error("rank %d failed:\n%s", rank, traceback.format_exc())
         os._exit(1)
 
 
