@@ -16,6 +16,9 @@ from common.tools.bench.report import REPO_ROOT
 
 UP_TIMEOUT_S = 900.0  # every process loads the model; a busy machine is slow
 STOP_TIMEOUT_S = 60.0
+PORT_ATTEMPTS = 3
+# A port taken by another process: the router's bind error (Python's words) and a worker's (ours).
+PORT_TAKEN = ("address already in use", "cannot listen on")
 
 
 class Stack:
@@ -25,7 +28,8 @@ class Stack:
 
     def __init__(self, up_args: str | Sequence[str], log_path: str | None = None, timeout: float = UP_TIMEOUT_S):
         self.args = shlex.split(up_args) if isinstance(up_args, str) else list(up_args)
-        if "--port" not in self.args:
+        self.own_port = "--port" not in self.args  # ours to change if it is gone by the time the router binds it
+        if self.own_port:
             self.args += ["--port", str(free_port_pair())]
         self.port = int(self.args[self.args.index("--port") + 1])
         host = self.args[self.args.index("--host") + 1] if "--host" in self.args else "127.0.0.1"
@@ -37,6 +41,25 @@ class Stack:
         self.startup_s: float | None = None
 
     def start(self) -> "Stack":
+        """Up, or RuntimeError with the output's tail. Ports are drawn seconds before their
+        processes bind them (the router's only once every worker is up): where another process
+        took one meanwhile and the stack's port was ours to choose, it starts again on others."""
+        attempt = 1
+        while True:
+            try:
+                return self._start()
+            except RuntimeError:
+                taken = any(m in self.tail() for m in PORT_TAKEN)
+                if not (taken and self.own_port and attempt < PORT_ATTEMPTS):
+                    raise
+            attempt += 1
+            self.port = free_port_pair()
+            print(f"a port was taken before its process bound it; starting again on {self.port}", flush=True)
+            self.args[self.args.index("--port") + 1] = str(self.port)
+            self.url = f"{self.url.rsplit(':', 1)[0]}:{self.port}"
+            self.lines = []
+
+    def _start(self) -> "Stack":
         where = f"  (log: {self.log_path})" if self.log_path else ""
         print(f"starting: pdflash up {shlex.join(self.args)}{where}", flush=True)
         start = time.monotonic()
