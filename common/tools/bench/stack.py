@@ -66,7 +66,7 @@ class Stack:
         self.proc = subprocess.Popen([sys.executable, "-m", "common.tools.cli", "up", *self.args], cwd=REPO_ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
-        up = threading.Event()
+        up, ended = threading.Event(), threading.Event()  # its "is up" line; its output's end
         if self.log_path:
             os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         log = open(self.log_path, "w") if self.log_path else contextlib.nullcontext()
@@ -81,10 +81,12 @@ class Stack:
                         log.flush()
                     if "pdflash is up" in line:
                         up.set()
-            up.set()
+            ended.set()
+            up.set()  # wakes the wait below; `ended` says it was not the line
 
         threading.Thread(target=pump, daemon=True).start()
-        if not up.wait(self.timeout) or self.proc.poll() is not None:
+        # The output ending is the stack failing, although its process may not be reaped yet.
+        if not up.wait(self.timeout) or ended.is_set() or self.proc.poll() is not None:
             self.stop()
             see = f"; see {self.log_path}" if self.log_path else ""
             raise RuntimeError(f"pdflash up {shlex.join(self.args)} did not come up{see}:\n" + self.tail())
