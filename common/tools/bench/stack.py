@@ -31,14 +31,20 @@ class Stack:
         self.own_port = "--port" not in self.args  # ours to change if it is gone by the time the router binds it
         if self.own_port:
             self.args += ["--port", str(free_port_pair())]
-        self.port = int(self.args[self.args.index("--port") + 1])
-        host = self.args[self.args.index("--host") + 1] if "--host" in self.args else "127.0.0.1"
-        self.url = f"http://{host}:{self.port}"
+        self.host = self.args[self.args.index("--host") + 1] if "--host" in self.args else "127.0.0.1"
         self.log_path = log_path
         self.timeout = timeout
         self.proc: subprocess.Popen | None = None
         self.lines: list[str] = []
         self.startup_s: float | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self.args[self.args.index("--port") + 1])
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> "Stack":
         """Up, or RuntimeError with the output's tail. Ports are drawn seconds before their
@@ -53,16 +59,14 @@ class Stack:
                 if not (taken and self.own_port and attempt < PORT_ATTEMPTS):
                     raise
             attempt += 1
-            self.port = free_port_pair()
+            self.args[self.args.index("--port") + 1] = str(free_port_pair())
             print(f"a port was taken before its process bound it; starting again on {self.port}", flush=True)
-            self.args[self.args.index("--port") + 1] = str(self.port)
-            self.url = f"{self.url.rsplit(':', 1)[0]}:{self.port}"
-            self.lines = []
 
     def _start(self) -> "Stack":
         where = f"  (log: {self.log_path})" if self.log_path else ""
         print(f"starting: pdflash up {shlex.join(self.args)}{where}", flush=True)
         start = time.monotonic()
+        self.lines = []  # this start's output
         self.proc = subprocess.Popen([sys.executable, "-m", "common.tools.cli", "up", *self.args], cwd=REPO_ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
