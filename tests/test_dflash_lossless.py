@@ -170,6 +170,3 @@ def test_policy_turns_speculation_off_when_it_does_not_pay(runner, proposer, emb
     meta = meta_info(reqs[0])
     check_invariants(meta)
     assert meta["spec_plain_steps"] > 0 and meta["spec_verify_ct"] == 0
-    # The decoder timed its steps for the policy: a plain step here takes far less than the 1 s
-    # the costs above say, and the policy's price of it moved down from 1.
-    assert engine.policy.price[0] < 0.5

@@ -8,12 +8,7 @@ policy compares, for the batch about to run,
 
 and picks the best. Costs were measured on this device at start-up (step_costs.py): per batch
 size and block, at two context lengths, so that long contexts (where attention dominates, and
-a CPU pays for every query) are priced as well as short ones. What the steps then take is
-timed: per choice, a running ratio of the time taken to the start-up cost scales that cost, so
-that a start-up measurement that was off, or a device that runs one kind of step slower later
-(clocks, other work, memory traffic), is seen within a few steps instead of being trusted to the
-end. A ratio that is not observed any more returns toward 1 as the acceptance evidence fades, so
-that a choice priced out by a slow stretch is tried again. E[tokens | B] = 1 + the sum over
+a CPU pays for every query) are priced as well as short ones. E[tokens | B] = 1 + the sum over
 i < B of P(at least i drafts accepted), estimated per request from its own verify steps, with
 the estimate over all requests as its prior, which in turn has PRIOR_REACH ** i as its prior
 (acceptance.py). The evidence fades with every decode step (the requests' faster than the
@@ -46,9 +41,6 @@ OPTIMISM = 0.25  # standard errors the estimates lean toward speculating (accept
 # A clear decision (one choice CLEAR times the other's rate) holds for HOLD more steps of the same
 # batch: the estimates move slowly, and weighing them takes host time.
 CLEAR, HOLD = 1.25, 6
-PRICE_KEEP = 0.9  # a choice's observed/measured cost ratio: the weight of its past per step timed
-PRICE_FADE = GLOBAL_KEEP  # per weighing, every ratio's distance from 1 shrinks by this
-PRICE_LIMITS = (0.25, 4.0)  # one step's ratio, clamped (a stall of the host is not a price)
 
 
 @dataclass(frozen=True)
@@ -97,7 +89,6 @@ class SpecPolicy:
         self.costs = costs  # None: only a pinned block (or the largest) is ever used
         self.prior = PRIOR_REACH ** np.arange(max_block)
         self.acceptance = Acceptance(max_block)  # over all requests
-        self.price = {b: 1.0 for b in (0, *self.blocks)}  # time taken / start-up cost, per choice
         self._held: tuple[tuple[int, ...], int, int] = ((), 0, 0)  # (batch, choice, steps left)
         self._ahead: tuple[tuple[int, ...], int] | None = None  # (batch, its next choice), weighed ahead
 
@@ -131,29 +122,15 @@ class SpecPolicy:
         shared = self.acceptance.estimate(self.prior, GLOBAL_STRENGTH, OPTIMISM)
         expected = estimates([r.spec.acceptance for r in reqs], shared, REQUEST_STRENGTH, OPTIMISM).cumsum(1)
         left = np.array([r.params.max_new_tokens - len(r.output_ids) for r in reqs])
-        for b, ratio in self.price.items():
-            self.price[b] = 1.0 + (ratio - 1.0) * PRICE_FADE
         # Tokens per second of each choice; E[tokens | B] = 1 + P(>= 1) + ... + P(>= B-1).
-        rates = {0: rows / self._cost(rows, 0, context)}
+        rates = {0: rows / self.costs.cost(rows, 0, context)}
         for block in self.blocks:
-            rates[block] = np.minimum(left, expected[:, block - 1]).sum() / self._cost(rows, block, context)
+            rates[block] = np.minimum(left, expected[:, block - 1]).sum() / self.costs.cost(rows, block, context)
         best = max(rates, key=rates.get)
         plain, spec = rates[0], max(rates[b] for b in self.blocks)
         clear = max(plain, spec) >= CLEAR * min(plain, spec)
         self._held = (batch, best, HOLD if clear else 0)
         return best
-
-    def _cost(self, rows: int, block: int, context: float) -> float:
-        return self.costs.cost(rows, block, context) * self.price[block]
-
-    def timed(self, rows: int, block: int, context: float, seconds: float) -> None:
-        """A step of `rows` requests at `context` tokens of context each took `seconds` (host
-        synchronisation included, as the start-up costs were measured)."""
-        if self.costs is None or block not in self.price:
-            return
-        lo, hi = PRICE_LIMITS
-        ratio = min(max(seconds / self.costs.cost(rows, block, context), lo), hi)
-        self.price[block] = PRICE_KEEP * self.price[block] + (1 - PRICE_KEEP) * ratio
 
     def observe(self, drafted: int, block: int) -> None:
         """A verify step whose drafts were right for `drafted` positions (the request's own
