@@ -29,6 +29,8 @@ several steps of that size.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -80,10 +82,17 @@ class Decoder:
             chunk = reqs[i:i + self.max_rows]
             block = self.policy.choose(chunk) if self.policy is not None else 0
             catch_up = self.catch_up(chunk, block)
-            out = self.launch(chunk, block, catch_up)
-            if self.policy is not None:  # host work while the device runs the step
-                self.policy.ahead(chunk)
-            committed += self._commit(chunk, self.read(out, chunk), block, catch_up)
+            if self.policy is None:
+                out = self.read(self.launch(chunk, block, catch_up), chunk)
+            else:
+                context = sum(r.cache.length for r in chunk) / len(chunk)
+                captured, start = len(self.graphs), time.perf_counter()
+                out = self.launch(chunk, block, catch_up)
+                self.policy.ahead(chunk)  # host work while the device runs the step
+                out = self.read(out, chunk)
+                if len(self.graphs) == captured:  # a capture's time says nothing about the step's
+                    self.policy.timed(len(chunk), block, context, time.perf_counter() - start)
+            committed += self._commit(chunk, out, block, catch_up)
         return committed
 
     def catch_up(self, reqs: list[Request], block: int) -> int:

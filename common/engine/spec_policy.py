@@ -8,10 +8,19 @@ policy compares, for the batch about to run,
 
 and picks the best. Costs were measured on this device at start-up (step_costs.py): per batch
 size and block, at two context lengths, so that long contexts (where attention dominates, and
-a CPU pays for every query) are priced as well as short ones. E[tokens | B] = 1 + the sum over
-i < B of P(at least i drafts accepted), estimated per request from its own verify steps, with
-the estimate over all requests as its prior, which in turn has PRIOR_REACH ** i as its prior
-(acceptance.py). The evidence fades with every decode step (the requests' faster than the
+a CPU pays for every query) are priced as well as short ones. What the steps then take is timed,
+so that a start-up measurement that was off, or a device that later runs one kind of step slower
+than the other, is seen within tens of steps instead of being trusted to the end. Each timed step
+gives its time over its start-up cost; a fast running level of that ratio over every step follows
+the machine's speed (clocks, other work), and each choice's price is its ratio relative to that
+level, which a change of the whole machine's speed leaves as it is. Prices of two choices compare
+only when both were timed lately, so the other kind of step than the one chosen (plain while
+speculating, the best block while decoding plainly) is taken once every EXPLORE steps, and a
+price forgets at the same rate per step whether it is timed at every step or at every EXPLORE-th.
+
+E[tokens | B] = 1 + the sum over i < B of P(at least i drafts accepted), estimated per request
+from its own verify steps, with the estimate over all requests as its prior, which in turn has
+PRIOR_REACH ** i as its prior (acceptance.py). The evidence fades with every decode step (the requests' faster than the
 global), so that when the drafts were poor and the batch decodes plainly, speculation is tried
 again once that evidence has faded, and dropped again within a few steps if the drafts still
 miss: a drafter that never hits costs about one speculative step in a hundred.
@@ -41,6 +50,11 @@ OPTIMISM = 0.25  # standard errors the estimates lean toward speculating (accept
 # A clear decision (one choice CLEAR times the other's rate) holds for HOLD more steps of the same
 # batch: the estimates move slowly, and weighing them takes host time.
 CLEAR, HOLD = 1.25, 6
+EXPLORE = 50  # a step of the other kind once in this many (about 1% of the steps, priced wrongly)
+LEVEL_KEEP = 0.8  # per timed step, the weight the machine's level keeps
+PRICE_KEEP = 0.99  # per step of the policy, the weight a choice's time/cost ratio keeps (half-life ~70)
+PRICE_LEAST_KEPT = 0.5  # one timed step moves a ratio at most halfway, however long since the last
+PRICE_LIMITS = (0.25, 4.0)  # one step's ratio, clamped (a stall of the host is not a price)
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,12 @@ class SpecPolicy:
         self.costs = costs  # None: only a pinned block (or the largest) is ever used
         self.prior = PRIOR_REACH ** np.arange(max_block)
         self.acceptance = Acceptance(max_block)  # over all requests
+        self.level = 1.0  # time taken / start-up cost over every step: the machine's speed now
+        self.price = {b: 1.0 for b in (0, *self.blocks)}  # each choice's time / cost, relative to the level
+        self._steps = 0  # steps weighed so far
+        self._timed_at = dict.fromkeys(self.price, 0)  # the step at which each choice was last timed
+        self._asked_at = dict.fromkeys(self.price, 0)  # ... and last chosen to be timed
+        self._other = 0  # the best choice of the other kind at the last weighing
         self._held: tuple[tuple[int, ...], int, int] = ((), 0, 0)  # (batch, choice, steps left)
         self._ahead: tuple[tuple[int, ...], int] | None = None  # (batch, its next choice), weighed ahead
 
@@ -112,6 +132,11 @@ class SpecPolicy:
             return self.pinned
         if self.costs is None:
             return self.blocks[-1]
+        self._steps += 1
+        other = self._other
+        if self._steps - max(self._timed_at[other], self._asked_at[other]) >= EXPLORE:
+            self._asked_at[other] = self._steps
+            return other
         batch = tuple(id(r) for r in reqs)
         held_batch, held_choice, left_steps = self._held
         if batch == held_batch and left_steps > 0:
@@ -123,14 +148,31 @@ class SpecPolicy:
         expected = estimates([r.spec.acceptance for r in reqs], shared, REQUEST_STRENGTH, OPTIMISM).cumsum(1)
         left = np.array([r.params.max_new_tokens - len(r.output_ids) for r in reqs])
         # Tokens per second of each choice; E[tokens | B] = 1 + P(>= 1) + ... + P(>= B-1).
-        rates = {0: rows / self.costs.cost(rows, 0, context)}
+        rates = {0: rows / self._cost(rows, 0, context)}
         for block in self.blocks:
-            rates[block] = np.minimum(left, expected[:, block - 1]).sum() / self.costs.cost(rows, block, context)
+            rates[block] = np.minimum(left, expected[:, block - 1]).sum() / self._cost(rows, block, context)
         best = max(rates, key=rates.get)
-        plain, spec = rates[0], max(rates[b] for b in self.blocks)
+        best_block = max(self.blocks, key=rates.get)
+        self._other = best_block if best == 0 else 0
+        plain, spec = rates[0], rates[best_block]
         clear = max(plain, spec) >= CLEAR * min(plain, spec)
         self._held = (batch, best, HOLD if clear else 0)
         return best
+
+    def _cost(self, rows: int, block: int, context: float) -> float:
+        return self.costs.cost(rows, block, context) * self.price[block]
+
+    def timed(self, rows: int, block: int, context: float, seconds: float) -> None:
+        """A step of `rows` requests at `context` tokens of context each took `seconds` (host
+        synchronisation included, as the start-up costs were measured)."""
+        if self.costs is None or block not in self.price:
+            return
+        lo, hi = PRICE_LIMITS
+        ratio = min(max(seconds / self.costs.cost(rows, block, context), lo), hi)
+        self.level = LEVEL_KEEP * self.level + (1 - LEVEL_KEEP) * ratio / self.price[block]
+        keep = max(PRICE_LEAST_KEPT, PRICE_KEEP ** (self._steps - self._timed_at[block]))
+        self.price[block] = keep * self.price[block] + (1 - keep) * ratio / self.level
+        self._timed_at[block] = self._steps
 
     def observe(self, drafted: int, block: int) -> None:
         """A verify step whose drafts were right for `drafted` positions (the request's own

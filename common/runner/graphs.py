@@ -29,6 +29,9 @@ class GraphCache:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._graphs
 
+    def __len__(self) -> int:
+        return len(self._graphs)
+
     def run(self, key: Hashable, fn: Callable[[], Out]) -> Out:
         if not self.enabled:
             return fn()
