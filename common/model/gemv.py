@@ -27,11 +27,14 @@ import torch.nn.functional as F
 from common.model import fused
 
 MAX_ROWS = 8  # decode batches and verify blocks up to this many rows; more go to cuBLAS
-# What `auto` times against cuBLAS: one row. On the H200 the kernel beat cuBLAS at one row (an
-# embedded layer's products 10.2 against 18.4 us in bf16) and lost at eight in bf16 (23.7 against
-# 18.0), where the per-shape timing still picked it once and a batch-8 step got 16% slower; rows
-# in between were not measured. PDFLASH_GEMV=triton uses it up to MAX_ROWS.
-AUTO_ROWS = 1
+# What `auto` times against cuBLAS, by dtype: in bf16 one row. On the H200 the kernel beat cuBLAS
+# at one row (an embedded layer's products 10.2 against 18.4 us in bf16) and lost at eight in bf16
+# (23.7 against 18.0), where the per-shape timing still picked it once and a batch-8 step got 16%
+# slower. In fp32 cuBLAS has no tensor-core kernel to offer (exact fp32, no TF32): its products of
+# 4-16 rows took 4-14 us at the embedded shape, which makes a verify block of 4 cost twice a
+# one-row step, so there auto times the kernel at every row count it takes.
+# PDFLASH_GEMV=triton uses it up to MAX_ROWS.
+AUTO_ROWS = {torch.float32: MAX_ROWS}
 MODES = ("auto", "triton", "cublas")
 
 
@@ -125,7 +128,7 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
         return None
     if _mode == "triton":
         return DEFAULT
-    if x.shape[0] > AUTO_ROWS:
+    if x.shape[0] > AUTO_ROWS.get(x.dtype, 1):
         return None
     key = (silu_mul, x.shape[0], weight.shape[0], weight.shape[1], x.dtype, bias is not None)
     if key not in _chosen:
