@@ -25,6 +25,7 @@ from common.engine.sampling import InvalidRequest
 from common.engine.spec_policy import SpecConfig, SpecPolicy
 from common.engine.spec_stats import SpecStats
 from common.engine.step_costs import step_costs
+from common.engine.warm_graphs import warm_graphs
 from common.kv.checksum import room_checksums
 from common.kv.page_pool import OutOfPages
 from common.runner.model_runner import ModelRunner
@@ -76,6 +77,8 @@ class Engine:
         if self.policy is not None and spec.block is None:
             # Costs of plain and speculative steps on this device: what the policy weighs.
             self.policy.costs = step_costs(self.decoder, spec, self.policy.blocks)
+        blocks = [] if self.policy is None else [spec.block] if spec.block else self.policy.blocks
+        warm_graphs(self.decoder, blocks)
 
     # ---- requests in and out ---------------------------------------------------------------
     def add(self, req: Request) -> None:

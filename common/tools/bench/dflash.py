@@ -131,13 +131,14 @@ def make_prompts(tok: Tokenizer, items: list[gsm8k_data.Item], kind: str, n: int
 def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
     """Keep `concurrency` requests in flight until all are done."""
     reqs = [Request(uuid.uuid4().hex, ids, params) for ids in prompts]
-    before = dict(engine.step_seconds)
+    before, graphs = dict(engine.step_seconds), len(engine.decoder.graphs)
     start = time.perf_counter()
     engine.run_all(reqs, concurrency)
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
     return {"reqs": reqs, "seconds": time.perf_counter() - start,
-            "decode_seconds": engine.step_seconds["decode"] - before["decode"]}
+            "decode_seconds": engine.step_seconds["decode"] - before["decode"],
+            "graphs_captured": max(0, len(engine.decoder.graphs) - graphs)}
 
 
 def summarize(kind: str, concurrency: int, prompts: list[list[int]], base: dict, fast: dict, fp32: bool) -> dict:
@@ -172,6 +173,9 @@ def summarize(kind: str, concurrency: int, prompts: list[list[int]], base: dict,
         "identical_outputs": sum(d is None for d in divergences),
         "first_divergence": [d for d in divergences if d is not None],
         "exact_expected": fp32,
+        # Graphs captured inside the timed runs (a capture's time counts against its arm): sampling
+        # modes are captured on first use, greedy steps at start-up.
+        "graphs_captured": {"plain": base["graphs_captured"], "dflash": fast["graphs_captured"]},
     }
 
 
@@ -187,7 +191,8 @@ def line(r: dict) -> str:
     return (f"{r['prompt']:>5} c={r['concurrency']:<2}: plain {r['plain_tok_s']:8.1f} tok/s, dflash "
             f"{r['dflash_tok_s']:8.1f} tok/s, speedup {r['speedup']:.2f}x (decode {r['decode_speedup']:.2f}x) | "
             f"accept length {acc if acc is None else f'{acc:.2f}'} | speculated {100 * r['speculated_share']:.0f}% "
-            f"blocks {r['blocks']} | identical {r['identical_outputs']}/{r['requests']}")
+            f"blocks {r['blocks']} | identical {r['identical_outputs']}/{r['requests']}"
+            + (f" | graphs captured while timed {captured}" if any((captured := r["graphs_captured"]).values()) else ""))
 
 
 def markdown(result: dict) -> str:

@@ -1,0 +1,51 @@
+"""Every greedy decode step's CUDA graph, captured before the engine serves.
+
+A graph is captured the first time its key (batch size, block, sampling mode, catch-up width)
+comes up, and capturing takes tens of milliseconds on a GPU, eagerly, with its products' kernels
+timed on first use (common.model.gemv): a capture in the middle of serving stalls every request of
+the batch, and one in a benchmark's timed run is counted against the step that asked for it. On
+the H200 the speculating engine met such keys only while timed (batch sizes that no warm-up had
+used as requests finished, the catch-up width that follows a change of block), and a grid point
+ran at half the speed its graphs replay at. So at start-up, over synthetic requests, every batch
+size takes each step it may be asked for in greedy mode: a plain step (and, in a speculating
+engine, a plain step that catches up a full pending buffer) and each block that can be chosen,
+catching up as a step after that block does and as one after anything else does. Sampling modes
+(temperature, top-k / top-p) are still captured when first asked for.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from common.engine.decoder import Decoder
+from common.engine.sampler import Mode
+from common.engine.step_costs import SHORT, synthetic_requests
+
+logger = logging.getLogger(__name__)
+
+
+def steps(decoder: Decoder, blocks: list[int]) -> list[tuple[int, int]]:
+    """(block, catch-up width) of every greedy step the decoder may take; block 0 is plain."""
+    if decoder.proposer is None:
+        return [(0, 0)]
+    width = decoder.proposer.pending_width
+    return sorted({(0, 0), (0, width)} | {(b, c) for b in blocks for c in (b, width)})
+
+
+def warm_graphs(decoder: Decoder, blocks: list[int]) -> None:
+    """Capture every step of steps() at every batch size (nothing without CUDA graphs)."""
+    if not decoder.graphs.enabled:
+        return
+    start, before = time.perf_counter(), len(decoder.graphs)
+    todo = steps(decoder, blocks)
+    widest = max(max(b, c) for b, c in todo)
+    context = min(SHORT, decoder.runner.cfg.max_position // 4)
+    with torch.inference_mode():
+        for rows in decoder.sizes:
+            with synthetic_requests(decoder, rows, widest, context) as reqs:
+                for block, catch_up in todo:
+                    if (rows, block, Mode.GREEDY, catch_up) not in decoder.graphs:
+                        decoder.read(decoder.launch(reqs, block, catch_up), reqs)
+    logger.info("captured %d decode graphs in %.1f s", len(decoder.graphs) - before, time.perf_counter() - start)
