@@ -126,10 +126,11 @@ class DFlashProposer(DraftPages):
         return self.pending.shape[1]
 
     def reserve_pending(self, width: int, slots: int) -> None:
-        """Room for `width` pending tokens per request, `slots` requests to start with. A
-        buffer as wide already stays as it is (one engine at a time decodes with a proposer)."""
-        if width > self.pending_width:
-            self._resize(max(slots, self.pending.shape[0] - 1), width)
+        """Room for `width` pending tokens per request and `slots` requests; a buffer as large
+        already stays as it is (one engine at a time decodes with a proposer)."""
+        rows = self.pending.shape[0] - 1
+        if width > self.pending_width or slots > rows:
+            self._resize(max(slots, rows), max(width, self.pending_width))
 
     def hold_slots(self, seqs: list[SeqCache]) -> bool:
         """A pending row for each seq without one. True when that took a larger buffer: steps

@@ -49,7 +49,8 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 class Decoder:
     def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], proposer: Proposer | None = None,
-                 policy: SpecPolicy | None = None, batch_sizes: tuple[int, ...] = BATCH_SIZES):
+                 policy: SpecPolicy | None = None, batch_sizes: tuple[int, ...] = BATCH_SIZES,
+                 max_requests: int = 0):
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.proposer = proposer
@@ -59,8 +60,11 @@ class Decoder:
         if proposer is not None:  # the largest verify step it may take, before any is captured
             block = policy.max_block if policy is not None else proposer.block_size
             runner.reserve_blocks(self.sizes[-1], block)
-            # A verify step's block, and as many plain steps again before a catch-up must run.
-            proposer.reserve_pending(2 * block, self.sizes[-1])
+            # A verify step's block, and as many plain steps again before a catch-up must run; a
+            # row for every request the engine may run (`max_requests`), since a larger buffer
+            # later means capturing every graph again while requests wait.
+            proposer.reserve_pending(2 * block, max(self.sizes[-1], max_requests))
+        self.graphs = GraphCache(runner.use_graphs)
         self._make_inputs(stop_width=8)
 
     def _make_inputs(self, stop_width: int) -> None:
@@ -68,7 +72,7 @@ class Decoder:
         self.inputs = StepInputs(self.sizes[-1], runner.max_pages + 1, runner.scratch_page,
                                  None if proposer is None else proposer.scratch_slot // runner.page_size,
                                  runner.device, stop_width)
-        self.graphs = GraphCache(runner.use_graphs)  # captured over these inputs
+        self.graphs.clear()  # captured over the old inputs
 
     @property
     def max_rows(self) -> int:
@@ -86,11 +90,11 @@ class Decoder:
                 out = self.read(self.launch(chunk, block, catch_up), chunk)
             else:
                 context = sum(r.cache.length for r in chunk) / len(chunk)
-                captured, start = len(self.graphs), time.perf_counter()
+                captured, start = self.graphs.captures, time.perf_counter()
                 out = self.launch(chunk, block, catch_up)
                 self.policy.ahead(chunk)  # host work while the device runs the step
                 out = self.read(out, chunk)
-                if len(self.graphs) == captured:  # a capture's time says nothing about the step's
+                if self.graphs.captures == captured:  # a capture's time says nothing about the step's
                     self.policy.timed(len(chunk), block, context, time.perf_counter() - start)
             committed += self._commit(chunk, out, block, catch_up)
         return committed

@@ -10,13 +10,16 @@ and picks the best. Costs were measured on this device at start-up (step_costs.p
 size and block, at two context lengths, so that long contexts (where attention dominates, and
 a CPU pays for every query) are priced as well as short ones. What the steps then take is timed,
 so that a start-up measurement that was off, or a device that later runs one kind of step slower
-than the other, is seen within tens of steps instead of being trusted to the end. Each timed step
-gives its time over its start-up cost; a fast running level of that ratio over every step follows
-the machine's speed (clocks, other work), and each choice's price is its ratio relative to that
-level, which a change of the whole machine's speed leaves as it is. Prices of two choices compare
-only when both were timed lately, so the other kind of step than the one chosen (plain while
-speculating, the best block while decoding plainly) is taken once every EXPLORE steps, and a
-price forgets at the same rate per step whether it is timed at every step or at every EXPLORE-th.
+than the other, is seen within a few hundred steps instead of being trusted to the end. Each
+timed step gives its time over its start-up cost; a fast running level of that ratio over every
+step follows the machine's speed (clocks, other work), and each choice's price is its ratio
+relative to that level, which a change of the whole machine's speed leaves as it is. Timings fix
+prices only up to a common factor, so a plain step's price stays 1 and the level takes the rest;
+the running averages are of logarithms, which zero-mean noise does not drag. Prices of two choices
+compare only when both were timed lately, so the other kind of step than the one chosen (plain
+while speculating, the best block while decoding plainly) is taken once every EXPLORE steps,
+and a price forgets at the same rate per step whether it is timed at every step or at every
+EXPLORE-th. A choice that is never timed keeps the start-up cost's price.
 
 E[tokens | B] = 1 + the sum over i < B of P(at least i drafts accepted), estimated per request
 from its own verify steps, with the estimate over all requests as its prior, which in turn has
@@ -33,6 +36,7 @@ counts from the step after.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,8 +56,8 @@ OPTIMISM = 0.25  # standard errors the estimates lean toward speculating (accept
 CLEAR, HOLD = 1.25, 6
 EXPLORE = 50  # a step of the other kind once in this many (about 1% of the steps, priced wrongly)
 LEVEL_KEEP = 0.8  # per timed step, the weight the machine's level keeps
-PRICE_KEEP = 0.99  # per step of the policy, the weight a choice's time/cost ratio keeps (half-life ~70)
-PRICE_LEAST_KEPT = 0.5  # one timed step moves a ratio at most halfway, however long since the last
+PRICE_KEEP = 0.99  # per step taken, the weight a choice's price keeps (half-life ~70 steps)
+PRICE_LEAST_KEPT = 0.5  # one timed step moves a price at most halfway, however long since the last
 PRICE_LIMITS = (0.25, 4.0)  # one step's ratio, clamped (a stall of the host is not a price)
 
 
@@ -62,6 +66,7 @@ class SpecConfig:
     block: int | None = None  # every step speculates with this block (--spec-block); None: choose
     blocks: tuple[int, ...] = BLOCKS  # the blocks to choose from (those up to the drafter's)
     cache_dir: str | None = None  # where measured step costs are kept between runs (None: not kept)
+    timed: bool = True  # correct the costs by timing steps, exploring the other kind (False: costs as given)
 
 
 @dataclass
@@ -103,11 +108,13 @@ class SpecPolicy:
         self.costs = costs  # None: only a pinned block (or the largest) is ever used
         self.prior = PRIOR_REACH ** np.arange(max_block)
         self.acceptance = Acceptance(max_block)  # over all requests
-        self.level = 1.0  # time taken / start-up cost over every step: the machine's speed now
-        self.price = {b: 1.0 for b in (0, *self.blocks)}  # each choice's time / cost, relative to the level
-        self._steps = 0  # steps weighed so far
-        self._timed_at = dict.fromkeys(self.price, 0)  # the step at which each choice was last timed
-        self._asked_at = dict.fromkeys(self.price, 0)  # ... and last chosen to be timed
+        self.timed_steps = config.timed
+        self.level = 0.0  # log of time taken / start-up cost over every step: the machine's speed now
+        # log of each choice's time / cost relative to the level; a plain step's is 0
+        self.log_price = {b: 0.0 for b in (0, *self.blocks)}
+        self._steps = 0  # steps taken so far
+        self._timed_at = dict.fromkeys(self.log_price, 0)  # the step at which each choice was last timed
+        self._asked_at = dict.fromkeys(self.log_price, 0)  # ... and last chosen to be timed
         self._other = 0  # the best choice of the other kind at the last weighing
         self._held: tuple[tuple[int, ...], int, int] = ((), 0, 0)  # (batch, choice, steps left)
         self._ahead: tuple[tuple[int, ...], int] | None = None  # (batch, its next choice), weighed ahead
@@ -115,6 +122,13 @@ class SpecPolicy:
     def choose(self, reqs: list[Request]) -> int:
         """The block for the next step of these requests; 0 = a plain step."""
         ahead, self._ahead = self._ahead, None
+        if self.pinned is None and self.costs is not None and self.timed_steps:
+            # Counted here, once per step taken (weighing ahead may be wasted when batches change).
+            self._steps += 1
+            other = self._other
+            if self._steps - max(self._timed_at[other], self._asked_at[other]) >= EXPLORE:
+                self._asked_at[other] = self._steps
+                return other
         if ahead is not None and ahead[0] == tuple(id(r) for r in reqs):
             return ahead[1]
         return self._choose(reqs)
@@ -132,11 +146,6 @@ class SpecPolicy:
             return self.pinned
         if self.costs is None:
             return self.blocks[-1]
-        self._steps += 1
-        other = self._other
-        if self._steps - max(self._timed_at[other], self._asked_at[other]) >= EXPLORE:
-            self._asked_at[other] = self._steps
-            return other
         batch = tuple(id(r) for r in reqs)
         held_batch, held_choice, left_steps = self._held
         if batch == held_batch and left_steps > 0:
@@ -160,19 +169,23 @@ class SpecPolicy:
         return best
 
     def _cost(self, rows: int, block: int, context: float) -> float:
-        return self.costs.cost(rows, block, context) * self.price[block]
+        return self.costs.cost(rows, block, context) * math.exp(self.log_price[block])
 
     def timed(self, rows: int, block: int, context: float, seconds: float) -> None:
         """A step of `rows` requests at `context` tokens of context each took `seconds` (host
         synchronisation included, as the start-up costs were measured)."""
-        if self.costs is None or block not in self.price:
+        if self.costs is None or not self.timed_steps or block not in self.log_price:
             return
         lo, hi = PRICE_LIMITS
-        ratio = min(max(seconds / self.costs.cost(rows, block, context), lo), hi)
-        self.level = LEVEL_KEEP * self.level + (1 - LEVEL_KEEP) * ratio / self.price[block]
+        ratio = math.log(min(max(seconds / self.costs.cost(rows, block, context), lo), hi))
+        self.level = LEVEL_KEEP * self.level + (1 - LEVEL_KEEP) * (ratio - self.log_price[block])
         keep = max(PRICE_LEAST_KEPT, PRICE_KEEP ** (self._steps - self._timed_at[block]))
-        self.price[block] = keep * self.price[block] + (1 - keep) * ratio / self.level
+        self.log_price[block] = keep * self.log_price[block] + (1 - keep) * (ratio - self.level)
         self._timed_at[block] = self._steps
+        shift = self.log_price[0]  # plain's price stays 1: the level takes the common factor
+        self.level += shift
+        for b in self.log_price:
+            self.log_price[b] -= shift
 
     def observe(self, drafted: int, block: int) -> None:
         """A verify step whose drafts were right for `drafted` positions (the request's own

@@ -38,7 +38,7 @@ def warm_graphs(decoder: Decoder, blocks: list[int]) -> None:
     """Capture every step of steps() at every batch size (nothing without CUDA graphs)."""
     if not decoder.graphs.enabled:
         return
-    start, before = time.perf_counter(), len(decoder.graphs)
+    start, before = time.perf_counter(), decoder.graphs.captures
     todo = steps(decoder, blocks)
     widest = max(max(b, c) for b, c in todo)
     context = min(SHORT, decoder.runner.cfg.max_position // 4)
@@ -48,4 +48,4 @@ def warm_graphs(decoder: Decoder, blocks: list[int]) -> None:
                 for block, catch_up in todo:
                     if (rows, block, Mode.GREEDY, catch_up) not in decoder.graphs:
                         decoder.read(decoder.launch(reqs, block, catch_up), reqs)
-    logger.info("captured %d decode graphs in %.1f s", len(decoder.graphs) - before, time.perf_counter() - start)
+    logger.info("captured %d decode graphs in %.1f s", decoder.graphs.captures - before, time.perf_counter() - start)

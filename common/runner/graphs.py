@@ -25,12 +25,15 @@ class GraphCache:
         self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[Hashable, object] = {}
         self._pool = None
+        self.captures = 0  # graphs captured so far, cleared ones included
+
+    def clear(self) -> None:
+        """Drop every graph (their static inputs are being replaced); the next run captures anew."""
+        self._graphs.clear()
+        self._outputs.clear()
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._graphs
-
-    def __len__(self) -> int:
-        return len(self._graphs)
 
     def run(self, key: Hashable, fn: Callable[[], Out]) -> Out:
         if not self.enabled:
@@ -57,3 +60,4 @@ class GraphCache:
         torch.cuda.synchronize()
         # Published only once captured: a capture that fails leaves no half-made entry.
         self._graphs[key], self._outputs[key] = graph, out
+        self.captures += 1

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                 # work (kernel compilation, library set-up) that the short warm-up above does not:
                 # on the H200 it made whichever arm ran first 2-3x slower at that point.
                 for _, engine in order:
-                    run_engine(engine, prompts, SamplingParams(max_new_tokens=2), c)
+                    run_engine(engine, prompts, dataclasses.replace(params, max_new_tokens=2), c)
             runs = {name: run_engine(engine, prompts, params, c) for name, engine in order}
             row = summarize(kind, c, prompts, runs["plain"], runs["dflash"], runner.dtype == torch.float32)
             result["runs"].append(row)
@@ -137,14 +137,14 @@ def make_prompts(tok: Tokenizer, items: list[gsm8k_data.Item], kind: str, n: int
 def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
     """Keep `concurrency` requests in flight until all are done."""
     reqs = [Request(uuid.uuid4().hex, ids, params) for ids in prompts]
-    before, graphs = dict(engine.step_seconds), len(engine.decoder.graphs)
+    before, graphs = dict(engine.step_seconds), engine.decoder.graphs.captures
     start = time.perf_counter()
     engine.run_all(reqs, concurrency)
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
     return {"reqs": reqs, "seconds": time.perf_counter() - start,
             "decode_seconds": engine.step_seconds["decode"] - before["decode"],
-            "graphs_captured": max(0, len(engine.decoder.graphs) - graphs)}
+            "graphs_captured": engine.decoder.graphs.captures - graphs}
 
 
 def summarize(kind: str, concurrency: int, prompts: list[list[int]], base: dict, fast: dict, fp32: bool) -> dict:

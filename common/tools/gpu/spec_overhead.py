@@ -36,7 +36,7 @@ Out = TypeVar("Out")
 
 
 def _plain_policy(max_block: int, rows: tuple[int, ...]) -> SpecPolicy:
-    policy = SpecPolicy(max_block, SpecConfig(), StepCosts(
+    policy = SpecPolicy(max_block, SpecConfig(timed=False), StepCosts(
         100, {(r, b): 1e-3 * (SPEC_PRICE if b else 1.0) for r in rows for b in (0, *SpecConfig().blocks)}))
     for _ in range(100):  # drafts that never hit: one plain token beats 1 / SPEC_PRICE
         policy.observe(0, max_block)

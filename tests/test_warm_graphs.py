@@ -1,0 +1,81 @@
+"""Every greedy decode step a speculating engine takes was captured at start-up
+(common/engine/warm_graphs.py). Nothing is captured on a CPU, so here a graph cache that runs its
+steps eagerly records the keys captured by the warm-up and those the steps then ask for, while a
+tiny random model decodes requests that leave the batch at different steps, with every kind of
+step (plain, blocks of 4 and 8) in turn."""
+from __future__ import annotations
+
+import itertools
+import uuid
+
+from common.dflash.drafter import Drafter
+from common.dflash.proposer import DFlashProposer
+from common.engine.engine import Engine
+from common.engine.request import Request
+from common.engine.sampling import SamplingParams
+from common.engine.warm_graphs import steps, warm_graphs
+from common.runner.model_runner import ModelRunner
+from tiny_models import random_model, save_random_drafter
+
+
+class RecordingGraphs:
+    """GraphCache's interface, enabled, running every step eagerly; records captures."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.keys: set = set()
+        self.captures = 0
+
+    def __contains__(self, key) -> bool:
+        return key in self.keys
+
+    def clear(self) -> None:
+        self.keys.clear()
+
+    def capture(self, key, fn) -> None:
+        fn()
+        self.keys.add(key)
+        self.captures += 1
+
+    def run(self, key, fn):
+        if key not in self.keys:
+            self.capture(key, fn)
+        return fn()
+
+
+def decode_after(warm: bool, tmp_path) -> tuple[int, int]:
+    """(graphs the warm-up captured, graphs captured while decoding)."""
+    cfg, tensors = random_model(num_layers=2)
+    drafter = save_random_drafter(cfg, (0, 1), str(tmp_path / "drafter"), block_size=8)
+    runner = ModelRunner(cfg, tensors, num_pages=128, page_size=16)
+    proposer = DFlashProposer(Drafter.load(drafter), runner, runner.pool.num_pages)
+    engine = Engine(runner, (), proposer=proposer, batch_sizes=(1, 2, 4))
+    decoder = engine.decoder
+    decoder.graphs = RecordingGraphs()
+    if warm:
+        warm_graphs(decoder, engine.policy.blocks)
+    warmed = decoder.graphs.captures
+    choices = itertools.cycle([0, 4, 0, 0, 8, 4, 8, 0])
+    engine.policy.choose = lambda reqs: next(choices)
+    reqs = [Request(uuid.uuid4().hex, list(range(1, 20 + 7 * i)), SamplingParams(max_new_tokens=12 + 9 * i, ignore_eos=True))
+            for i in range(4)]
+    engine.run_all(reqs)
+    assert all(len(r.output_ids) == r.params.max_new_tokens for r in reqs)
+    return warmed, decoder.graphs.captures - warmed
+
+
+def test_decoding_captures_nothing_after_the_warm_up(tmp_path):
+    warmed, later = decode_after(True, tmp_path)
+    assert warmed == 3 * 6 and later == 0  # batch sizes 1, 2, 4 x (0, 0) (0, 16) (4, 4) (4, 16) (8, 8) (8, 16)
+
+
+def test_without_the_warm_up_decoding_captures(tmp_path):
+    """The negative control: the same steps capture as they go."""
+    assert decode_after(False, tmp_path)[1] > 0
+
+
+def test_the_steps_of_each_kind_of_engine(tmp_path):
+    cfg, tensors = random_model(num_layers=2)
+    runner = ModelRunner(cfg, tensors, num_pages=64, page_size=16)
+    assert steps(Engine(runner, ()).decoder, []) == [(0, 0)]
