@@ -153,8 +153,40 @@ def test_step_costs_are_measured_once_and_kept(tmp_path):
     assert second.to_json() == first.to_json() and list((tmp_path / "cache" / "step-costs").glob("*.json")) == [kept]
 
 
+def test_an_exploring_step_not_timed_is_taken_again_once():
+    """The decoder does not time a speculative step that first catches up the draft KV of plain
+    steps before it (as the exploring step after a stretch of plain steps does): the step after
+    it explores again, once. The control: an exploring step that was timed is not repeated."""
+
+    def after_the_first_exploring_step(untimed: int) -> list[int]:
+        policy, req = SpecPolicy(16, SpecConfig(), COSTS), request()
+        for _ in range(100):  # drafts that never hit: plain steps, a speculative one now and then
+            policy.observe(0, 16)
+        choices = []
+        while len(choices) < 3 or not any(choices[:-2]):
+            block = policy.choose([req])
+            if block and untimed:
+                untimed -= 1
+                policy.untimed(block)
+            else:
+                policy.timed(1, block, 100, measured(block, 0))
+            choices.append(block)
+        return choices[-3:]
+
+    assert after_the_first_exploring_step(0) == [4, 0, 0]
+    assert after_the_first_exploring_step(1) == [4, 4, 0]
+    assert after_the_first_exploring_step(2) == [4, 4, 0]  # again once, not for ever
+
+
 def test_costs_between_and_past_the_measured_batches():
     costs = StepCosts(128, {(1, 4): 1.0, (4, 4): 2.0}, {4: 0.01})
     assert costs.cost(2, 4, 128) == pytest.approx(1 + 1 / 3)  # between 1 and 4: on the line
     assert costs.cost(8, 4, 128) == pytest.approx(1 + 7 / 3)  # past 4: the last segment extended
     assert costs.cost(1, 4, 228) == pytest.approx(2.0)  # 100 more tokens of context for one row
+
+
+def test_costs_of_padded_batches_are_the_graphs_they_run():
+    """With CUDA graphs a batch between two measured sizes runs the larger one's graph."""
+    costs = StepCosts(128, {(1, 4): 1.0, (4, 4): 2.0, (8, 4): 3.0}, padded=True)
+    assert [costs.cost(rows, 4, 128) for rows in (1, 2, 4, 5, 8)] == [1.0, 2.0, 2.0, 3.0, 3.0]
+    assert StepCosts.from_json(costs.to_json()) == costs

@@ -19,7 +19,10 @@ the running averages are of logarithms, which zero-mean noise does not drag. Pri
 compare only when both were timed lately, so the other kind of step than the one chosen (plain
 while speculating, the best block while decoding plainly) is taken once every EXPLORE steps,
 and a price forgets at the same rate per step whether it is timed at every step or at every
-EXPLORE-th. A choice that is never timed keeps the start-up cost's price.
+EXPLORE-th. A choice that is never timed stays near the start-up cost's price (it moves only as
+plain's does, which anchors them all). A speculative step that first catches up the draft KV of
+the plain steps before it is not timed (that work is the plain steps' price): when it was the
+exploring step, the step after it, which catches up only its own block, explores again.
 
 E[tokens | B] = 1 + the sum over i < B of P(at least i drafts accepted), estimated per request
 from its own verify steps, with the estimate over all requests as its prior, which in turn has
@@ -54,7 +57,7 @@ OPTIMISM = 0.25  # standard errors the estimates lean toward speculating (accept
 # A clear decision (one choice CLEAR times the other's rate) holds for HOLD more steps of the same
 # batch: the estimates move slowly, and weighing them takes host time.
 CLEAR, HOLD = 1.25, 6
-EXPLORE = 50  # a step of the other kind once in this many (about 1% of the steps, priced wrongly)
+EXPLORE = 50  # a step of the other kind once in this many (2% of the steps, priced wrongly)
 LEVEL_KEEP = 0.8  # per timed step, the weight the machine's level keeps
 PRICE_KEEP = 0.99  # per step taken, the weight a choice's price keeps (half-life ~70 steps)
 PRICE_LEAST_KEPT = 0.5  # one timed step moves a price at most halfway, however long since the last
@@ -72,11 +75,14 @@ class SpecConfig:
 @dataclass
 class StepCosts:
     """Seconds per step on one device. base[(rows, block)] at `context` tokens of context per
-    row (block 0 = plain); slope[block] = seconds per extra context token per row."""
+    row (block 0 = plain); slope[block] = seconds per extra context token per row. `padded`:
+    the rows measured are the CUDA-graph batch sizes, and a batch between two runs the larger's
+    graph, at its cost; else a step costs about linearly in its rows, between and past them."""
 
     context: int
     base: dict[tuple[int, int], float]
     slope: dict[int, float] = field(default_factory=dict)
+    padded: bool = False
 
     def __post_init__(self) -> None:
         self._rows = {b: sorted(r for r, bb in self.base if bb == b) for b in {b for _, b in self.base}}
@@ -85,7 +91,9 @@ class StepCosts:
         measured = self._rows[block]
         lo = max((r for r in measured if r <= rows), default=measured[0])
         hi = min((r for r in measured if r >= rows), default=measured[-1])
-        if lo == hi and rows > hi and len(measured) > 1:  # past the largest: extend the last segment
+        if self.padded:
+            lo = hi
+        elif lo == hi and rows > hi and len(measured) > 1:  # past the largest: extend the last segment
             lo = measured[-2]
         c_lo, c_hi = self.base[(lo, block)], self.base[(hi, block)]
         at_rows = c_lo if hi == lo else c_lo + (c_hi - c_lo) * (rows - lo) / (hi - lo)
@@ -93,11 +101,12 @@ class StepCosts:
 
     def to_json(self) -> dict:
         return {"context": self.context, "base": [[r, b, c] for (r, b), c in sorted(self.base.items())],
-                "slope": {str(b): s for b, s in self.slope.items()}}
+                "slope": {str(b): s for b, s in self.slope.items()}, "padded": self.padded}
 
     @classmethod
     def from_json(cls, d: dict) -> "StepCosts":
-        return cls(d["context"], {(r, b): c for r, b, c in d["base"]}, {int(b): s for b, s in d["slope"].items()})
+        return cls(d["context"], {(r, b): c for r, b, c in d["base"]}, {int(b): s for b, s in d["slope"].items()},
+                   d["padded"])
 
 
 class SpecPolicy:
@@ -116,6 +125,8 @@ class SpecPolicy:
         self._timed_at = dict.fromkeys(self.log_price, 0)  # the step at which each choice was last timed
         self._asked_at = dict.fromkeys(self.log_price, 0)  # ... and last chosen to be timed
         self._other = 0  # the best choice of the other kind at the last weighing
+        self._explore_again: int | None = None  # an exploring step that was not timed, to take again
+        self._again_at = -1  # the step at which it was taken again
         self._held: tuple[tuple[int, ...], int, int] = ((), 0, 0)  # (batch, choice, steps left)
         self._ahead: tuple[tuple[int, ...], int] | None = None  # (batch, its next choice), weighed ahead
 
@@ -125,8 +136,12 @@ class SpecPolicy:
         if self.pinned is None and self.costs is not None and self.timed_steps:
             # Counted here, once per step taken (weighing ahead may be wasted when batches change).
             self._steps += 1
-            other = self._other
-            if self._steps - max(self._timed_at[other], self._asked_at[other]) >= EXPLORE:
+            other, self._explore_again = self._explore_again, None
+            if other is None:
+                other = self._other
+                if self._steps - max(self._timed_at[other], self._asked_at[other]) < EXPLORE:
+                    other = None
+            if other is not None:
                 self._asked_at[other] = self._steps
                 return other
         if ahead is not None and ahead[0] == tuple(id(r) for r in reqs):
@@ -186,6 +201,13 @@ class SpecPolicy:
         self.level += shift
         for b in self.log_price:
             self.log_price[b] -= shift
+
+    def untimed(self, block: int) -> None:
+        """The step just taken with this block was not timed (see the module's notes)."""
+        if self.costs is None or not self.timed_steps or block not in self.log_price:
+            return
+        if self._asked_at[block] == self._steps != self._again_at:  # an exploring step, not itself again
+            self._explore_again, self._again_at = block, self._steps + 1
 
     def observe(self, drafted: int, block: int) -> None:
         """A verify step whose drafts were right for `drafted` positions (the request's own

@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 SHORT, LONG = 128, 4096
 CPU_ROWS = (1, 4)
 SLOPE_ROWS = {"cuda": 4, "cpu": 1}
-STEP_CODE = ("common.engine.decoder", "common.engine.sampling", "common.model.transformer",
-             "common.model.static_attention", "common.model.attention", "common.runner.model_runner")
+STEP_CODE = ("common.engine.decoder", "common.engine.step_costs", "common.engine.sampling",
+             "common.model.transformer", "common.model.static_attention", "common.model.attention",
+             "common.runner.model_runner")
 
 
 def step_costs(decoder: Decoder, config: SpecConfig, blocks: list[int]) -> StepCosts:
@@ -83,7 +84,7 @@ def measure(decoder: Decoder, blocks: list[int]) -> StepCosts:
     # A speculative step reads all the context a plain one reads (and the draft's): whatever
     # the timing noise says, a longer context never makes it relatively cheaper.
     slope = {b: max(s, slope[0]) for b, s in slope.items()}
-    return StepCosts(short, base, slope)
+    return StepCosts(short, base, slope, padded=graphs)
 
 
 def _times(decoder: Decoder, rows: int, blocks: list[int], context: int, repeats: int) -> dict[int, float]:
