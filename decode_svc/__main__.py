@@ -34,7 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--role", default="decode", choices=["decode", "colocated"])
     p.add_argument("--chunk-size", type=int, default=8192, help="prefill chunk (colocated)")
-    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--max-running", type=int, default=256,
+                   help="requests decoded at once; requests handed off beyond it wait, their KV held")
     p.add_argument("--deadline", type=float, default=60.0, help="seconds for bootstrap + KV transfer")
     p.add_argument("--peer-abort-timeout", type=float, default=PEER_ABORT_TIMEOUT_S,
                    help="seconds per attempt at prefill's Abort of a room given up on (its pages stay parked until it answers)")

@@ -144,3 +144,30 @@ def test_request_bigger_than_the_pool_is_refused(small_page_runner, embedded_tok
     with pytest.raises(InvalidRequest, match="empty"):
         engine.add(Request("empty", [], SamplingParams()))
     assert not engine.has_work
+
+
+def test_hand_offs_past_max_running_wait_for_a_place(tmp_path):
+    """D's engine takes every hand-off (its KV is already in place) but decodes at most
+    max_running of them at a time; the others wait, first come first decoded, and all finish.
+    The negative control: without the limit every step decodes all of them."""
+    from common.runner.model_runner import ModelRunner
+    from tiny_models import random_model
+
+    cfg, tensors = random_model(num_layers=2)
+
+    def batch_sizes(max_running: int) -> tuple[list[int], list[Request]]:
+        engine = Engine(ModelRunner(cfg, tensors, num_pages=64, page_size=16), (), max_running=max_running)
+        reqs = [Request(f"r{i}", list(range(1, 10 + i)), SamplingParams(max_new_tokens=4 + 2 * i, ignore_eos=True))
+                for i in range(5)]
+        for req in reqs:
+            engine.reserve(req)
+            req.cache.length = req.prompt_len  # whatever the pages hold: only the scheduling is looked at
+            engine.add_prefilled(req, 7)
+        sizes = []
+        while engine.has_work:
+            sizes.append(len(engine.step()))
+        return sizes, reqs
+
+    sizes, reqs = batch_sizes(2)
+    assert max(sizes) == 2 and all(len(r.output_ids) == r.params.max_new_tokens for r in reqs)
+    assert batch_sizes(256)[0][0] == 5

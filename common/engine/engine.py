@@ -253,7 +253,9 @@ class Engine:
         return [StepOutput(r, [], "", False, cached=r.cache.length, ready=ready) for r in reqs]
 
     def _decode_step(self) -> list[StepOutput]:
-        batch = self.running
+        # Hand-offs from P join `running` whatever its length: those past max_running wait, their
+        # KV held, for a place in the batch (first come, first decoded).
+        batch = self.running[:self.max_running]
         committed = self.decoder.step(batch)
         outputs = [self._output(req, len(new)) for req, new in zip(batch, committed)]
         for out in outputs:
