@@ -75,9 +75,9 @@ def run(args: argparse.Namespace) -> int:
     # pay for it. Touch them all before timing anything.
     runner.kv.fill_(0)
     proposer.kv.fill_(0)
-    for c in levels:  # untimed: captures every graph these batch sizes use
+    for c in levels:  # untimed, sampling as the runs do: captures every graph these batch sizes use
         for engine in (plain, spec):
-            run_engine(engine, [tok.encode("Warm up the engine.")] * c, SamplingParams(max_new_tokens=24), c)
+            run_engine(engine, [tok.encode("Warm up the engine.")] * c, dataclasses.replace(params, max_new_tokens=24), c)
     result: dict[str, Any] = {"bench": "dflash", "device": str(runner.device), "dtype": str(runner.dtype),
                               "drafter_block": proposer.block_size, "pinned_block": args.spec_block,
                               "provenance": report.provenance(args), "runs": []}
