@@ -164,15 +164,16 @@ def test_transfer_bench_exits_zero(tmp_path):
 
 def test_dflash_bench_small_grid(tmp_path):
     """`pdflash bench dflash` in-process on the embedded model: chat questions and a 300-token
-    context, two at a time, the block pinned (no cost measurement), outputs identical to plain
-    decoding (fp32), the JSON, the table and the PNG."""
+    context, two at a time, two rounds of each arm, the block pinned (no cost measurement),
+    outputs identical to plain decoding (fp32), the JSON, the table and the PNG."""
     out = tmp_path / "dflash"
     r = _bench("dflash", "--device", "cpu", "--concurrency", "2", "--lengths", "gsm8k,300", "--num", "2",
-               "--max-new-tokens", "6", "--spec-block", "4", "--out", str(out))
+               "--max-new-tokens", "6", "--spec-block", "4", "--rounds", "2", "--out", str(out))
     result = _load(str(out / "dflash.json"))
     assert [(run["prompt"], run["concurrency"]) for run in result["runs"]] == [("gsm8k", 2), ("300", 2)]
     for run in result["runs"]:
-        assert run["identical_outputs"] == run["requests"] == 2 and run["invariant_violations"] == []
+        assert run["identical_outputs"] == run["requests"] == 4 and run["invariant_violations"] == []
+        assert len(run["round_speedups"]) == 2
         assert run["blocks"] == {"4": run["verify_steps"]} and run["speculated_share"] == 1.0
         assert run["plain_tok_s"] > 0 and run["dflash_tok_s"] > 0
     assert 250 < result["runs"][1]["prompt_tokens_mean"] <= 300

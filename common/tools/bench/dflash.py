@@ -44,6 +44,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "then a question; capped so that prompt + answer fit the model's context)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of each arm per grid point, taking turns; tok/s and speedup over all of them "
+                        "(a machine whose speed drifts, such as a shared VM, slows both arms alike)")
     p.add_argument("--out", default=os.path.join("bench-out", "dflash"), help="output folder (dflash.json, speedup.png)")
     add_model_args(p, kv_pages=0)
     add_spec_args(p)
@@ -53,8 +56,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     lengths = [x.strip() for x in args.lengths.split(",") if x.strip()]
-    if not levels or min(levels) < 1 or min(args.num, args.max_new_tokens) < 1:
-        raise ValueError("--concurrency values, --num and --max-new-tokens must be at least 1")
+    if not levels or min(levels) < 1 or min(args.num, args.max_new_tokens, args.rounds) < 1:
+        raise ValueError("--concurrency values, --num, --max-new-tokens and --rounds must be at least 1")
     for kind in lengths:
         if kind != "gsm8k" and not kind.isdigit():
             raise ValueError(f"--lengths: {kind!r} is neither gsm8k nor a token count")
@@ -93,8 +96,13 @@ def run(args: argparse.Namespace) -> int:
                 # on the H200 it made whichever arm ran first 2-3x slower at that point.
                 for _, engine in order:
                     run_engine(engine, prompts, dataclasses.replace(params, max_new_tokens=2), c)
-            runs = {name: run_engine(engine, prompts, params, c) for name, engine in order}
-            row = summarize(kind, c, prompts, runs["plain"], runs["dflash"], runner.dtype == torch.float32)
+            runs: dict[str, list[dict]] = {"plain": [], "dflash": []}
+            for k in range(args.rounds):
+                for name, engine in order if k % 2 == 0 else order[::-1]:
+                    runs[name].append(run_engine(engine, prompts, params, c))
+            row = summarize(kind, c, prompts * args.rounds, merged(runs["plain"]), merged(runs["dflash"]),
+                            runner.dtype == torch.float32)
+            row["round_speedups"] = [_tok_s(f) / _tok_s(b) for b, f in zip(runs["plain"], runs["dflash"])]
             result["runs"].append(row)
             print(line(row), flush=True)
     bad = [r for r in result["runs"] if r["invariant_violations"]]
@@ -145,6 +153,16 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams,
     return {"reqs": reqs, "seconds": time.perf_counter() - start,
             "decode_seconds": engine.step_seconds["decode"] - before["decode"],
             "graphs_captured": engine.decoder.graphs.captures - graphs}
+
+
+def merged(runs: list[dict]) -> dict:
+    """One arm's rounds as one run: every request, the seconds summed."""
+    return {"reqs": [r for run in runs for r in run["reqs"]],
+            **{key: sum(run[key] for run in runs) for key in ("seconds", "decode_seconds", "graphs_captured")}}
+
+
+def _tok_s(run: dict) -> float:
+    return sum(len(r.output_ids) for r in run["reqs"]) / run["seconds"]
 
 
 def summarize(kind: str, concurrency: int, prompts: list[list[int]], base: dict, fast: dict, fp32: bool) -> dict:
@@ -198,7 +216,8 @@ def line(r: dict) -> str:
             f"{r['dflash_tok_s']:8.1f} tok/s, speedup {r['speedup']:.2f}x (decode {r['decode_speedup']:.2f}x) | "
             f"accept length {acc if acc is None else f'{acc:.2f}'} | speculated {100 * r['speculated_share']:.0f}% "
             f"blocks {r['blocks']} | identical {r['identical_outputs']}/{r['requests']}"
-            + (f" | graphs captured while timed {captured}" if any((captured := r["graphs_captured"]).values()) else ""))
+            + (f" | graphs captured while timed {captured}" if any((captured := r["graphs_captured"]).values()) else "")
+            + (f" | rounds {min(rounds):.2f}-{max(rounds):.2f}x" if len(rounds := r.get("round_speedups", [])) > 1 else ""))
 
 
 def markdown(result: dict) -> str:
