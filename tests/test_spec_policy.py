@@ -28,15 +28,17 @@ def run(policy: SpecPolicy, req, steps: int, hit: float, rng: random.Random,
         seconds: Callable[[int, int], float] | None = None, chunks: int = 1) -> int:
     """`steps` decode steps whose drafts are right at each position with probability `hit`;
     returns how many speculated. With `seconds` (block, step -> time), each step is timed so,
-    with 10% noise. As the decoder calls the policy: choose, weigh the next step ahead, time;
-    with `chunks` > 1 a step runs as that many chunks (copies of the request), each weighed ahead
-    in vain, since the next chunk is another batch."""
+    with 10% noise. As the decoder calls the policy: begin the step, choose, weigh the next step
+    ahead, time; with `chunks` > 1 a step runs as that many chunks (copies of the request), none
+    weighed ahead, since the next chunk is another batch."""
     batches = [req] + [request() for _ in range(chunks - 1)]
     speculated = 0
     for step in range(steps):
+        policy.new_step(batches)
         for r in batches:
             block = policy.choose([r])
-            policy.ahead([r])
+            if chunks == 1:
+                policy.ahead([r])
             if seconds is not None:
                 policy.timed(1, block, r.cache.length, seconds(block, step) * rng.uniform(0.9, 1.1))
             if block:
@@ -164,6 +166,7 @@ def test_an_exploring_step_not_timed_is_taken_again_once():
             policy.observe(0, 16)
         choices = []
         while len(choices) < 3 or not any(choices[:-2]):
+            policy.new_step([req])
             block = policy.choose([req])
             if block and untimed:
                 untimed -= 1
@@ -176,6 +179,35 @@ def test_an_exploring_step_not_timed_is_taken_again_once():
     assert after_the_first_exploring_step(0) == [4, 0, 0]
     assert after_the_first_exploring_step(1) == [4, 4, 0]
     assert after_the_first_exploring_step(2) == [4, 4, 0]  # again once, not for ever
+
+
+def test_the_decoder_times_no_step_that_catches_up_plain_steps(tmp_path):
+    """A tiny random model and drafter (CPU), drafts that never hit: the batch decodes plainly,
+    and the exploring speculative steps catch up what the plain steps before them committed. The
+    decoder does not time those; the step after each explores again and is timed."""
+    from common.dflash.drafter import Drafter
+    from common.dflash.proposer import DFlashProposer
+    from common.engine.engine import Engine
+    from common.engine.request import Request
+    from common.runner.model_runner import ModelRunner
+
+    from tiny_models import random_model, save_random_drafter
+
+    cfg, tensors = random_model(num_layers=2)
+    runner = ModelRunner(cfg, tensors, num_pages=128, page_size=16)
+    drafter = Drafter.load(save_random_drafter(cfg, (0, 1), str(tmp_path / "drafter"), block_size=16))
+    engine = Engine(runner, (), proposer=DFlashProposer(drafter, runner, runner.pool.num_pages), spec=SpecConfig())
+    policy, calls = engine.policy, []
+    for _ in range(200):
+        policy.observe(0, policy.max_block)
+    for name in ("timed", "untimed"):
+        def record(*args, _name=name, _real=getattr(policy, name)):
+            calls.append((_name, args[1] if _name == "timed" else args[0]))
+            _real(*args)
+        setattr(policy, name, record)
+    engine.run_all([Request("r", list(range(1, 30)), SamplingParams(max_new_tokens=400, ignore_eos=True))])
+    untimed = [i for i, (name, block) in enumerate(calls) if name == "untimed"]
+    assert untimed and all(calls[i][1] > 0 and calls[i + 1] == ("timed", calls[i][1]) for i in untimed), calls
 
 
 def test_costs_between_and_past_the_measured_batches():

@@ -82,6 +82,8 @@ class Decoder:
     def step(self, reqs: list[Request]) -> list[list[int]]:
         """Advance every request by one step; returns the tokens committed for each."""
         committed = []
+        if self.policy is not None:
+            self.policy.new_step(reqs)
         for i in range(0, len(reqs), self.max_rows):
             chunk = reqs[i:i + self.max_rows]
             block = self.policy.choose(chunk) if self.policy is not None else 0
@@ -92,10 +94,17 @@ class Decoder:
                 context = sum(r.cache.length for r in chunk) / len(chunk)
                 captured, start = self.graphs.captures, time.perf_counter()
                 out = self.launch(chunk, block, catch_up)
-                self.policy.ahead(chunk)  # host work while the device runs the step
+                if len(reqs) <= self.max_rows:  # the next step is of the same batch only when in one chunk
+                    self.policy.ahead(chunk)  # host work while the device runs the step
                 out = self.read(out, chunk)
-                if self.graphs.captures == captured:  # a capture's time says nothing about the step's
+                # A step's time prices its kind unless it captured a graph, or it is a speculative
+                # step catching up more than a step after one of its own does: the draft KV of
+                # tokens that plain steps committed, which a plain step writes when its pending
+                # buffer is full, and which is part of the plain price.
+                if self.graphs.captures == captured and (block == 0 or catch_up <= block):
                     self.policy.timed(len(chunk), block, context, time.perf_counter() - start)
+                else:
+                    self.policy.untimed(block)
             committed += self._commit(chunk, out, block, catch_up)
         return committed
 

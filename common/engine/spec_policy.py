@@ -106,7 +106,7 @@ class StepCosts:
     @classmethod
     def from_json(cls, d: dict) -> "StepCosts":
         return cls(d["context"], {(r, b): c for r, b, c in d["base"]}, {int(b): s for b, s in d["slope"].items()},
-                   d["padded"])
+                   d.get("padded", False))
 
 
 class SpecPolicy:
@@ -125,25 +125,36 @@ class SpecPolicy:
         self._timed_at = dict.fromkeys(self.log_price, 0)  # the step at which each choice was last timed
         self._asked_at = dict.fromkeys(self.log_price, 0)  # ... and last chosen to be timed
         self._other = 0  # the best choice of the other kind at the last weighing
+        self._exploring: int | None = None  # this step's exploring choice, if it explores
         self._explore_again: int | None = None  # an exploring step that was not timed, to take again
         self._again_at = -1  # the step at which it was taken again
         self._held: tuple[tuple[int, ...], int, int] = ((), 0, 0)  # (batch, choice, steps left)
         self._ahead: tuple[tuple[int, ...], int] | None = None  # (batch, its next choice), weighed ahead
 
+    def new_step(self, reqs: list[Request]) -> None:
+        """A decode step of these requests begins (in one or more chunks): fade the evidence, count
+        the step, and decide whether it explores, taking again an exploring step that could not
+        be timed."""
+        self.acceptance.fade(GLOBAL_KEEP)
+        for r in reqs:
+            r.spec.acceptance.fade(REQUEST_KEEP)
+        self._exploring = None
+        if self.pinned is not None or self.costs is None or not self.timed_steps:
+            return
+        self._steps += 1
+        other, self._explore_again = self._explore_again, None
+        if other is None and self._steps - max(self._timed_at[self._other], self._asked_at[self._other]) >= EXPLORE:
+            other = self._other
+        if other is not None:
+            self._asked_at[other] = self._steps
+            self._exploring = other
+
     def choose(self, reqs: list[Request]) -> int:
-        """The block for the next step of these requests; 0 = a plain step."""
+        """The block for the next step of these requests (a chunk of the step new_step began);
+        0 = a plain step."""
         ahead, self._ahead = self._ahead, None
-        if self.pinned is None and self.costs is not None and self.timed_steps:
-            # Counted here, once per step taken (weighing ahead may be wasted when batches change).
-            self._steps += 1
-            other, self._explore_again = self._explore_again, None
-            if other is None:
-                other = self._other
-                if self._steps - max(self._timed_at[other], self._asked_at[other]) < EXPLORE:
-                    other = None
-            if other is not None:
-                self._asked_at[other] = self._steps
-                return other
+        if self._exploring is not None:
+            return self._exploring
         if ahead is not None and ahead[0] == tuple(id(r) for r in reqs):
             return ahead[1]
         return self._choose(reqs)
@@ -154,9 +165,6 @@ class SpecPolicy:
         self._ahead = (tuple(id(r) for r in reqs), self._choose(reqs))
 
     def _choose(self, reqs: list[Request]) -> int:
-        self.acceptance.fade(GLOBAL_KEEP)
-        for r in reqs:
-            r.spec.acceptance.fade(REQUEST_KEEP)
         if self.pinned is not None:
             return self.pinned
         if self.costs is None:
@@ -204,9 +212,7 @@ class SpecPolicy:
 
     def untimed(self, block: int) -> None:
         """The step just taken with this block was not timed (see the module's notes)."""
-        if self.costs is None or not self.timed_steps or block not in self.log_price:
-            return
-        if self._asked_at[block] == self._steps != self._again_at:  # an exploring step, not itself again
+        if block == self._exploring and self._steps != self._again_at:  # once: not an exploring step taken again
             self._explore_again, self._again_at = block, self._steps + 1
 
     def observe(self, drafted: int, block: int) -> None:
