@@ -127,7 +127,7 @@ class SpecPolicy:
         self._other = 0  # the best choice of the other kind at the last weighing
         self._exploring: int | None = None  # this step's exploring choice, if it explores
         self._explore_again: int | None = None  # an exploring step that was not timed, to take again
-        self._again_at = -1  # the step at which it was taken again
+        self._retrying = False  # this step's exploring choice is such a step, taken again
         self._held: tuple[tuple[int, ...], int, int] = ((), 0, 0)  # (batch, choice, steps left)
         self._ahead: tuple[tuple[int, ...], int] | None = None  # (batch, its next choice), weighed ahead
 
@@ -138,11 +138,12 @@ class SpecPolicy:
         self.acceptance.fade(GLOBAL_KEEP)
         for r in reqs:
             r.spec.acceptance.fade(REQUEST_KEEP)
-        self._exploring = None
+        self._exploring, self._retrying = None, False
         if self.pinned is not None or self.costs is None or not self.timed_steps:
             return
         self._steps += 1
         other, self._explore_again = self._explore_again, None
+        self._retrying = other is not None
         if other is None and self._steps - max(self._timed_at[self._other], self._asked_at[self._other]) >= EXPLORE:
             other = self._other
         if other is not None:
@@ -212,8 +213,8 @@ class SpecPolicy:
 
     def untimed(self, block: int) -> None:
         """The step just taken with this block was not timed (see the module's notes)."""
-        if block == self._exploring and self._steps != self._again_at:  # once: not an exploring step taken again
-            self._explore_again, self._again_at = block, self._steps + 1
+        if block == self._exploring and not self._retrying:  # taken again once, not for ever
+            self._explore_again = block
 
     def observe(self, drafted: int, block: int) -> None:
         """A verify step whose drafts were right for `drafted` positions (the request's own
