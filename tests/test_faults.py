@@ -39,6 +39,7 @@ from common.tools.bench.client import Response, post_generate
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
 
+from freeze import freeze
 from pd_stack import ROOT, Stack, running
 
 pytestmark = pytest.mark.slow
@@ -254,7 +255,7 @@ def test_decode_abort_while_waiting_for_the_transfer(stack: Stack, reference: li
 def test_bootstrap_timeout_with_prefill_frozen(stack: Stack, short_router: RouterProcess,
                                               reference: list[int]) -> None:
     pid = stack.pid(stack.worker("prefill"))
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     try:
         start = time.monotonic()
         resp = post(short_router.url, SHORT, timeout=60)
@@ -276,7 +277,7 @@ def test_transfer_timeout(stack: Stack, short_router: RouterProcess, reference: 
     start = time.monotonic()
     call = pool.submit(post, short_router.url, LONG, timeout=60)
     wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     try:
         resp = call.result(timeout=60)
         took = time.monotonic() - start
@@ -318,7 +319,7 @@ def test_transfer_fails_when_decode_dies_under_it(stack: Stack, reference: list[
     room, prefill, generate = direct_room(stack, LONG)
     wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
     time.sleep(1)  # D's Bootstrap (sent right after its reservation) has reached P
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     wait_until("P writing to D", lambda: transferring(health(stack, "prefill")), DEADLINE_S, stack, every=0.2)
     time.sleep(1)
     os.kill(pid, signal.SIGKILL)
@@ -467,7 +468,7 @@ def test_write_past_its_deadline_ends_before_any_page_is_reused(stack: Stack, re
     b = pool.submit(stack.generate, SHORT, max_new_tokens=B_TOKENS, ignore_eos=True)
     wait_until("B decoding on D", lambda: health(stack, "decode").running == 1, 60, stack)
     pid = stack.pid(d)
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     try:
         # P2 has finished the prompt and holds its pages: it is writing into the frozen D.
         wait_until("P2 writing to D", lambda: transferring(p2.health(timeout=5)), DEADLINE_S, stack, every=0.2)

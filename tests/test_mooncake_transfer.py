@@ -29,6 +29,7 @@ from common.transfer.mooncake import MooncakeConfig, MooncakeEngine, TransferErr
 from common.transfer.wire import room_from_protos  # noqa: E402
 from protos import pdflash_pb2 as pb  # noqa: E402
 
+from freeze import freeze  # noqa: E402
 from peer_process import REPLY_TIMEOUT_S, Peer, serve  # noqa: E402
 
 # name -> (layers, pages, page_size, num_heads, head_start, total_heads, head_dim) or
@@ -187,7 +188,7 @@ def _write_to_frozen(dst: Peer, src: Peer, resume_after_s: float | None, src_idx
     session, infos = dst.ok("describe", dst_idx)
     assert src.ok("write", session, infos, src_idx, num_tokens)[0] > 0  # handshake and lanes before the freeze
     src.ok("fill", 77)  # new bytes, so that the test sees whether they landed
-    os.kill(dst.proc.pid, signal.SIGSTOP)
+    freeze(dst.proc.pid)
     start = time.monotonic()  # before the timer: a write that waits for the resume takes its time at least
     resume = None
     if resume_after_s is not None:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from freeze import freeze
 from netns_hosts import namespaces, sh
 
 from common.parallel.node_link import PATIENCE
@@ -67,12 +68,12 @@ def test_a_loaded_node_is_not_lost_a_stuck_one_is():
         assert said(a, 2 * TIMEOUT_S) == ""
         # A is not scheduled for three times the timeout: B's beats wait in A's socket, so A's own
         # stall is not B's silence; B hears nothing, but A's host acknowledges its beats
-        os.kill(a.pid, signal.SIGSTOP)
+        freeze(a.pid)
         time.sleep(3 * TIMEOUT_S)
         os.kill(a.pid, signal.SIGCONT)
         assert said(a, 2 * TIMEOUT_S) == "" and said(b, 0.1) == ""
         # B stays frozen: A gives it PATIENCE times the timeout, then calls it stuck
-        os.kill(b.pid, signal.SIGSTOP)
+        freeze(b.pid)
         t0 = time.monotonic()
         lost = said(a, (PATIENCE + 3) * TIMEOUT_S)
         took = time.monotonic() - t0

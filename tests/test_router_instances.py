@@ -16,6 +16,7 @@ import pytest
 import requests
 from test_router_process import RouterProcess
 
+from freeze import freeze as stop_process
 from pd_stack import Stack, Worker
 
 pytestmark = pytest.mark.slow
@@ -72,7 +73,7 @@ def test_out_of_service_instances_are_skipped_until_back(colocated_stack: Stack,
     frozen: set[str] = set()
 
     def freeze(w: Worker) -> None:
-        os.kill(pids[w.addr], signal.SIGSTOP)
+        stop_process(pids[w.addr])
         frozen.add(w.addr)
 
     def thaw(w: Worker) -> None:
