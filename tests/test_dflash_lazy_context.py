@@ -12,15 +12,12 @@ import uuid
 import pytest
 import torch
 
-from common.dflash.drafter import Drafter
-from common.dflash.proposer import DFlashProposer
 from common.engine.decoder import Decoder
 from common.engine.engine import Engine
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.engine.spec_policy import SpecConfig
-from common.runner.model_runner import ModelRunner
-from tiny_models import random_model, save_random_drafter
+from tiny_models import speculating_engine
 
 BLOCK = 4
 PLAIN = 11  # more plain steps than a request's pending features hold (2 x 4): one catch-up among them
@@ -28,10 +25,8 @@ PLAIN = 11  # more plain steps than a request's pending features hold (2 x 4): o
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    cfg, tensors = random_model(num_layers=4, seed=3)
-    runner = ModelRunner(cfg, tensors, num_pages=16, page_size=8)
-    drafter = Drafter.load(save_random_drafter(cfg, (0, 2), str(tmp_path_factory.mktemp("drafter"))))
-    return Engine(runner, (), proposer=DFlashProposer(drafter, runner, runner.pool.num_pages), spec=SpecConfig(block=4))
+    return speculating_engine(str(tmp_path_factory.mktemp("drafter")), num_layers=4, seed=3, capture_layers=(0, 2),
+                              num_pages=16, page_size=8, spec=SpecConfig(block=4))
 
 
 def draft_kv(engine: Engine, req: Request, length: int) -> torch.Tensor:

@@ -131,27 +131,15 @@ def test_pinned_block_is_kept():
 def test_step_costs_are_measured_once_and_kept(tmp_path):
     """On a tiny random model and drafter (CPU): costs for plain steps and each block, at short
     and long contexts; the second engine of the same model reads them from the cache folder."""
-    from common.dflash.drafter import Drafter
-    from common.dflash.proposer import DFlashProposer
-    from common.engine.engine import Engine
-    from common.runner.model_runner import ModelRunner
+    from tiny_models import speculating_engine
 
-    from tiny_models import random_model, save_random_drafter
-
-    cfg, tensors = random_model(num_layers=2)
-    drafter_dir = save_random_drafter(cfg, (0, 1), str(tmp_path / "drafter"))
     config = SpecConfig(cache_dir=str(tmp_path / "cache"))
 
-    def engine() -> Engine:
-        runner = ModelRunner(cfg, tensors, num_pages=128, page_size=16)
-        proposer = DFlashProposer(Drafter.load(drafter_dir), runner, runner.pool.num_pages)
-        return Engine(runner, (0,), proposer=proposer, spec=config)
-
-    first = engine().policy.costs
+    first = speculating_engine(str(tmp_path / "drafter"), spec=config).policy.costs
     assert {b for _, b in first.base} == {0, 4} and {r for r, _ in first.base} == {1, 4}  # block 4: the drafter's
     assert all(c > 0 for c in first.base.values()) and first.slope[4] >= first.slope[0] >= 0
     [kept] = list((tmp_path / "cache" / "step-costs").glob("*.json"))
-    second = engine().policy.costs
+    second = speculating_engine(str(tmp_path / "drafter"), spec=config).policy.costs
     assert second.to_json() == first.to_json() and list((tmp_path / "cache" / "step-costs").glob("*.json")) == [kept]
 
 
@@ -185,18 +173,11 @@ def test_the_decoder_times_no_step_that_catches_up_plain_steps(tmp_path):
     """A tiny random model and drafter (CPU), drafts that never hit: the batch decodes plainly,
     and the exploring speculative steps catch up what the plain steps before them committed. The
     decoder does not time those; the step after each explores again and is timed."""
-    from common.dflash.drafter import Drafter
-    from common.dflash.proposer import DFlashProposer
-    from common.engine.engine import Engine
     from common.engine.request import Request
-    from common.runner.model_runner import ModelRunner
 
-    from tiny_models import random_model, save_random_drafter
+    from tiny_models import speculating_engine
 
-    cfg, tensors = random_model(num_layers=2)
-    runner = ModelRunner(cfg, tensors, num_pages=128, page_size=16)
-    drafter = Drafter.load(save_random_drafter(cfg, (0, 1), str(tmp_path / "drafter"), block_size=16))
-    engine = Engine(runner, (), proposer=DFlashProposer(drafter, runner, runner.pool.num_pages), spec=SpecConfig())
+    engine = speculating_engine(str(tmp_path / "drafter"), block_size=16, spec=SpecConfig())
     policy, calls = engine.policy, []
     for _ in range(200):
         policy.observe(0, policy.max_block)

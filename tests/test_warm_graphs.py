@@ -8,14 +8,12 @@ from __future__ import annotations
 import itertools
 import uuid
 
-from common.dflash.drafter import Drafter
-from common.dflash.proposer import DFlashProposer
 from common.engine.engine import Engine
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.engine.warm_graphs import steps, warm_graphs
 from common.runner.model_runner import ModelRunner
-from tiny_models import random_model, save_random_drafter
+from tiny_models import random_model, speculating_engine
 
 
 class RecordingGraphs:
@@ -48,11 +46,7 @@ def decode_after(warm: bool, tmp_path) -> tuple[set, set, int]:
     """(keys the warm-up captured, keys captured while decoding, captures while decoding). Six requests, more than the
     largest batch size (4): their pending rows were reserved at start-up too, or the decoder
     would take a larger buffer, and capture every graph again, when the fifth arrives."""
-    cfg, tensors = random_model(num_layers=2)
-    drafter = save_random_drafter(cfg, (0, 1), str(tmp_path / "drafter"), block_size=8)
-    runner = ModelRunner(cfg, tensors, num_pages=128, page_size=16)
-    proposer = DFlashProposer(Drafter.load(drafter), runner, runner.pool.num_pages)
-    engine = Engine(runner, (), proposer=proposer, batch_sizes=(1, 2, 4))
+    engine = speculating_engine(str(tmp_path / "drafter"), block_size=8, batch_sizes=(1, 2, 4))
     decoder = engine.decoder
     decoder.graphs = RecordingGraphs()
     if warm:

@@ -8,7 +8,10 @@ import shutil
 import torch
 
 from common.dflash.drafter import Drafter, DrafterConfig
+from common.dflash.proposer import DFlashProposer
+from common.engine.engine import Engine
 from common.model.config import ModelConfig
+from common.runner.model_runner import ModelRunner
 
 
 def random_model(num_layers: int = 16, hidden: int = 64, heads: int = 4, kv_heads: int = 2, mlp: int = 128,
@@ -39,6 +42,17 @@ def save_random_drafter(cfg: ModelConfig, capture_layers: tuple[int, ...], folde
     torch.manual_seed(seed)
     Drafter(DrafterConfig.for_target(cfg, num_layers=1, capture_layers=capture_layers, block_size=block_size)).save(folder)
     return folder
+
+
+def speculating_engine(drafter_folder: str, num_layers: int = 2, seed: int = 0, capture_layers: tuple[int, ...] = (0, 1),
+                       block_size: int = 4, num_pages: int = 128, page_size: int = 16, **engine_args) -> Engine:
+    """A speculating Engine, no EOS, over random_model(num_layers, seed=seed) and a random drafter
+    saved to `drafter_folder` (the same drafter each time for the same arguments)."""
+    cfg, tensors = random_model(num_layers=num_layers, seed=seed)
+    save_random_drafter(cfg, capture_layers, drafter_folder, block_size=block_size)
+    runner = ModelRunner(cfg, tensors, num_pages=num_pages, page_size=page_size)
+    proposer = DFlashProposer(Drafter.load(drafter_folder), runner, runner.pool.num_pages)
+    return Engine(runner, (), proposer=proposer, **engine_args)
 
 
 def save_random_checkpoint(folder: str, tokenizer_folder: str, **shape) -> ModelConfig:
