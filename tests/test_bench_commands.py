@@ -173,7 +173,7 @@ def test_dflash_bench_small_grid(tmp_path):
     assert [(run["prompt"], run["concurrency"]) for run in result["runs"]] == [("gsm8k", 2), ("300", 2)]
     for run in result["runs"]:
         assert run["identical_outputs"] == run["requests"] == 4 and run["invariant_violations"] == []
-        assert len(run["round_speedups"]) == 2
+        assert len(run["round_speedups"]) == 2 and run["round_speculated_shares"] == [1.0, 1.0]
         assert run["blocks"] == {"4": run["verify_steps"]} and run["speculated_share"] == 1.0
         assert run["plain_tok_s"] > 0 and run["dflash_tok_s"] > 0
     assert 250 < result["runs"][1]["prompt_tokens_mean"] <= 300

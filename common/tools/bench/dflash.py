@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
             row = summarize(kind, c, prompts * args.rounds, merged(runs["plain"]), merged(runs["dflash"]),
                             runner.dtype == torch.float32)
             row["round_speedups"] = [_tok_s(f) / _tok_s(b) for b, f in zip(runs["plain"], runs["dflash"])]
+            row["round_speculated_shares"] = [_speculated_share(run["reqs"]) for run in runs["dflash"]]
             result["runs"].append(row)
             print(line(row), flush=True)
     bad = [r for r in result["runs"] if r["invariant_violations"]]
@@ -165,6 +166,12 @@ def _tok_s(run: dict) -> float:
     return sum(len(r.output_ids) for r in run["reqs"]) / run["seconds"]
 
 
+def _speculated_share(reqs: list[Request]) -> float:
+    verify = sum(r.spec.verify_ct for r in reqs)
+    steps = verify + sum(r.spec.plain_steps for r in reqs)
+    return verify / steps if steps else 0.0
+
+
 def summarize(kind: str, concurrency: int, prompts: list[list[int]], base: dict, fast: dict, fp32: bool) -> dict:
     tokens_base = sum(len(r.output_ids) for r in base["reqs"])
     tokens_fast = sum(len(r.output_ids) for r in fast["reqs"])
@@ -189,7 +196,7 @@ def summarize(kind: str, concurrency: int, prompts: list[list[int]], base: dict,
         "decode_speedup": decode_fast / decode_base,
         "accept_length_weighted": spec["accept_length_weighted"] if spec else None,
         "accept_length_interface": spec["accept_length_interface"] if spec else None,
-        "speculated_share": verify / (verify + plain_steps) if verify + plain_steps else 0.0,
+        "speculated_share": _speculated_share(fast["reqs"]),
         "verify_steps": verify, "plain_steps": plain_steps, "blocks": dict(sorted(blocks.items())),
         "histogram": spec["histogram"] if spec else [],
         "invariant_violations": spec["invariants"]["violations"] if spec else [],
