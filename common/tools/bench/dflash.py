@@ -223,7 +223,7 @@ def line(r: dict) -> str:
             f"accept length {acc if acc is None else f'{acc:.2f}'} | speculated {100 * r['speculated_share']:.0f}% "
             f"blocks {r['blocks']} | identical {r['identical_outputs']}/{r['requests']}"
             + (f" | graphs captured while timed {captured}" if any((captured := r["graphs_captured"]).values()) else "")
-            + (f" | rounds {min(rounds):.2f}-{max(rounds):.2f}x" if len(rounds := r.get("round_speedups", [])) > 1 else ""))
+            + (f" | rounds {min(rounds):.2f}-{max(rounds):.2f}x" if len(rounds := r["round_speedups"]) > 1 else ""))
 
 
 def markdown(result: dict) -> str:
