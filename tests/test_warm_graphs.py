@@ -42,11 +42,11 @@ class RecordingGraphs:
         return fn()
 
 
-def decode_after(warm: bool, tmp_path) -> tuple[set, set, int]:
+def decode_after(warm: bool, tmp_path, **engine_args) -> tuple[set, set, int]:
     """(keys the warm-up captured, keys captured while decoding, captures while decoding). Six requests, more than the
     largest batch size (4): their pending rows were reserved at start-up too, or the decoder
     would take a larger buffer, and capture every graph again, when the fifth arrives."""
-    engine = speculating_engine(str(tmp_path / "drafter"), block_size=8, batch_sizes=(1, 2, 4))
+    engine = speculating_engine(str(tmp_path / "drafter"), block_size=8, **({"batch_sizes": (1, 2, 4)} | engine_args))
     decoder = engine.decoder
     decoder.graphs = RecordingGraphs()
     if warm:
@@ -66,6 +66,12 @@ def decode_after(warm: bool, tmp_path) -> tuple[set, set, int]:
 def test_decoding_captures_nothing_after_the_warm_up(tmp_path):
     warmed, _, later = decode_after(True, tmp_path)
     assert len(warmed) == 3 * 6 and later == 0  # batch sizes 1, 2, 4 x (0, 0) (0, 16) (4, 4) (4, 16) (8, 8) (8, 16)
+
+
+def test_the_warm_up_stops_at_the_batch_size_the_engine_s_requests_pad_to(tmp_path):
+    """At most 3 requests at a time run in graphs of 4 rows: the warm-up captures no graph of 8."""
+    warmed, _, later = decode_after(True, tmp_path, batch_sizes=(1, 2, 4, 8), max_running=3)
+    assert {rows for rows, *_ in warmed} == {1, 2, 4} and later == 0
 
 
 def test_without_the_warm_up_decoding_captures_the_catch_ups_too(tmp_path):

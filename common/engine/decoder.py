@@ -56,6 +56,7 @@ class Decoder:
         self.proposer = proposer
         self.policy = policy
         self.sizes = sorted(batch_sizes)
+        self.max_requests = max_requests
         self.capture = proposer.capture_layers if proposer is not None else ()
         if proposer is not None:  # the largest verify step it may take, before any is captured
             block = policy.max_block if policy is not None else proposer.block_size
@@ -76,7 +77,13 @@ class Decoder:
 
     @property
     def max_rows(self) -> int:
-        return self.sizes[-1]
+        """The most rows one step runs: the largest batch size, or the engine's requests if fewer."""
+        return min(self.sizes[-1], self.max_requests) if self.max_requests else self.sizes[-1]
+
+    @property
+    def step_sizes(self) -> list[int]:
+        """The graph batch sizes steps run at: each size up to the one that max_rows pads to."""
+        return [s for s in self.sizes if s < self.max_rows] + [next(s for s in self.sizes if s >= self.max_rows)]
 
     @torch.inference_mode()
     def step(self, reqs: list[Request]) -> list[list[int]]:

@@ -1,11 +1,12 @@
 """What plain and speculative steps cost on this device, measured at start-up and kept per model,
 drafter and device, so that a restart does not measure again.
 
-Each batch size (the CUDA-graph sizes on a GPU; 1 and 4 on a CPU, where a step costs about
-linearly in its tokens) runs a plain step and a step of each block with synthetic requests at
-SHORT tokens of context; the same at LONG tokens, for one batch size, gives what each extra
-token of context costs a row. A few seconds on either device; the fastest of a few runs on a
-CPU (another process's load only ever slows a run down), the median of more on a GPU.
+Each batch size that steps run at (the CUDA-graph sizes on a GPU; a few on a CPU, where a
+step's cost grows with its tokens, though not in proportion) runs a plain step and a step of
+each block with synthetic requests at SHORT tokens of context; the same at LONG tokens, for one
+batch size, gives what each extra token of context costs a row. Seconds to a few tens of
+seconds on either device, once per model, drafter and device; the fastest of a few runs on a CPU
+(another process's load only ever slows a run down), the median of more on a GPU.
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ from common.model.cache import building
 logger = logging.getLogger(__name__)
 
 SHORT, LONG = 128, 4096
-CPU_ROWS = (1, 4)
+# Measured where a CPU's costs bend (extrapolating 8 rows from 1 and 4 priced a block of 4 at 3.8
+# plain steps, where it takes 2.4); the batch size at most, where that is smaller.
+CPU_ROWS = (1, 8, 32)
 SLOPE_ROWS = {"cuda": 4, "cpu": 1}
 STEP_CODE = ("common.engine.decoder", "common.engine.step_costs", "common.engine.sampling",
              "common.model.transformer", "common.model.static_attention", "common.model.attention",
@@ -70,7 +73,10 @@ def _measured(decoder: Decoder, blocks: list[int], path: str | None) -> StepCost
 def measure(decoder: Decoder, blocks: list[int]) -> StepCosts:
     runner = decoder.runner
     graphs = decoder.graphs.enabled
-    rows_list = [r for r in (decoder.sizes if graphs else CPU_ROWS) if r <= decoder.max_rows]
+    if graphs:
+        rows_list = decoder.step_sizes
+    else:
+        rows_list = sorted({r for r in CPU_ROWS if r < decoder.max_rows} | {min(decoder.max_rows, CPU_ROWS[-1])})
     short = min(SHORT, runner.cfg.max_position // 4)
     long = min(LONG, runner.cfg.max_position // 2, runner.pool.num_pages * runner.page_size // 2)
     repeats = 7 if graphs else 3
@@ -153,7 +159,7 @@ def _signature(decoder: Decoder, blocks: list[int]) -> str:
         f"{platform.machine()} {platform.processor()} x{os.cpu_count()}"
     facts = {"model": asdict(runner.cfg), "proposer": proposer.name if proposer is not None else None,
              "dtype": str(runner.dtype), "device": device, "torch": torch.__version__, "graphs": decoder.graphs.enabled,
-             "sizes": decoder.sizes, "page_size": runner.page_size, "blocks": blocks, "layout": asdict(runner.layout),
-             "short": SHORT, "long": LONG, "code": code.hexdigest()}
+             "sizes": decoder.sizes, "max_rows": decoder.max_rows, "page_size": runner.page_size, "blocks": blocks,
+             "layout": asdict(runner.layout), "short": SHORT, "long": LONG, "code": code.hexdigest()}
     text = json.dumps(facts, sort_keys=True, default=lambda o: asdict(o) if is_dataclass(o) else str(o))
     return f"{runner.cfg.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"

@@ -7,9 +7,9 @@ the batch, and one in a benchmark's timed run is counted against the step that a
 the H200 the speculating engine met such keys only while timed (batch sizes that no warm-up had
 used as requests finished, the catch-up width that follows a change of block), and a grid point
 ran at half the speed its graphs replay at. So at start-up, over synthetic requests, every batch
-size takes each step it may be asked for in greedy mode: a plain step (and, in a speculating
-engine, a plain step that catches up a full pending buffer) and each block that can be chosen,
-catching up as a step after that block does and as one after anything else does. Sampling modes
+size that steps run at takes each step it may be asked for in greedy mode: a plain step (and, in
+a speculating engine, a plain step that catches up a full pending buffer) and each block that
+can be chosen, catching up as a step after that block does and as one after anything else does. Sampling modes
 (temperature, top-k / top-p) are still captured when first asked for.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ def warm_graphs(decoder: Decoder, blocks: list[int]) -> None:
     widest = max(max(b, c) for b, c in todo)
     context = min(SHORT, decoder.runner.cfg.max_position // 4)
     with torch.inference_mode():
-        for rows in decoder.sizes:
+        for rows in decoder.step_sizes:
             with synthetic_requests(decoder, rows, widest, context) as reqs:
                 for block, catch_up in todo:
                     if (rows, block, Mode.GREEDY, catch_up) not in decoder.graphs:
