@@ -130,7 +130,7 @@ def test_pinned_block_is_kept():
 
 def test_step_costs_are_measured_once_and_kept(tmp_path):
     """On a tiny random model and drafter (CPU): costs for plain steps and each block, at short
-    and long contexts, for 1 and 8 rows and the batch size at most (16 here, short of the 32
+    and long contexts, for 1, 4 and 8 rows and the batch size at most (16 here, short of the 32
     measured for larger batches); the second engine of the same model reads them from the cache
     folder."""
     from tiny_models import speculating_engine
@@ -138,7 +138,7 @@ def test_step_costs_are_measured_once_and_kept(tmp_path):
     config = SpecConfig(cache_dir=str(tmp_path / "cache"))
 
     first = speculating_engine(str(tmp_path / "drafter"), spec=config, max_running=16).policy.costs
-    assert {b for _, b in first.base} == {0, 4} and {r for r, _ in first.base} == {1, 8, 16}  # block 4: the drafter's
+    assert {b for _, b in first.base} == {0, 4} and {r for r, _ in first.base} == {1, 4, 8, 16}  # block 4: the drafter's
     assert all(c > 0 for c in first.base.values()) and first.slope[4] >= first.slope[0] >= 0
     [kept] = list((tmp_path / "cache" / "step-costs").glob("*.json"))
     second = speculating_engine(str(tmp_path / "drafter"), spec=config, max_running=16).policy.costs
