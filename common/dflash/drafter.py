@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.model.config import ModelConfig
-from common.model.transformer import MLP, RMSNorm, apply_rope
+from common.model.transformer import MLP, RMSNorm, apply_rope, linear
 
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafters", "smollm2-135m-instruct-dflash")
 
@@ -96,11 +96,11 @@ class DraftAttention(nn.Module):
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (normed, rotated) and V of tokens x [T, H] at the positions of cos/sin."""
-        k, v = self.kv_proj(x).view(x.shape[0], 2, self.cfg.num_kv_heads, self.cfg.head_dim).unbind(1)
+        k, v = linear(x, self.kv_proj.weight).view(x.shape[0], 2, self.cfg.num_kv_heads, self.cfg.head_dim).unbind(1)
         return apply_rope(self.k_norm(k), cos, sin), v
 
     def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = self.q_proj(x).view(x.shape[0], self.cfg.num_heads, self.cfg.head_dim)
+        q = linear(x, self.q_proj.weight).view(x.shape[0], self.cfg.num_heads, self.cfg.head_dim)
         return apply_rope(self.q_norm(q), cos, sin)
 
 
@@ -130,7 +130,7 @@ class Drafter(nn.Module):
 
     def fuse_features(self, feats: torch.Tensor) -> torch.Tensor:
         """The capture layers' hidden states side by side [T, layers x H] -> fused context [T, H]."""
-        return self.hidden_norm(self.fc(feats.to(self.fc.weight.dtype)))
+        return self.hidden_norm(linear(feats.to(self.fc.weight.dtype), self.fc.weight))
 
     # Under pipeline parallelism no stage holds every captured layer. fc(concat(h_i)) is the sum
     # over capture layers of h_i times fc's column block i, so each stage adds its layers' blocks
@@ -162,7 +162,7 @@ class Drafter(nn.Module):
             x, h = layer.input_layernorm.add_forward(x, delta)
             k, v = a.kv(h, cos, sin)
             out = attend(i, a.q(h, cos, sin), k, v)
-            x, h = layer.post_attention_layernorm.add_forward(x, a.o_proj(out.reshape(x.shape[0], -1)))
+            x, h = layer.post_attention_layernorm.add_forward(x, linear(out.reshape(x.shape[0], -1), a.o_proj.weight))
             delta = layer.mlp(h)
         return self.norm.add_forward(x, delta)[1]
 

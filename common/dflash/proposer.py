@@ -26,7 +26,7 @@ from common.kv.seq_cache import SeqCache
 from common.model.attention import AttnMeta, cache_slot, paged_attention, table_slots
 from common.model.config import ModelConfig
 from common.model.static_attention import StaticAttn
-from common.model.transformer import apply_rope, rope_cos_sin
+from common.model.transformer import apply_rope, linear, rope_cos_sin
 from common.runner.model_runner import ModelRunner
 
 
@@ -114,7 +114,7 @@ class DFlashProposer(DraftPages):
         L, heads, d, T = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx.shape[0]
         device = self.target.device
         cos, sin = self._rope(torch.as_tensor(positions, device=device), ctx.dtype)
-        kv = F.linear(ctx, self._context_kv_weight).view(T, L, 2, heads, d)
+        kv = linear(ctx, self._context_kv_weight).view(T, L, 2, heads, d)
         k = self._context_k_norm * F.rms_norm(kv[:, :, 0].float(), (d,), eps=cfg.rms_eps).to(ctx.dtype)
         k = apply_rope(k.reshape(T, L * heads, d), cos, sin).view(T, L, heads, d)
         new = torch.stack([k, kv[:, :, 1]]).permute(2, 0, 1, 3, 4)  # [layer, k/v, T, head, dim]
