@@ -224,13 +224,14 @@ def test_batched_blocks_match_one_block_at_a_time(target, dataset):
                 ctx_kv = drafter.context_kv(ctx, cos[:a], sin[:a])
                 x = trainer.embed[torch.tensor([int(batch.ids[s, a])] + [16] * 3)]
 
-                def attend(i, q, k, v):
+                def attend(i, h):
+                    q, k, v = drafter.layers[i].self_attn.qkv(h, cos[a:a + 4], sin[a:a + 4])
                     keys, vals = torch.cat([ctx_kv[i][0], k]), torch.cat([ctx_kv[i][1], v])
                     out = torch.nn.functional.scaled_dot_product_attention(
                         q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), enable_gqa=True)
                     return out.transpose(0, 1)
 
-                alone = drafter.blocks(x, cos[a:a + 4], sin[a:a + 4], attend)
+                alone = drafter.blocks(x, attend)
                 torch.testing.assert_close(hidden[s, j], alone, atol=1e-4, rtol=1e-4)
 
 

@@ -35,16 +35,18 @@ def test_static_forward_matches_extend(make_embedded_runner, embedded_tokenizer,
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_kernel_and_static_path():
-    """The Triton kernel against the torch reference, and the static path with it (and with the
-    fused kernels) against extend() (without them) on a tiny model. On a GPU in fp32 and bf16; without one under Triton's
+    """The Triton kernel against the torch reference, the static path with it (and with the
+    fused kernels, with and without per-head q/k norms) against extend() (without them) on a tiny
+    model, and the drafter's block step with and without the fused kernels. On a GPU in fp32 and bf16; without one under Triton's
     interpreter, fp32 only (the interpreter's bf16 tl.dot is wrong even for a plain 16x16
     product)."""
     cuda = torch.cuda.is_available()
-    code = ("import json, torch; from common.tools.gpu.checks import fused_check, kernel_check, tiny_static_check; "
+    code = ("import json, torch; from common.tools.gpu.checks import draft_check, fused_check, kernel_check, tiny_static_check; "
             f"dtypes = [torch.float32] + [torch.bfloat16] * {cuda}; device = {'cuda' if cuda else 'cpu'!r}; "
             "print(json.dumps({'kernel': kernel_check(device, dtypes), "
             "'static': [tiny_static_check(device, 'fp32', 'triton', T) for T in (1, 4)] + "
-            "[fused_check(device, 'fp32', T, 'tiny') for T in (1, 4)]}))")
+            "[fused_check(device, 'fp32', T, shape) for shape in ('tiny', 'tiny-qk-norm') for T in (1, 4)], "
+            "'draft': draft_check(device, 'fp32')}))")
     env = dict(os.environ) | ({} if cuda else {"TRITON_INTERPRET": "1"})
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,6 +57,7 @@ def test_triton_kernel_and_static_path():
         assert case["max_abs_err"] < (1e-4 if case["dtype"] == "float32" else 2e-2), case
     for static in result["static"]:
         assert static["same_tokens"] and static["max_abs_logit_diff"] < 1e-3 and static["max_abs_kv_diff"] < 1e-4, static
+    assert result["draft"]["same_drafts"] and result["draft"]["max_abs_kv_diff"] < 1e-4, result["draft"]
 
 
 def test_torch_static_attention_reads_only_its_keys():

@@ -103,6 +103,10 @@ class DraftAttention(nn.Module):
         q = linear(x, self.q_proj.weight).view(x.shape[0], self.cfg.num_heads, self.cfg.head_dim)
         return apply_rope(self.q_norm(q), cos, sin)
 
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K (normed, rotated) and V of block tokens x [T, H]."""
+        return self.q(x, cos, sin), *self.kv(x, cos, sin)
+
 
 class DraftLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -152,17 +156,17 @@ class Drafter(nn.Module):
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     # ---- one pass over blocks --------------------------------------------------------------
-    def blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
-        """x [N, H]: embedded block tokens (all blocks flattened). attend(layer_idx, q, k, v)
-        runs attention of the block queries over context + block keys and returns [N, Hq, d].
-        Returns the final-normed hidden states [N, H] (logits via the target's LM head)."""
+    def blocks(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """x [N, H]: embedded block tokens (all blocks flattened). attend(layer_idx, h) runs that
+        layer's attention for the block's normed hidden states h [N, H] over context + block
+        (DraftAttention.qkv gives its Q, K and V) and returns [N, Hq, d]. Returns the
+        final-normed hidden states [N, H] (logits via the target's LM head)."""
         delta = None  # the feed-forward output, added in the next norm's kernel (as the target does)
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn
             x, h = layer.input_layernorm.add_forward(x, delta)
-            k, v = a.kv(h, cos, sin)
-            out = attend(i, a.q(h, cos, sin), k, v)
-            x, h = layer.post_attention_layernorm.add_forward(x, linear(out.reshape(x.shape[0], -1), a.o_proj.weight))
+            out = attend(i, h)
+            x, h = layer.post_attention_layernorm.add_forward(x, linear(out.reshape(x.shape[0], -1),
+                                                                         layer.self_attn.o_proj.weight))
             delta = layer.mlp(h)
         return self.norm.add_forward(x, delta)[1]
 

@@ -23,6 +23,7 @@ from common.dflash.drafter import Drafter, DrafterConfig
 from common.kv.buffers import PagedKVBuffer
 from common.kv.page_pool import PagePool
 from common.kv.seq_cache import SeqCache
+from common.model import fused
 from common.model.attention import AttnMeta, cache_slot, paged_attention, table_slots
 from common.model.config import ModelConfig
 from common.model.static_attention import StaticAttn
@@ -79,6 +80,7 @@ class DFlashProposer(DraftPages):
         attn = [layer.self_attn for layer in drafter.layers]
         self._context_kv_weight = torch.cat([a.kv_proj.weight for a in attn])  # [layers * 2 * kv, H]
         self._context_k_norm = torch.stack([a.k_norm.weight for a in attn])[None, :, None, :]  # [1, layers, 1, d]
+        self._block_qkv_weight = [torch.cat([a.q_proj.weight, a.kv_proj.weight]) for a in attn]  # per layer, for draft()
         # Pending features [slot, width, capture layers x H] (reserve_pending); slot 0 is scratch.
         features = len(self.capture_layers) * (cfg.target_hidden_size or cfg.hidden_size)
         self.pending = torch.zeros(1, 0, features, dtype=target.dtype, device=target.device)
@@ -194,7 +196,17 @@ class DFlashProposer(DraftPages):
                         logit_rows=None, static=attn)
         x = self.target.model.embed_tokens(ids.flatten())
         cos, sin = self._rope(positions.flatten(), x.dtype)
-        hidden = self.drafter.blocks(x, cos, sin, lambda i, q, k, v: paged_attention(q, k, v, self.kv[i], meta))
+
+        def attend(i: int, h: torch.Tensor) -> torch.Tensor:
+            a = self.drafter.layers[i].self_attn
+            if fused.rope_fusable(h, cfg.head_dim):  # Q, K and V in one product; norms, RoPE and the K/V write in one kernel
+                qkv = linear(h, self._block_qkv_weight[i])
+                q = fused.rope_write_kv(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, self.kv[i], meta.write_slots,
+                                        (a.q_norm.weight, a.k_norm.weight, cfg.rms_eps))
+                return attn.attend(q, self.kv[i])
+            return paged_attention(*a.qkv(h, cos, sin), self.kv[i], meta)
+
+        hidden = self.drafter.blocks(x, attend)
         drafted = hidden.view(rows, B, -1)[:, 1:].reshape(rows * (B - 1), -1)
         return self.target.model.logits(drafted).argmax(-1).view(rows, B - 1)
 

@@ -93,21 +93,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, num_heads: int,
-                  num_kv_heads: int, kv_layer: torch.Tensor, write_slots: torch.Tensor) -> torch.Tensor:
+                  num_kv_heads: int, kv_layer: torch.Tensor, write_slots: torch.Tensor,
+                  qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """qkv [T, (Hq + 2 Hkv) * d] (q, k, v heads side by side), cos / sin_signed [T, d] at the
     tokens' positions (common.model.transformer.rope_cos_sin's tables). Writes the rotated
     K and V of token t into slot write_slots[t] of kv_layer [2, pages, page_size, Hkv, d] and
-    returns the rotated q [T, Hq, d]. CUDA only, and d a power of two (callers check
-    rope_fusable())."""
+    returns the rotated q [T, Hq, d]. qk_norm (q's weight [d], k's weight [d], eps): each q and
+    k head is RMS-normed before it is rotated, rounded where RMSNorm's kernel rounds (Qwen3, the
+    DFlash drafter). CUDA only, and d a power of two (callers check rope_fusable())."""
     T, d = qkv.shape[0], kv_layer.shape[-1]
     q = torch.empty(T, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     k_cache = kv_layer[0].view(-1, num_kv_heads, d)
     v_cache = kv_layer[1].view(-1, num_kv_heads, d)
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
     _rope_write_kernel[(T, num_heads + num_kv_heads)](
-        qkv, cos, sin_signed, write_slots, q, k_cache, v_cache, qkv.stride(0), cos.stride(0), sin_signed.stride(0),
-        k_cache.stride(0), k_cache.stride(1), HQ=num_heads, HKV=num_kv_heads, D=d)
+        qkv, cos, sin_signed, write_slots, q, k_cache, v_cache, q_weight, k_weight, eps, qkv.stride(0), cos.stride(0),
+        sin_signed.stride(0), k_cache.stride(0), k_cache.stride(1), HQ=num_heads, HKV=num_kv_heads, D=d,
+        NORM=qk_norm is not None)
     return q
-
 
 if HAS_TRITON:
     import triton
@@ -141,17 +144,26 @@ if HAS_TRITON:
         tl.store(out_ptr + row * width + cols, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
+    def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, eps,
                            stride_qkv, stride_cos, stride_sin, stride_cache_slot, stride_cache_head,
-                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
         # One program: token t, head h of q (h < HQ) or of k and v (h >= HQ). Rotate-half RoPE
         # with its sign folded into the sin table: x * cos + roll(x, D/2) * sin_signed.
         t = tl.program_id(0)
         h = tl.program_id(1)
         dd = tl.arange(0, D)
+        half = (dd + D // 2) % D
         src = qkv_ptr + t * stride_qkv + h * D
         x = tl.load(src + dd).to(tl.float32)
-        rolled = tl.load(src + (dd + D // 2) % D).to(tl.float32)
+        rolled = tl.load(src + half).to(tl.float32)
+        if NORM:  # as _norm_kernel: normed and rounded, times the weight and rounded, then rotated
+            out_ty = q_ptr.dtype.element_ty
+            is_q = h < HQ
+            w = tl.where(is_q, tl.load(qw_ptr + dd), tl.load(kw_ptr + dd)).to(tl.float32)
+            w_rolled = tl.where(is_q, tl.load(qw_ptr + half), tl.load(kw_ptr + half)).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+            x = ((x * rstd).to(out_ty).to(tl.float32) * w).to(out_ty).to(tl.float32)
+            rolled = ((rolled * rstd).to(out_ty).to(tl.float32) * w_rolled).to(out_ty).to(tl.float32)
         c = tl.load(cos_ptr + t * stride_cos + dd).to(tl.float32)
         s = tl.load(sin_ptr + t * stride_sin + dd).to(tl.float32)
         y = (x * c + rolled * s).to(q_ptr.dtype.element_ty)

@@ -65,6 +65,11 @@ SHAPES = {
     "tiny": ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                         intermediate_size=128, vocab_size=512, rope_theta=10000.0, rms_eps=1e-5,
                         max_position=2048, tie_embeddings=False, eos_token_ids=(0,), name="random-tiny"),
+    # The toy with Qwen3's per-head norms on q and k.
+    "tiny-qk-norm": ModelConfig(arch="qwen3", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                                head_dim=16, intermediate_size=128, vocab_size=512, rope_theta=10000.0,
+                                rms_eps=1e-6, max_position=2048, tie_embeddings=False, eos_token_ids=(0,),
+                                qk_norm=True, name="random-tiny-qk-norm"),
     "deepseek-v2-lite": ModelConfig.from_hf(DEEPSEEK_V2_LITE, "random-deepseek-v2-lite"),
     "kimi-linear-48b": ModelConfig.from_hf(KIMI_LINEAR_48B, "random-kimi-linear-48b-a3b"),
     "deepseek-small": ModelConfig.from_hf(DEEPSEEK_SMALL, "random-deepseek-small"),
@@ -134,6 +139,9 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | 
               p + "mlp.down_proj.weight": rand(H, I),
               p + "input_layernorm.weight": torch.ones(H, dtype=dtype, device=device),
               p + "post_attention_layernorm.weight": torch.ones(H, dtype=dtype, device=device)}
+        if cfg.qk_norm:  # not ones: a kernel that skipped a weight would pass
+            t |= {p + "self_attn.q_norm.weight": 1 + 10 * rand(cfg.head_dim),
+                  p + "self_attn.k_norm.weight": 1 + 10 * rand(cfg.head_dim)}
     return t
 
 

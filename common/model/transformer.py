@@ -9,7 +9,6 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.model import fused, gemv
@@ -110,14 +109,15 @@ class Attention(nn.Module):
         cfg = self.cfg
         T = x.shape[0]
         qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        if meta.static is not None and fused.rope_fusable(qkv, cfg.head_dim):  # decode / verify on CUDA
+            norms = (self.q_norm.weight, self.k_norm.weight, cfg.rms_eps) if cfg.qk_norm else None
+            q = fused.rope_write_kv(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, kv_layer, meta.write_slots, norms)
+            return linear(meta.static.attend(q, kv_layer).reshape(T, cfg.q_size), self.o_proj.weight)
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = qkv[:, :cfg.q_size + cfg.kv_size].split([cfg.q_size, cfg.kv_size], dim=-1)
             q = apply_rope(self.q_norm(q.view(T, cfg.num_heads, cfg.head_dim)), cos, sin)
             k = apply_rope(self.k_norm(k.view(T, cfg.num_kv_heads, cfg.head_dim)), cos, sin)
-        elif meta.static is not None and fused.rope_fusable(qkv, cfg.head_dim):  # decode / verify on CUDA
-            q = fused.rope_write_kv(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, kv_layer, meta.write_slots)
-            return linear(meta.static.attend(q, kv_layer).reshape(T, cfg.q_size), self.o_proj.weight)
         else:  # q and k heads side by side in one rotation
             qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), cos, sin)
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]

@@ -163,7 +163,10 @@ def draft_hidden(drafter: Drafter, embed: torch.Tensor, feats: dict[int, torch.T
     mask = block_attention_mask(anchors, L, B, cfg.sliding_window)
     rep = cfg.num_heads // cfg.num_kv_heads
 
-    def attend(i, q, k, v):
+    block_cos, block_sin = cos[pos], sin[pos]
+
+    def attend(i, h):
+        q, k, v = drafter.layers[i].self_attn.qkv(h, block_cos, block_sin)
         ck, cv = ctx_kv[i]
         # GQA by repeating K/V heads (SDPA's memory-efficient kernel takes a mask, not enable_gqa).
         keys = torch.cat([ck.view(S, L, *ck.shape[1:]), k.view(S, A * B, *k.shape[1:])], 1)
@@ -175,7 +178,7 @@ def draft_hidden(drafter: Drafter, embed: torch.Tensor, feats: dict[int, torch.T
         return out.transpose(1, 2).reshape(S * A * B, *q.shape[1:])
 
     x = F.embedding(block_ids.flatten(), embed)
-    return drafter.blocks(x, cos[pos], sin[pos], attend).view(S, A, B, -1)
+    return drafter.blocks(x, attend).view(S, A, B, -1)
 
 
 def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor,

@@ -1,6 +1,7 @@
 """Correctness checks of the static (CUDA-graph) path that the GPU check command runs and the
-tests reuse on CPU: the Triton static attention kernel against the torch reference, and the
-static forward (decode and verify shapes) against extend(), with and without the fused kernels."""
+tests reuse on CPU: the Triton static attention kernel against the torch reference, the
+static forward (decode and verify shapes) against extend(), with and without the fused kernels,
+and the drafter's block step with and without them."""
 from __future__ import annotations
 
 import contextlib
@@ -104,7 +105,7 @@ def fused_check(device: str, dtype: str, T: int, shape: str = "embedded") -> dic
     runner = ModelRunner(cfg, random_weights(cfg, torch.float32, device), dtype=dtype, device=device,
                          num_pages=24, page_size=64)
     prompts = [random_token_ids(cfg, n, seed=n) for n in (5, 70, 300)]
-    return compare_static_forward(runner, prompts, steps=8, T=T, unfused_reference=True) | {"dtype": dtype}
+    return compare_static_forward(runner, prompts, steps=8, T=T, unfused_reference=True) | {"dtype": dtype, "shape": shape}
 
 
 def tiny_static_check(device: str, dtype: str, backend: str, T: int) -> dict:
@@ -114,3 +115,43 @@ def tiny_static_check(device: str, dtype: str, backend: str, T: int) -> dict:
                          num_pages=24, page_size=16)
     prompts = [random_token_ids(cfg, n, seed=n) for n in (5, 20, 37)]
     return compare_static_forward(runner, prompts, steps=8, T=T, backend=backend) | {"dtype": dtype, "backend": backend}
+
+
+def draft_check(device: str, dtype: str) -> dict:
+    """DFlashProposer.draft with the fused kernels against it without them: the tiny shape and a
+    two-layer drafter with random weights (its norms' too), 3 rows at different context lengths
+    over a random draft context. Whether the drafts are equal, and the largest difference of the
+    block K/V they write."""
+    from common.dflash.drafter import Drafter, DrafterConfig
+    from common.dflash.proposer import DFlashProposer
+
+    cfg, B = SHAPES["tiny"], 4
+    runner = ModelRunner(cfg, random_weights(cfg, torch.float32, "cpu"), dtype=dtype, device=device,
+                         num_pages=24, page_size=16)
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.for_target(cfg, num_layers=2, capture_layers=(0, 1), block_size=B))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" in name:  # not ones: a kernel that skipped a weight would pass
+                p.add_(0.2 * torch.randn_like(p))
+    proposer = DFlashProposer(drafter.to(device=device, dtype=runner.dtype), runner, runner.pool.num_pages)
+    proposer.kv.normal_(generator=torch.Generator(device).manual_seed(1))
+    page = runner.page_size
+    length = torch.tensor([5, 20, 37], device=device)
+    table = torch.full((3, runner.max_pages + 1), proposer.scratch_slot // page, dtype=torch.long)
+    for i in range(3):
+        table[i, :3] = torch.arange(3 * i, 3 * i + 3)
+    table = table.to(device)
+    positions = length[:, None] + torch.arange(B, device=device)[None, :]
+    slots = (table.gather(1, positions // page) * page + positions % page).flatten()
+    last = torch.tensor([7, 11, 13], device=device)
+
+    def block_step() -> tuple[list[list[int]], torch.Tensor]:
+        drafts = proposer.draft(last, length, table, B)
+        return drafts.tolist(), proposer.kv.flatten(2, 3)[:, :, slots].float()
+
+    with torch.inference_mode():
+        drafts, kv = block_step()
+        with fused.disabled():
+            expected, expected_kv = block_step()
+    return {"same_drafts": drafts == expected, "max_abs_kv_diff": (kv - expected_kv).abs().max().item(), "dtype": dtype}

@@ -8,7 +8,10 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
   static     static path (forward_static, Triton and torch attention) vs extend() on a tiny
              random model, decode (T = 1) and verify (T = 4): logits, tokens, K/V
   fused      the static step with the fused kernels (common.model.fused) against extend() without
-             them, embedded shape (random weights), fp32 and bf16, decode (T = 1) and verify (T = 4)
+             them, embedded shape and a toy with per-head q/k norms (random weights), fp32 and
+             bf16, decode (T = 1) and verify (T = 4)
+  draft      the drafter's block step with the fused kernels against it without them (a toy
+             target and drafter, random weights): drafts and the block K/V, fp32 and bf16
   greedy     the model's greedy tokens for a few prompts, 32 each: CPU fp32 (reference) against
              GPU fp32 graphs, fp32 eager, bf16 graphs, bf16 eager; the first divergence of each
   speculative  --spec dflash (block pinned to 16, CUDA graphs) against plain decoding (graphs)
@@ -77,7 +80,7 @@ from common.engine.step_costs import step_times, synthetic_requests
 from common.model import gemv
 from common.model.shapes import SHAPES, random_weights
 from common.runner.model_runner import ModelRunner
-from common.tools.gpu.checks import fused_check, kernel_check, tiny_static_check
+from common.tools.gpu.checks import draft_check, fused_check, kernel_check, tiny_static_check
 from common.tools.gpu import attention_launch, flashinfer_check, gemv_check
 from common.tools.gpu.moe_graphs import moe_graphs
 from common.tools.gpu.moe_shapes import moe_shapes
@@ -263,8 +266,11 @@ def _summary(results: dict) -> list[str]:
         lines.append(f"static   {r['dtype']} {r['backend']:6} T={r['T']:2}: max logit diff "
                      f"{r['max_abs_logit_diff']:.2e}, same tokens {r['same_tokens']}, kv diff {r['max_abs_kv_diff']:.1e}")
     for r in _rows(results, "fused"):
-        lines.append(f"fused    {r['dtype']} T={r['T']}: max logit diff vs unfused {r['max_abs_logit_diff']:.2e}, "
+        lines.append(f"fused    {r['shape']} {r['dtype']} T={r['T']}: max logit diff vs unfused {r['max_abs_logit_diff']:.2e}, "
                      f"same tokens {r['same_tokens']}, kv diff {r['max_abs_kv_diff']:.1e}")
+    for r in _rows(results, "draft"):
+        lines.append(f"draft    {r['dtype']}: fused vs unfused, same drafts {r['same_drafts']}, "
+                     f"block kv diff {r['max_abs_kv_diff']:.1e}")
     g = results.get("greedy")
     if isinstance(g, dict):
         for name, r in g["runs"].items():
@@ -347,7 +353,9 @@ def run(args: argparse.Namespace) -> int:
         "kernel": lambda: kernel_check("cuda", [torch.float32, torch.bfloat16]),
         "static": lambda: [tiny_static_check("cuda", dtype, backend, T) for dtype in ("fp32", "bf16")
                            for backend in ("triton", "torch") for T in (1, 4)],
-        "fused": lambda: [fused_check("cuda", dtype, T) for dtype in ("fp32", "bf16") for T in (1, 4)],
+        "fused": lambda: [fused_check("cuda", dtype, T, shape) for shape in ("embedded", "tiny-qk-norm")
+                          for dtype in ("fp32", "bf16") for T in (1, 4)],
+        "draft": lambda: [draft_check("cuda", dtype) for dtype in ("fp32", "bf16")],
         "greedy": lambda: _greedy(args.model),
         "speculative": lambda: _speculative(args.model),
         "gemv": gemv_check.gemv_check,
