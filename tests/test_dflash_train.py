@@ -224,7 +224,7 @@ def test_batched_blocks_match_one_block_at_a_time(target, dataset):
                 ctx_kv = drafter.context_kv(ctx, cos[:a], sin[:a])
                 x = trainer.embed[torch.tensor([int(batch.ids[s, a])] + [16] * 3)]
 
-                def attend(i, h):
+                def attend(i: int, h: torch.Tensor) -> torch.Tensor:
                     q, k, v = drafter.layers[i].self_attn.qkv(h, cos[a:a + 4], sin[a:a + 4])
                     keys, vals = torch.cat([ctx_kv[i][0], k]), torch.cat([ctx_kv[i][1], v])
                     out = torch.nn.functional.scaled_dot_product_attention(

@@ -179,7 +179,7 @@ def test_the_decoder_times_no_step_that_catches_up_plain_steps(tmp_path):
 
     from tiny_models import speculating_engine
 
-    engine = speculating_engine(str(tmp_path / "drafter"), block_size=16, spec=SpecConfig())
+    engine = speculating_engine(str(tmp_path / "drafter"), block_size=16, spec=SpecConfig(), max_running=4)
     policy, calls = engine.policy, []
     for _ in range(200):
         policy.observe(0, policy.max_block)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -156,7 +157,7 @@ class Drafter(nn.Module):
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     # ---- one pass over blocks --------------------------------------------------------------
-    def blocks(self, x: torch.Tensor, attend) -> torch.Tensor:
+    def blocks(self, x: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """x [N, H]: embedded block tokens (all blocks flattened). attend(layer_idx, h) runs that
         layer's attention for the block's normed hidden states h [N, H] over context + block
         (DraftAttention.qkv gives its Q, K and V) and returns [N, Hq, d]. Returns the

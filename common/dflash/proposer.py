@@ -80,7 +80,8 @@ class DFlashProposer(DraftPages):
         attn = [layer.self_attn for layer in drafter.layers]
         self._context_kv_weight = torch.cat([a.kv_proj.weight for a in attn])  # [layers * 2 * kv, H]
         self._context_k_norm = torch.stack([a.k_norm.weight for a in attn])[None, :, None, :]  # [1, layers, 1, d]
-        self._block_qkv_weight = [torch.cat([a.q_proj.weight, a.kv_proj.weight]) for a in attn]  # per layer, for draft()
+        # Per layer, Q and K/V of a draft block in one product (draft(), on CUDA); stacked once too.
+        self._block_qkv_weight = [torch.cat([a.q_proj.weight, a.kv_proj.weight]) for a in attn]
         # Pending features [slot, width, capture layers x H] (reserve_pending); slot 0 is scratch.
         features = len(self.capture_layers) * (cfg.target_hidden_size or cfg.hidden_size)
         self.pending = torch.zeros(1, 0, features, dtype=target.dtype, device=target.device)

@@ -75,10 +75,7 @@ def _measured(decoder: Decoder, blocks: list[int], path: str | None) -> StepCost
 def measure(decoder: Decoder, blocks: list[int]) -> StepCosts:
     runner = decoder.runner
     graphs = decoder.graphs.enabled
-    if graphs:
-        rows_list = decoder.step_sizes
-    else:
-        rows_list = sorted({r for r in CPU_ROWS if r < decoder.max_rows} | {min(decoder.max_rows, CPU_ROWS[-1])})
+    rows_list = measured_rows(decoder)
     short = min(SHORT, runner.cfg.max_position // 4)
     long = min(LONG, runner.cfg.max_position // 2, runner.pool.num_pages * runner.page_size // 2)
     repeats = 7 if graphs else 3
@@ -93,6 +90,13 @@ def measure(decoder: Decoder, blocks: list[int]) -> StepCosts:
     # the timing noise says, a longer context never makes it relatively cheaper.
     slope = {b: max(s, slope[0]) for b, s in slope.items()}
     return StepCosts(short, base, slope, padded=graphs)
+
+
+def measured_rows(decoder: Decoder) -> list[int]:
+    """The batch sizes whose steps are measured."""
+    if decoder.graphs.enabled:
+        return decoder.step_sizes
+    return sorted({r for r in CPU_ROWS if r < decoder.max_rows} | {min(decoder.max_rows, CPU_ROWS[-1])})
 
 
 def _times(decoder: Decoder, rows: int, blocks: list[int], context: int, repeats: int) -> dict[int, float]:
@@ -161,7 +165,7 @@ def _signature(decoder: Decoder, blocks: list[int]) -> str:
         f"{platform.machine()} {platform.processor()} x{os.cpu_count()}"
     facts = {"model": asdict(runner.cfg), "proposer": proposer.name if proposer is not None else None,
              "dtype": str(runner.dtype), "device": device, "torch": torch.__version__, "graphs": decoder.graphs.enabled,
-             "sizes": decoder.sizes, "max_rows": decoder.max_rows, "page_size": runner.page_size, "blocks": blocks,
+             "rows": measured_rows(decoder), "page_size": runner.page_size, "blocks": blocks,
              "layout": asdict(runner.layout), "short": SHORT, "long": LONG, "code": code.hexdigest()}
     text = json.dumps(facts, sort_keys=True, default=lambda o: asdict(o) if is_dataclass(o) else str(o))
     return f"{runner.cfg.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"

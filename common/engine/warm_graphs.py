@@ -9,8 +9,8 @@ used as requests finished, the catch-up width that follows a change of block), a
 ran at half the speed its graphs replay at. So at start-up, over synthetic requests, every batch
 size that steps run at takes each step it may be asked for in greedy mode: a plain step (and, in
 a speculating engine, a plain step that catches up a full pending buffer) and each block that
-can be chosen, catching up as a step after that block does and as one after anything else does. Sampling modes
-(temperature, top-k / top-p) are still captured when first asked for.
+can be chosen, catching up as a step after that block does and as one after anything else does.
+Sampling modes (temperature, top-k / top-p) are still captured when first asked for.
 """
 from __future__ import annotations
 

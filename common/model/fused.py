@@ -7,8 +7,9 @@ function here does in one Triton kernel what plain PyTorch does in two to six:
   rms_norm       x.float() -> rms -> cast -> * weight
   add_rms_norm   the residual add, then the norm of the sum
   silu_mul       SiLU(gate) * up, from the fused gate/up projection's output
-  rope_write_kv  RoPE on q and k of the fused q/k/v projection's output, and K and V written
-                 into their cache slots; returns the rotated q
+  rope_write_kv  RoPE on q and k of the fused q/k/v projection's output (after per-head
+                 RMSNorms, for models that have them), and K and V written into their cache
+                 slots; returns the rotated q
 
 The kernels round where PyTorch rounds (the residual sum and the normed value are cast to the
 input dtype before the weight multiplies them, SiLU's output before the product), so fp32
@@ -105,12 +106,14 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     q = torch.empty(T, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     k_cache = kv_layer[0].view(-1, num_kv_heads, d)
     v_cache = kv_layer[1].view(-1, num_kv_heads, d)
+    # Without norms the kernel reads no weight: any tensor fills the arguments.
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
     _rope_write_kernel[(T, num_heads + num_kv_heads)](
         qkv, cos, sin_signed, write_slots, q, k_cache, v_cache, q_weight, k_weight, eps, qkv.stride(0), cos.stride(0),
         sin_signed.stride(0), k_cache.stride(0), k_cache.stride(1), HQ=num_heads, HKV=num_kv_heads, D=d,
         NORM=qk_norm is not None)
     return q
+
 
 if HAS_TRITON:
     import triton

@@ -165,7 +165,7 @@ def draft_hidden(drafter: Drafter, embed: torch.Tensor, feats: dict[int, torch.T
 
     block_cos, block_sin = cos[pos], sin[pos]
 
-    def attend(i, h):
+    def attend(i: int, h: torch.Tensor) -> torch.Tensor:
         q, k, v = drafter.layers[i].self_attn.qkv(h, block_cos, block_sin)
         ck, cv = ctx_kv[i]
         # GQA by repeating K/V heads (SDPA's memory-efficient kernel takes a mask, not enable_gqa).
