@@ -27,7 +27,8 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
              its first run compiles the kernels with nvcc)
   replay     step times of the embedded shape (random weights) through the engine's decoder with
              graphs, fp32 and bf16, at batch 1, 8 and 32: plain, and speculative with each block;
-             with PDFLASH_GEMV=auto, and each dtype with cuBLAS alone as the baseline
+             with PDFLASH_GEMV=auto, each dtype with cuBLAS alone as the baseline, and fp32 with
+             our GEMV for every product it takes
   profile    kernels per plain and speculative step and their summed time (profile_*.txt)
   spec-overhead  a plain decode step under --spec none against a plain step under --spec dflash,
              batch 1 and 8, context ~100 and ~2000, and host synchronisations per step
@@ -178,9 +179,11 @@ def _decoder(dtype: str, graphs: bool) -> Decoder:
 
 def _replay(context: int = 256) -> list[dict]:
     """Step time through the decoder (inputs, graph replay, the one host synchronisation), in ms;
-    the decode GEMVs as PDFLASH_GEMV=auto picks them, and each dtype with cuBLAS alone to compare."""
+    the decode GEMVs as PDFLASH_GEMV=auto picks them, and each dtype with cuBLAS alone to compare;
+    fp32 also with our kernel for every product of up to 8 rows (`auto` times each product alone,
+    with L2 flushed, and in fp32 it picked cuBLAS for half a block of 4's products)."""
     rows = []
-    for dtype, mode in (("fp32", "auto"), ("fp32", "cublas"), ("bf16", "auto"), ("bf16", "cublas")):
+    for dtype, mode in (("fp32", "auto"), ("fp32", "cublas"), ("fp32", "triton"), ("bf16", "auto"), ("bf16", "cublas")):
         with gemv.forced(mode):  # while the graphs are captured: they keep what ran then
             decoder = _decoder(dtype, graphs=True)
             for bs in (1, 8, 32):
