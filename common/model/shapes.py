@@ -50,6 +50,11 @@ KIMI_LINEAR_SMALL = KIMI_LINEAR_48B | _SMALL_MLA | {
     "linear_attn_config": {"kda_layers": [1, 2, 3, 5], "full_attn_layers": [4], "num_heads": 4, "head_dim": 32,
                            "short_conv_kernel_size": 4}}
 
+# A toy that runs in a second on a CPU, for smoke tests of the commands.
+TINY = ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                   intermediate_size=128, vocab_size=512, rope_theta=10000.0, rms_eps=1e-5,
+                   max_position=2048, tie_embeddings=False, eos_token_ids=(0,), name="random-tiny")
+
 SHAPES = {
     # The embedded SmolLM2-135M-Instruct.
     "embedded": ModelConfig(arch="llama", num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3,
@@ -61,15 +66,9 @@ SHAPES = {
                              head_dim=128, intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
                              rms_eps=1e-5, max_position=8192, tie_embeddings=False, eos_token_ids=(128001,),
                              name="random-llama3-8b"),
-    # A toy that runs in a second on a CPU, for smoke tests of the commands.
-    "tiny": ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                        intermediate_size=128, vocab_size=512, rope_theta=10000.0, rms_eps=1e-5,
-                        max_position=2048, tie_embeddings=False, eos_token_ids=(0,), name="random-tiny"),
+    "tiny": TINY,
     # The toy with Qwen3's per-head norms on q and k.
-    "tiny-qk-norm": ModelConfig(arch="qwen3", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                                head_dim=16, intermediate_size=128, vocab_size=512, rope_theta=10000.0,
-                                rms_eps=1e-6, max_position=2048, tie_embeddings=False, eos_token_ids=(0,),
-                                qk_norm=True, name="random-tiny-qk-norm"),
+    "tiny-qk-norm": replace(TINY, arch="qwen3", qk_norm=True, name="random-tiny-qk-norm"),
     "deepseek-v2-lite": ModelConfig.from_hf(DEEPSEEK_V2_LITE, "random-deepseek-v2-lite"),
     "kimi-linear-48b": ModelConfig.from_hf(KIMI_LINEAR_48B, "random-kimi-linear-48b-a3b"),
     "deepseek-small": ModelConfig.from_hf(DEEPSEEK_SMALL, "random-deepseek-small"),

@@ -10,6 +10,7 @@ import torch
 
 from common.kv.seq_cache import SeqCache
 from common.model import fused
+from common.model.attention import table_slots
 from common.model.shapes import SHAPES, random_token_ids, random_weights
 from common.model.static_attention import StaticAttn, static_attention_torch, static_attention_triton
 from common.runner.model_runner import ModelRunner
@@ -78,7 +79,7 @@ def compare_static_forward(runner: ModelRunner, prompts: list[list[int]], steps:
             table = table.to(device)
             starts = torch.tensor([s.length for s in static], device=device)
             positions = starts[:, None] + torch.arange(T, device=device)[None, :]
-            slots = (table.gather(1, positions // page) * page + positions % page).flatten()
+            slots = table_slots(table, positions, page).flatten()
             attn = StaticAttn(table, starts + T, T, causal=True, backend=backend or runner.static_backend)
             ids = torch.tensor([t for row in static_tok for t in row], device=device)
             hidden, _ = runner.forward_static(ids, positions.flatten(), slots, attn)
@@ -143,7 +144,7 @@ def draft_check(device: str, dtype: str) -> dict:
         table[i, :3] = torch.arange(3 * i, 3 * i + 3)
     table = table.to(device)
     positions = length[:, None] + torch.arange(B, device=device)[None, :]
-    slots = (table.gather(1, positions // page) * page + positions % page).flatten()
+    slots = table_slots(table, positions, page).flatten()
     last = torch.tensor([7, 11, 13], device=device)
 
     def block_step() -> tuple[list[list[int]], torch.Tensor]:
