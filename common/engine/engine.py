@@ -67,6 +67,8 @@ class Engine:
         self.decoder: Decoder | None = None
         if not prefill_only:
             self._start_decoder(spec, batch_sizes)
+        if runner.prefill_graphs is not None:
+            runner.prefill_graphs.warm(proposer.capture_layers if proposer is not None else ())
 
     def _start_decoder(self, spec: SpecConfig, batch_sizes: tuple[int, ...]) -> None:
         proposer = self.proposer

@@ -2,6 +2,7 @@
 
 This is the interface the services drive (an SGLang-backed runner can implement the same):
   extend()           prefill a chunk (or any tokens) for a batch of requests, shapes as they come
+                     (on a GPU one short fresh prompt replays a CUDA graph: prefill_graphs.py)
   forward_static()   T new tokens for each of a batch's rows through fixed shapes: decode (T = 1)
                      and speculative verify (T = B) steps, which CUDA graphs capture and replay
   reserve()/release() grow or free a request's pages (and its state slot, models with KDA layers);
@@ -31,6 +32,7 @@ from common.model.architectures import build_on_meta, to_empty
 from common.model.transformer import Reduce, no_reduce
 from common.runner.describe import KDA_STATE_PARTS, CacheAddrs, describe_rank
 from common.runner.layout import RankLayout
+from common.runner.prefill_graphs import PrefillGraphs
 from common.runner.shard import shard_tensors
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -113,6 +115,11 @@ class ModelRunner:
         # a parallel model cannot (its collectives and the other ranks' commands are not captured).
         self.use_graphs = self.device.type == "cuda" and not enforce_eager and layout.world == 1
         self.static_backend = default_backend(self.device)
+        # A fresh prompt's prefill replays a graph too (prefill_graphs.py), except through KDA layers.
+        self.prefill_graphs = None
+        if self.use_graphs and self.state_pool is None:
+            self.prefill_graphs = PrefillGraphs(self.model, self.cache, page_size, self.scratch_slot, cfg.max_position,
+                                                self.device, graphs=True)
         # Page tables of static steps: enough pages for the longest context the pool or model allows.
         self.max_pages = -(-min(cfg.max_position, num_pages * page_size) // page_size)
 
@@ -194,6 +201,10 @@ class ModelRunner:
         or of every new token if all_logits."""
         counts = [len(t) for t in tokens]
         self._check_room(seqs, counts)
+        if self.prefill_graphs is not None and not all_logits and self.prefill_graphs.fits([s.length for s in seqs], counts):
+            hidden, captured = self.prefill_graphs.run(seqs[0].pages, tokens[0], capture_layers)
+            seqs[0].length += counts[0]
+            return ExtendOutput(self.model.logits(hidden[:0] if logits_of == [] else hidden), captured)
         ends = torch.tensor(counts).cumsum(0) - 1
         rows = None if all_logits else ends.tolist() if logits_of is None else ends[logits_of].tolist()
         batch = StepBatch([s.length for s in seqs], counts, [list(s.pages) for s in seqs],
