@@ -1,7 +1,7 @@
 """gpu-check part `gemv`: the decode GEMV kernels (common.model.gemv) on the GPU.
 
 For each projection of a decoder layer (qkv, o, gate/up with SiLU x up, down; and the embedded
-model's LM head) at the embedded and the Llama-3-8B shapes, M = 1 and 8 rows, fp32 and bf16:
+model's LM head) at the embedded and the Llama-3-8B shapes, M = 1, 4 and 8 rows, fp32 and bf16:
   check   every Triton block shape against cuBLAS's F.linear (and fused.silu_mul after it):
           fp32 within 1e-5 of the largest output, bf16 within 2^-7 (a rounding step) of it
   graph   microseconds per product inside a CUDA graph of at least 50 products (no launch
@@ -63,7 +63,7 @@ def gemv_check() -> list[dict]:
                     copies = -(-STREAM_BYTES // (N * K * dtype.itemsize))
                     g = torch.Generator(device="cuda").manual_seed(N + K)
                     ws = [torch.randn(N, K, device="cuda", generator=g).div_(K ** 0.5).to(dtype) for _ in range(copies)]
-                    for M in (1, 8):
+                    for M in (1, 4, 8):
                         xs = [torch.randn(M, K, device="cuda", generator=g).to(dtype) for _ in range(4)]
                         rows.append(_case(shape, name, silu_mul, xs, ws, dtype))
                     del ws
