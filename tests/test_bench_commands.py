@@ -176,6 +176,7 @@ def test_dflash_bench_small_grid(tmp_path):
         assert len(run["round_speedups"]) == 2 and run["round_speculated_shares"] == [1.0, 1.0]
         assert run["blocks"] == {"4": run["verify_steps"]} and run["speculated_share"] == 1.0
         assert run["plain_tok_s"] > 0 and run["dflash_tok_s"] > 0
+        assert run["plain_prefill_ms"] > 0 and run["dflash_prefill_ms"] > 0
     assert 250 < result["runs"][1]["prompt_tokens_mean"] <= 300
     _assert_png(str(out / "speedup.png"))
     assert "| speedup |" in r.stdout

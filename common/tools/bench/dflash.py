@@ -153,13 +153,14 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams,
         torch.cuda.synchronize()
     return {"reqs": reqs, "seconds": time.perf_counter() - start,
             "decode_seconds": engine.step_seconds["decode"] - before["decode"],
+            "prefill_seconds": engine.step_seconds["prefill"] - before["prefill"],
             "graphs_captured": engine.decoder.graphs.captures - graphs}
 
 
 def merged(runs: list[dict]) -> dict:
     """One arm's rounds as one run: every request, the seconds summed."""
     return {"reqs": [r for run in runs for r in run["reqs"]],
-            **{key: sum(run[key] for run in runs) for key in ("seconds", "decode_seconds", "graphs_captured")}}
+            **{key: sum(run[key] for run in runs) for key in ("seconds", "decode_seconds", "prefill_seconds", "graphs_captured")}}
 
 
 def _tok_s(run: dict) -> float:
@@ -194,6 +195,9 @@ def summarize(kind: str, concurrency: int, prompts: list[list[int]], base: dict,
         "plain_tok_s": _tok_s(base), "dflash_tok_s": _tok_s(fast), "speedup": _tok_s(fast) / _tok_s(base),
         "plain_decode_tok_s": decode_base, "dflash_decode_tok_s": decode_fast,
         "decode_speedup": decode_fast / decode_base,
+        # Wall time of the prefill steps over the requests: at concurrency 1, each one's prefill.
+        "plain_prefill_ms": 1e3 * base["prefill_seconds"] / len(prompts),
+        "dflash_prefill_ms": 1e3 * fast["prefill_seconds"] / len(prompts),
         "accept_length_weighted": spec["accept_length_weighted"] if spec else None,
         "accept_length_interface": spec["accept_length_interface"] if spec else None,
         "speculated_share": _speculated_share(fast["reqs"]),
@@ -220,6 +224,7 @@ def line(r: dict) -> str:
     acc = r["accept_length_weighted"]
     return (f"{r['prompt']:>5} c={r['concurrency']:<2}: plain {r['plain_tok_s']:8.1f} tok/s, dflash "
             f"{r['dflash_tok_s']:8.1f} tok/s, speedup {r['speedup']:.2f}x (decode {r['decode_speedup']:.2f}x) | "
+            f"prefill {r['plain_prefill_ms']:.1f} / {r['dflash_prefill_ms']:.1f} ms a request | "
             f"accept length {acc if acc is None else f'{acc:.2f}'} | speculated {100 * r['speculated_share']:.0f}% "
             f"blocks {r['blocks']} | identical {r['identical_outputs']}/{r['requests']}"
             + (f" | graphs captured while timed {captured}" if any((captured := r["graphs_captured"]).values()) else "")
@@ -230,14 +235,14 @@ def markdown(result: dict) -> str:
     f = report.fmt
     rows = [[r["prompt"], str(r["concurrency"]), f(r["prompt_tokens_mean"], 0), f(r["plain_tok_s"], 1),
              f(r["dflash_tok_s"], 1), f"{f(r['speedup'])}x", f"{f(r['decode_speedup'])}x",
-             f(r["accept_length_weighted"]), f(r["accept_length_interface"]), f"{100 * r['speculated_share']:.0f}%",
+             f"{f(r['plain_prefill_ms'], 1)} / {f(r['dflash_prefill_ms'], 1)}", f(r["accept_length_weighted"]), f(r["accept_length_interface"]), f"{100 * r['speculated_share']:.0f}%",
              " ".join(f"{b}:{n}" for b, n in r["blocks"].items()) or "-",
              f"{r['identical_outputs']}/{r['requests']}"] for r in result["runs"]]
     head = (f"## DFlash vs plain decoding, {result['device']} {result['dtype']}, drafter block "
             f"{result['drafter_block']}, block {'pinned to ' + str(result['pinned_block']) if result['pinned_block'] else 'chosen per step'}\n\n")
     return head + report.md_table(
         ["prompt", "concurrency", "prompt tokens", "plain tok/s", "dflash tok/s", "speedup", "decode speedup",
-         "accept length (weighted)", "accept length (interface)", "steps speculated", "blocks (B:steps)",
+         "prefill ms a request (plain / dflash)", "accept length (weighted)", "accept length (interface)", "steps speculated", "blocks (B:steps)",
          "identical"], rows)
 
 
