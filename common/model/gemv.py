@@ -11,9 +11,8 @@ weight) and rounds where common.model.fused.silu_mul's plain path rounds.
 
 Which kernel runs is chosen per (rows, N, K, dtype, bias, fused SiLU): PDFLASH_GEMV=cublas keeps
 cuBLAS, =triton takes the Triton kernel with its DEFAULT blocks, and =auto (the default) times
-cuBLAS (not in fp32: KERNEL_ONLY) and each of the CANDIDATES once, on first use outside CUDA-graph
-capture, and keeps the fastest. Inside a capture the kept choice is used: a graph's warm-up run
-comes first and fills it.
+cuBLAS and each of the CANDIDATES once, on first use outside CUDA-graph capture, and keeps the
+fastest. Inside a capture the kept choice is used: a graph's warm-up run comes first and fills it.
 """
 from __future__ import annotations
 
@@ -33,14 +32,9 @@ MAX_ROWS = 8  # decode batches and verify blocks up to this many rows; more go t
 # (23.7 against 18.0), where the per-shape timing still picked it once and a batch-8 step got 16%
 # slower. In fp32 cuBLAS has no tensor-core kernel to offer (exact fp32, no TF32): its products of
 # 4-16 rows took 4-14 us at the embedded shape, which makes a verify block of 4 cost twice a
-# one-row step, so there auto takes the kernel at every row count it takes.
+# one-row step, so there auto times the kernel at every row count it takes.
 # PDFLASH_GEMV=triton uses it up to MAX_ROWS.
 AUTO_ROWS = {torch.float32: MAX_ROWS}
-# Where auto does not time cuBLAS at all: in fp32 the kernel's best blocks beat it at every
-# embedded product of 1, 4 and 8 rows inside CUDA graphs (by 1.3-6.5 us, the 8-row LM head aside:
-# 58.3 against 55.6 us), yet timed alone with L2 flushed cuBLAS won a product of each layer of a
-# block-4 step, 35 products that then took 4.8 us each (docs/PERFORMANCE.md, 2026-12-04).
-KERNEL_ONLY = (torch.float32,)
 MODES = ("auto", "triton", "cublas")
 
 
@@ -115,14 +109,12 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, blocks: Blocks = DEFAUL
 
 def timings(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool
             ) -> dict[Blocks | None, float]:
-    """Median GPU time in ms of cuBLAS (key None, except in KERNEL_ONLY dtypes) and of each
-    candidate, each run after the L2 cache is flushed (as a decode step finds the weights: the
-    step reads far more than L2)."""
+    """Median GPU time in ms of cuBLAS (key None) and of each candidate, each run after the L2
+    cache is flushed (as a decode step finds the weights: the step reads far more than L2)."""
     from triton.testing import do_bench
 
-    contenders = CANDIDATES if x.dtype in KERNEL_ONLY else (None, *CANDIDATES)
     return {b: do_bench(lambda b=b: run(x, weight, bias, silu_mul, b), warmup=2, rep=10, return_mode="median")
-            for b in contenders}
+            for b in (None, *CANDIDATES)}
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
