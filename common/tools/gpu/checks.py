@@ -1,7 +1,8 @@
 """Correctness checks of the static (CUDA-graph) path that the GPU check command runs and the
 tests reuse on CPU: the Triton static attention kernel against the torch reference, the
 static forward (decode and verify shapes) against extend(), with and without the fused kernels,
-and the drafter's block step with and without them."""
+the drafter's block step with and without them, and a fresh prompt's padded prefill (a CUDA graph
+on a GPU) against its eager prefill."""
 from __future__ import annotations
 
 import contextlib
@@ -14,6 +15,7 @@ from common.model.attention import table_slots
 from common.model.shapes import SHAPES, random_token_ids, random_weights
 from common.model.static_attention import StaticAttn, static_attention_torch, static_attention_triton
 from common.runner.model_runner import ModelRunner
+from common.runner.prefill_graphs import PrefillGraphs
 
 
 def kernel_check(device: str, dtypes: list[torch.dtype]) -> list[dict]:
@@ -156,3 +158,47 @@ def draft_check(device: str, dtype: str) -> dict:
         with fused.disabled():
             expected, expected_kv = block_step()
     return {"same_drafts": drafts == expected, "max_abs_kv_diff": (kv - expected_kv).abs().max().item(), "dtype": dtype}
+
+
+def prefill_check(device: str, dtype: str, shape: str, lengths: tuple[int, ...]) -> list[dict]:
+    """Random weights of `shape`: each prompt prefilled at its padded length through
+    common.runner.prefill_graphs (the runner's CUDA graphs on a GPU, the same code eagerly
+    elsewhere) against extend()'s eager prefill of it in other pages. Per length: the largest
+    difference of the last token's logits, of the captured layers' states and of the prompt's
+    K/V; whether the padding wrote anywhere but the scratch page; and, as a control, the logit
+    difference when the padded prompt's last token is another one (it must be large)."""
+    cfg = SHAPES[shape]
+    runner = ModelRunner(cfg, random_weights(cfg, torch.float32, "cpu"), dtype=dtype, device=device,
+                         num_pages=4 * -(-max(lengths) // 16), page_size=16)
+    graphs = runner.prefill_graphs or PrefillGraphs(runner.model, runner.cache, runner.page_size, runner.scratch_slot,
+                                                    cfg.max_position, runner.device, graphs=False)
+    runner.prefill_graphs = None  # extend() prefills eagerly: the reference
+    capture = (0, cfg.num_layers - 1)
+    rows, used = [], set()
+
+    def kv(seq: SeqCache, n: int) -> torch.Tensor:
+        return runner.kv[:, :, seq.pages].flatten(2, 3)[:, :, :n].float()
+
+    for n in lengths:
+        tokens = random_token_ids(cfg, n, seed=n)
+        own, padded = SeqCache(), SeqCache()
+        runner.reserve(own, n)
+        runner.reserve(padded, n)
+        used.update(own.pages + padded.pages)
+        out = runner.extend([own], [tokens], capture_layers=capture)
+        with torch.inference_mode():
+            changed = tokens[:-1] + [tokens[-1] % (cfg.vocab_size - 1) + 1]
+            control = runner.model.logits(graphs.run(padded.pages, changed, capture)[0])
+            hidden, captured = graphs.run(padded.pages, tokens, capture)
+            logits = runner.model.logits(hidden)
+            rows.append({
+                "device": device, "dtype": dtype, "shape": shape, "tokens": n,
+                "max_abs_logit_diff": (logits - out.logits).abs().max().item(),
+                "max_abs_captured_diff": max((captured[layer] - out.captured[layer]).abs().max().item() for layer in capture),
+                "max_abs_kv_diff": (kv(padded, n) - kv(own, n)).abs().max().item(),
+                "control_logit_diff": (control - out.logits).abs().max().item()})
+        runner.release(own)
+        runner.release(padded)
+    others = [p for p in range(runner.pool.num_pages) if p not in used]
+    clean = not runner.kv[:, :, others].any().item()
+    return [r | {"padding_in_scratch_only": clean} for r in rows]

@@ -12,13 +12,16 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
              bf16, decode (T = 1) and verify (T = 4)
   draft      the drafter's block step with the fused kernels against it without them (a toy
              target and drafter, random weights): drafts and the block K/V, fp32 and bf16
+  prefill    a fresh prompt's prefill through its CUDA graph (common/runner/prefill_graphs.py)
+             against eager prefill, embedded shape (random weights), fp32 and bf16, 1-512 tokens:
+             logits, captured layers, K/V; padding only in the scratch page; a control prompt
   greedy     the model's greedy tokens for a few prompts, 32 each: CPU fp32 (reference) against
              GPU fp32 graphs, fp32 eager, bf16 graphs, bf16 eager; the first divergence of each
   speculative  --spec dflash (block pinned to 16, CUDA graphs) against plain decoding (graphs)
              on 32 GSM8K chat prompts, fp32: one at a time and 8 at once, greedy and seeded
              sampling (T 0.8, top-p 0.95), and requests that stop inside a block; must be identical
   gemv       the decode GEMV kernels (common.model.gemv) against cuBLAS at the embedded and 8B
-             shapes, M 1 and 8, fp32 and bf16: results, and microseconds per product in CUDA graphs
+             shapes, M 1, 4 and 8, fp32 and bf16: results, and microseconds per product in CUDA graphs
              and in plain launches (common/tools/gpu/gemv_check.py; about a minute)
   flashinfer flashinfer's fused add-RMSNorm, SiLU x up, RoPE + paged-KV append and graph decode
              attention against ours (common.model.fused, Triton attention), embedded and 8B shapes,
@@ -81,7 +84,7 @@ from common.engine.step_costs import step_times, synthetic_requests
 from common.model import gemv
 from common.model.shapes import SHAPES, random_weights
 from common.runner.model_runner import ModelRunner
-from common.tools.gpu.checks import draft_check, fused_check, kernel_check, tiny_static_check
+from common.tools.gpu.checks import draft_check, fused_check, kernel_check, prefill_check, tiny_static_check
 from common.tools.gpu import attention_launch, flashinfer_check, gemv_check
 from common.tools.gpu.moe_graphs import moe_graphs
 from common.tools.gpu.moe_shapes import moe_shapes
@@ -274,6 +277,11 @@ def _summary(results: dict) -> list[str]:
     for r in _rows(results, "draft"):
         lines.append(f"draft    {r['dtype']}: fused vs unfused, same drafts {r['same_drafts']}, "
                      f"block kv diff {r['max_abs_kv_diff']:.1e}")
+    for r in _rows(results, "prefill"):
+        lines.append(f"prefill  {r['dtype']} {r['tokens']:3} tokens, graph vs eager: max logit diff "
+                     f"{r['max_abs_logit_diff']:.1e}, captured {r['max_abs_captured_diff']:.1e}, kv {r['max_abs_kv_diff']:.1e}; "
+                     f"padding in scratch only {r['padding_in_scratch_only']}; control (last token changed) "
+                     f"{r['control_logit_diff']:.1e}")
     g = results.get("greedy")
     if isinstance(g, dict):
         for name, r in g["runs"].items():
@@ -359,6 +367,8 @@ def run(args: argparse.Namespace) -> int:
         "fused": lambda: [fused_check("cuda", dtype, T, shape) for shape in ("embedded", "tiny-qk-norm")
                           for dtype in ("fp32", "bf16") for T in (1, 4)],
         "draft": lambda: [draft_check("cuda", dtype) for dtype in ("fp32", "bf16")],
+        "prefill": lambda: [row for dtype in ("fp32", "bf16")
+                            for row in prefill_check("cuda", dtype, "embedded", (1, 5, 16, 17, 100, 300, 512))],
         "greedy": lambda: _greedy(args.model),
         "speculative": lambda: _speculative(args.model),
         "gemv": gemv_check.gemv_check,
