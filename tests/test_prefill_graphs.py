@@ -13,7 +13,7 @@ from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.engine.spec_policy import SpecConfig
 from common.runner.model_runner import ModelRunner
-from common.runner.prefill_graphs import PrefillGraphs
+from common.runner.prefill_graphs import PrefillGraphs, padded_length
 from common.tools.gpu.checks import prefill_check
 from tests.tiny_models import random_model, speculating_engine
 
@@ -23,6 +23,12 @@ def with_padded_prefill(runner: ModelRunner) -> PrefillGraphs:
     runner.prefill_graphs = PrefillGraphs(runner.model, runner.cache, runner.page_size, runner.scratch_slot,
                                           runner.cfg.max_position, runner.device, graphs=False)
     return runner.prefill_graphs
+
+
+def test_padded_lengths():
+    """Powers of two up to 64 tokens, multiples of 64 above."""
+    assert [padded_length(n) for n in (1, 16, 17, 33, 64, 65, 128, 129, 257, 512)] == \
+        [16, 16, 32, 64, 64, 128, 128, 192, 320, 512]
 
 
 @pytest.fixture(scope="module")

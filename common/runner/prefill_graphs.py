@@ -4,7 +4,9 @@ Eager prefill launches every kernel from Python. On an H200 a 96-token prompt of
 model took 25 ms of host time for 2.8 ms of GPU work (648 kernels): in every request's time to
 the first token, and in the decode steps of every request that waits while it runs. A step that
 prefills one prompt from its start (nothing cached), at most MAX_TOKENS tokens, instead replays a
-graph captured for its length rounded up to a power of two (at least MIN_TOKENS). The padding
+graph captured for its length rounded up (padded_length: a power of two up to STEP tokens, a
+multiple of STEP above, so that a model whose prefill is bound by compute, not by launches, pays
+for at most STEP - 1 padding tokens past STEP; 10 graphs at the defaults). The padding
 tokens come after the prompt, so causal attention keeps them out of every prompt token's result;
 they write their K/V into the scratch slot, and their hidden states are never read. Models with
 KDA layers keep eager prefill: their recurrent state would run on over the padding.
@@ -27,12 +29,14 @@ from common.runner.graphs import GraphCache
 
 logger = logging.getLogger(__name__)
 
-MIN_TOKENS, MAX_TOKENS = 16, 512
+MIN_TOKENS, STEP, MAX_TOKENS = 16, 64, 512
 
 
 def padded_length(n: int) -> int:
     """The graph length a prompt of n tokens runs at."""
-    return max(MIN_TOKENS, 1 << (n - 1).bit_length())
+    if n <= STEP:
+        return max(MIN_TOKENS, 1 << (n - 1).bit_length())
+    return -(-n // STEP) * STEP
 
 
 class PrefillGraphs:
@@ -73,12 +77,10 @@ class PrefillGraphs:
         """Capture every length's graph now, over padding alone (scratch slots only): a capture
         while serving would stall the requests of the step that asked for it."""
         start, before = time.perf_counter(), self.graphs.captures
-        T = MIN_TOKENS
-        while T <= self.max_tokens:
+        for T in sorted({padded_length(n) for n in range(1, self.max_tokens + 1)}):
             if (T, capture_layers) not in self.graphs:
                 self._fill([], [], T)
                 self.graphs.capture((T, capture_layers), self._step(T, capture_layers))
-            T *= 2
         if self.graphs.captures > before:
             logger.info("captured %d prefill graphs in %.1f s", self.graphs.captures - before, time.perf_counter() - start)
 
