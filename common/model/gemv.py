@@ -11,8 +11,9 @@ weight) and rounds where common.model.fused.silu_mul's plain path rounds.
 
 Which kernel runs is chosen per (rows, N, K, dtype, bias, fused SiLU): PDFLASH_GEMV=cublas keeps
 cuBLAS, =triton takes the Triton kernel with its DEFAULT blocks, and =auto (the default) times
-cuBLAS and each of the CANDIDATES once, on first use outside CUDA-graph capture, and keeps the
-fastest. Inside a capture the kept choice is used: a graph's warm-up run comes first and fills it.
+cuBLAS (not in fp32: KERNEL_ONLY) and each of the CANDIDATES once, on first use outside CUDA-graph
+capture, and keeps the fastest. Inside a capture the kept choice is used: a graph's warm-up run
+comes first and fills it.
 """
 from __future__ import annotations
 
@@ -32,9 +33,15 @@ MAX_ROWS = 8  # decode batches and verify blocks up to this many rows; more go t
 # (23.7 against 18.0), where the per-shape timing still picked it once and a batch-8 step got 16%
 # slower. In fp32 cuBLAS has no tensor-core kernel to offer (exact fp32, no TF32): its products of
 # 4-16 rows took 4-14 us at the embedded shape, which makes a verify block of 4 cost twice a
-# one-row step, so there auto times the kernel at every row count it takes.
+# one-row step, so there auto takes the kernel at every row count it takes.
 # PDFLASH_GEMV=triton uses it up to MAX_ROWS.
 AUTO_ROWS = {torch.float32: MAX_ROWS}
+# Where auto does not time cuBLAS at all. In fp32 on the H200, inside CUDA graphs, the kernel's
+# best blocks beat cuBLAS at every embedded product of 1, 4 and 8 rows (by 0.9-12.1 us; the
+# 4-row o product 3.5 against 10.0 us), except the 8-row LM head (59.2 against 52.1 us). The timing
+# alone is noisy at these sizes (5.5-40 us per product), so letting cuBLAS compete lets a chance
+# win of it cost several microseconds per layer (docs/PERFORMANCE.md, 2026-12-04 (later still)).
+KERNEL_ONLY = (torch.float32,)
 MODES = ("auto", "triton", "cublas")
 
 
@@ -55,8 +62,8 @@ DEFAULT = Blocks(2, 1024, 4)
 # programs for the narrow outputs (576 columns: 288 programs of 2); larger n and a loop over K
 # suit the 8B shapes. Each thread loads 8 to 16 consecutive weights of a row per step. Fewer warps
 # reduce across fewer of them: on the H200 (fp32, the embedded shapes, in CUDA graphs) one or two
-# warps took a 4-row gate/up product from 6.4 to 5.3 us and the 4-row LM head from 55 to 37 us
-# (docs/PERFORMANCE.md, 2026-12-04).
+# warps took a 4-row gate/up product from 6.3 to 5.3 us and the 4-row LM head from 55 to 37 us
+# (docs/PERFORMANCE.md, 2026-12-04 (later still)).
 CANDIDATES = (Blocks(1, 1024, 1), Blocks(1, 1024, 4), Blocks(1, 2048, 8), Blocks(2, 1024, 1), Blocks(2, 1024, 2),
               DEFAULT, Blocks(4, 1024, 2), Blocks(4, 256, 4), Blocks(4, 512, 4), Blocks(8, 256, 4))
 
@@ -109,12 +116,14 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, blocks: Blocks = DEFAUL
 
 def timings(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool
             ) -> dict[Blocks | None, float]:
-    """Median GPU time in ms of cuBLAS (key None) and of each candidate, each run after the L2
-    cache is flushed (as a decode step finds the weights: the step reads far more than L2)."""
+    """Median GPU time in ms of cuBLAS (key None, except in KERNEL_ONLY dtypes) and of each
+    candidate, each run after the L2 cache is flushed (as a decode step finds the weights: the
+    step reads far more than L2)."""
     from triton.testing import do_bench
 
+    contenders = CANDIDATES if x.dtype in KERNEL_ONLY else (None, *CANDIDATES)
     return {b: do_bench(lambda b=b: run(x, weight, bias, silu_mul, b), warmup=2, rep=10, return_mode="median")
-            for b in (None, *CANDIDATES)}
+            for b in contenders}
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
