@@ -116,10 +116,7 @@ class ModelRunner:
         self.use_graphs = self.device.type == "cuda" and not enforce_eager and layout.world == 1
         self.static_backend = default_backend(self.device)
         # A fresh prompt's prefill replays a graph too (prefill_graphs.py), except through KDA layers.
-        self.prefill_graphs = None
-        if self.use_graphs and self.state_pool is None:
-            self.prefill_graphs = PrefillGraphs(self.model, self.cache, page_size, self.scratch_slot, cfg.max_position,
-                                                self.device, graphs=True)
+        self.prefill_graphs = self.padded_prefill(graphs=True) if self.use_graphs and self.state_pool is None else None
         # Page tables of static steps: enough pages for the longest context the pool or model allows.
         self.max_pages = -(-min(cfg.max_position, num_pages * page_size) // page_size)
 
@@ -192,6 +189,12 @@ class ModelRunner:
         for i in range(c.recurrent.shape[0]):
             kda.commit_block(c.recurrent[i], c.conv[i], c.block.layer(i), state_slots, count, block)
 
+    def padded_prefill(self, graphs: bool) -> PrefillGraphs:
+        """Prefill of a fresh prompt at a padded length over this runner's model and cache: what
+        extend() uses on a GPU (graphs), and what checks and tests run eagerly (no graphs)."""
+        return PrefillGraphs(self.model, self.cache, self.page_size, self.scratch_slot, self.cfg.max_position,
+                             self.device, graphs)
+
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def extend(self, seqs: list[SeqCache], tokens: list[list[int]], *, all_logits: bool = False,
@@ -201,8 +204,9 @@ class ModelRunner:
         or of every new token if all_logits."""
         counts = [len(t) for t in tokens]
         self._check_room(seqs, counts)
-        if self.prefill_graphs is not None and not all_logits and self.prefill_graphs.fits([s.length for s in seqs], counts):
-            hidden, captured = self.prefill_graphs.run(seqs[0].pages, tokens[0], capture_layers)
+        graphs = self.prefill_graphs
+        if graphs is not None and not all_logits and graphs.fits([s.length for s in seqs], counts):
+            hidden, captured = graphs.run(seqs[0].pages, tokens[0], capture_layers)
             seqs[0].length += counts[0]
             return ExtendOutput(self.model.logits(hidden[:0] if logits_of == [] else hidden), captured)
         ends = torch.tensor(counts).cumsum(0) - 1

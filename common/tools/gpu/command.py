@@ -279,9 +279,10 @@ def _summary(results: dict) -> list[str]:
                      f"block kv diff {r['max_abs_kv_diff']:.1e}")
     for r in _rows(results, "prefill"):
         lines.append(f"prefill  {r['dtype']} {r['tokens']:3} tokens, graph vs eager: max logit diff "
-                     f"{r['max_abs_logit_diff']:.1e}, captured {r['max_abs_captured_diff']:.1e}, kv {r['max_abs_kv_diff']:.1e}; "
+                     f"{r['max_abs_logit_diff']:.1e}, captured {r['max_abs_captured_diff']:.1e}, "
+                     f"kv {r['max_abs_kv_diff']:.1e}; "
                      f"padding in scratch only {r['padding_in_scratch_only']}; control (last token changed) "
-                     f"{r['control_logit_diff']:.1e}")
+                     f"{r['control_logit_diff']:.1e}  {'ok' if r['ok'] else 'FAIL'}")
     g = results.get("greedy")
     if isinstance(g, dict):
         for name, r in g["runs"].items():
