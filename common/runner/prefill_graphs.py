@@ -82,7 +82,8 @@ class PrefillGraphs:
                 self._fill([], [], T)
                 self.graphs.capture((T, capture_layers), self._step(T, capture_layers))
         if self.graphs.captures > before:
-            logger.info("captured %d prefill graphs in %.1f s", self.graphs.captures - before, time.perf_counter() - start)
+            logger.info("captured %d prefill graphs in %.1f s", self.graphs.captures - before,
+                        time.perf_counter() - start)
 
     def _fill(self, pages: list[int], tokens: list[int], T: int) -> None:
         if self._copied is not None:

@@ -160,7 +160,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams,
 def merged(runs: list[dict]) -> dict:
     """One arm's rounds as one run: every request, the seconds summed."""
     return {"reqs": [r for run in runs for r in run["reqs"]],
-            **{key: sum(run[key] for run in runs) for key in ("seconds", "decode_seconds", "prefill_seconds", "graphs_captured")}}
+            **{key: sum(run[key] for run in runs)
+               for key in ("seconds", "decode_seconds", "prefill_seconds", "graphs_captured")}}
 
 
 def _tok_s(run: dict) -> float:
@@ -235,15 +236,16 @@ def markdown(result: dict) -> str:
     f = report.fmt
     rows = [[r["prompt"], str(r["concurrency"]), f(r["prompt_tokens_mean"], 0), f(r["plain_tok_s"], 1),
              f(r["dflash_tok_s"], 1), f"{f(r['speedup'])}x", f"{f(r['decode_speedup'])}x",
-             f"{f(r['plain_prefill_ms'], 1)} / {f(r['dflash_prefill_ms'], 1)}", f(r["accept_length_weighted"]), f(r["accept_length_interface"]), f"{100 * r['speculated_share']:.0f}%",
+             f"{f(r['plain_prefill_ms'], 1)} / {f(r['dflash_prefill_ms'], 1)}", f(r["accept_length_weighted"]),
+             f(r["accept_length_interface"]), f"{100 * r['speculated_share']:.0f}%",
              " ".join(f"{b}:{n}" for b, n in r["blocks"].items()) or "-",
              f"{r['identical_outputs']}/{r['requests']}"] for r in result["runs"]]
     head = (f"## DFlash vs plain decoding, {result['device']} {result['dtype']}, drafter block "
             f"{result['drafter_block']}, block {'pinned to ' + str(result['pinned_block']) if result['pinned_block'] else 'chosen per step'}\n\n")
     return head + report.md_table(
         ["prompt", "concurrency", "prompt tokens", "plain tok/s", "dflash tok/s", "speedup", "decode speedup",
-         "prefill ms a request (plain / dflash)", "accept length (weighted)", "accept length (interface)", "steps speculated", "blocks (B:steps)",
-         "identical"], rows)
+         "prefill ms a request (plain / dflash)", "accept length (weighted)", "accept length (interface)",
+         "steps speculated", "blocks (B:steps)", "identical"], rows)
 
 
 def speedup_png(path: str, result: dict) -> None:
