@@ -19,7 +19,8 @@ KERNELS_RUN = pytest.mark.skipif(
 SHAPES = [(1, 37, 45, gemv.DEFAULT), (3, 70, 300, gemv.Blocks(4, 512, 4)), (5, 24, 129, gemv.Blocks(1, 2048, 8)),
           (8, 45, 513, gemv.Blocks(8, 256, 4)), (2, 9, 7, gemv.DEFAULT), (4, 33, 256, gemv.Blocks(4, 256, 4)),
           (6, 17, 64, gemv.Blocks(1, 1024, 4)), (7, 5, 100, gemv.Blocks(8, 256, 4)),
-          (4, 21, 600, gemv.Blocks(2, 1024, 1)), (3, 30, 90, gemv.Blocks(4, 1024, 2))]
+          (4, 21, 600, gemv.Blocks(2, 1024, 1)), (3, 30, 90, gemv.Blocks(4, 1024, 2)),
+          (2, 13, 1100, gemv.Blocks(1, 1024, 1)), (5, 40, 77, gemv.Blocks(2, 1024, 2))]
 
 
 def _inputs(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
