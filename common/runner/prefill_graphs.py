@@ -20,10 +20,9 @@ import logging
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
-from common.model.attention import AttnMeta
+from common.model.attention import AttnMeta, table_slots
 from common.model.transformer import Transformer
 from common.runner.graphs import GraphCache
 
@@ -91,9 +90,7 @@ class PrefillGraphs:
         h = self.host.numpy()
         n = len(tokens)
         h[0, :n], h[0, n:T] = tokens, 0
-        positions = np.arange(n)
-        h[1, :n] = np.asarray(pages, dtype=np.int64)[positions // self.page_size] * self.page_size \
-            + positions % self.page_size
+        h[1, :n] = table_slots(torch.tensor([pages], dtype=torch.long), torch.arange(n)[None], self.page_size)[0]
         h[1, n:T] = self.scratch_slot
         h[2, 0] = max(n - 1, 0)
         # The whole buffer (12 KB at 512 tokens): a slice of its rows is not contiguous, and such a
