@@ -288,16 +288,45 @@ def test_train_save_and_resume(target, dataset, tmp_path):
     assert snap["step"] == 2 and 0 < snap["trained_response_tokens"] < info["trained_response_tokens"]
     assert Drafter.load(os.path.join(straight, "snapshots", "step-2")).cfg == whole.cfg
 
-    # --init: a run starts from a trained drafter (at learning rate 0 it saves that drafter back),
-    # and one of another shape is refused.
+    # --init: a run starts from a trained drafter (at learning rate 0 it saves that drafter back).
     tuned = str(tmp_path / "tuned")
     assert train(parse(*common, "--out", tuned, "--init", os.path.join(straight, "drafter"), "--lr", "0"),
                  runner, tok) == 0
     for name, w in Drafter.load(os.path.join(tuned, "drafter")).state_dict().items():
         assert torch.equal(w, whole.state_dict()[name]), name
-    wider = [*common[:common.index("--layers")], "--layers", "2", *common[common.index("--layers") + 2:]]
+
+    # A deeper run grows it: its own layers first, then new ones that start as the identity, so
+    # that the grown drafter scores every block exactly as the loaded one does.
+    at = common.index("--layers")
+    deeper = [*common[:at], "--layers", "2", *common[at + 2:]]
+    grown_dir = str(tmp_path / "grown")
+    assert train(parse(*deeper, "--out", grown_dir, "--init", os.path.join(straight, "drafter"), "--lr", "0"),
+                 runner, tok) == 0
+    grown = Drafter.load(os.path.join(grown_dir, "drafter"))
+    assert grown.cfg.num_layers == 2
+    for name, w in whole.state_dict().items():
+        assert torch.equal(w, grown.state_dict()[name]), name
+    assert grown.layers[1].self_attn.q_proj.weight.any()  # drawn, not zero: training can move it
+    batch = make_batch(dataset[0].sequences(dataset[1])[:3])
+    scores = []
+    for d in (whole, grown):
+        trainer = Trainer(runner, d, lr=0.0, total_steps=1, anchors=4)
+        loss, m = trainer.loss(batch, *trainer.capture(batch), torch.Generator().manual_seed(0))
+        scores.append((loss.item(), m["accepted"].item()))
+    assert scores[0] == scores[1]
+    # Negative control: a new layer that does not start as the identity changes the scores.
+    with torch.no_grad():
+        grown.layers[1].mlp.down_proj.weight.normal_(0, 0.02)
+    trainer = Trainer(runner, grown, lr=0.0, total_steps=1, anchors=4)
+    assert trainer.loss(batch, *trainer.capture(batch), torch.Generator().manual_seed(0))[0].item() != scores[0][0]
+
+    # Fewer layers, or another shape, are refused.
+    with pytest.raises(ValueError, match="only more layers"):
+        train(parse(*common, "--out", str(tmp_path / "shallower"), "--init", os.path.join(grown_dir, "drafter")),
+              runner, tok)
+    other = [*common[:common.index("--block-size")], "--block-size", "8", *common[common.index("--block-size") + 2:]]
     with pytest.raises(ValueError, match="differs"):
-        train(parse(*wider, "--out", str(tmp_path / "wider"), "--init", os.path.join(straight, "drafter")), runner, tok)
+        train(parse(*other, "--out", str(tmp_path / "other"), "--init", os.path.join(straight, "drafter")), runner, tok)
 
 
 def test_eval_command(target, tmp_path):

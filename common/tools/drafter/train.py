@@ -24,7 +24,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -70,7 +70,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="an epoch sees each greedy answer this many times (the engine verifies at T=0)")
     m = p.add_argument_group("drafter")
     m.add_argument("--init", default=None, metavar="DRAFTER",
-                   help="start from this drafter folder's weights (same shape), e.g. to train a shipped drafter on more data")
+                   help="start from this drafter folder's weights, e.g. to train a shipped drafter on more data; "
+                        "same shape, or more --layers (added after its own, starting as the identity)")
     m.add_argument("--layers", type=int, default=2, help="draft layers")
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--mask-token-id", type=int, default=16, help="MASK token (16 = <empty_output> in SmolLM2, unused in chat)")
@@ -170,8 +171,9 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
     torch.manual_seed(args.seed)
     drafter = Drafter(cfg).to(device)
     if args.init:
-        init_from(drafter, args.init)
-        print(f"initialised from the drafter at {args.init}", flush=True)
+        added = init_from(drafter, args.init)
+        grew = f", with {added} new layer{'s' * (added > 1)} after its own" if added else ""
+        print(f"initialised from the drafter at {args.init}{grew}", flush=True)
     amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
     trainer = Trainer(runner, drafter, lr=args.lr, total_steps=total, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
                       weight_decay=args.weight_decay, gamma=args.gamma, anchors=args.anchors,
@@ -288,14 +290,25 @@ def save_snapshot(folder: str, trainer: Trainer, order: EpochOrder, step: int, a
         json.dump({"step": step, "trained_response_tokens": order.response_tokens_through(step),
                    "command": reproduce_command(args)}, f, indent=2)
 
-def init_from(drafter: Drafter, folder: str) -> None:
-    """The weights of the drafter in `folder` (more steps or data for a trained drafter); its
-    shape and what it reads from the target must be those this run trains."""
+def init_from(drafter: Drafter, folder: str) -> int:
+    """The weights of the drafter in `folder` (more steps or data for a trained drafter). Its
+    shape and what it reads from the target must be those this run trains, except that this
+    run may be deeper: the layers it adds go after the loaded ones and start as the identity
+    (their output projections zero), so the grown drafter first drafts exactly what the loaded
+    one did and training only has to find what the new layers add. Returns the layers added."""
     start = Drafter.load(folder)
-    if start.cfg != drafter.cfg:
+    if replace(start.cfg, num_layers=drafter.cfg.num_layers) != drafter.cfg or start.cfg.num_layers > drafter.cfg.num_layers:
         diff = {k: (v, getattr(drafter.cfg, k)) for k, v in asdict(start.cfg).items() if getattr(drafter.cfg, k) != v}
-        raise ValueError(f"--init {folder}: that drafter differs from this run's (theirs, ours): {diff}")
-    drafter.load_state_dict(start.state_dict())
+        raise ValueError(f"--init {folder}: that drafter differs from this run's (theirs, ours): {diff}; "
+                         f"only more layers may be added")
+    missing, unexpected = drafter.load_state_dict(start.state_dict(), strict=False)
+    new = tuple(f"layers.{i}." for i in range(start.cfg.num_layers, drafter.cfg.num_layers))
+    assert not unexpected and all(k.startswith(new) for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        for layer in drafter.layers[start.cfg.num_layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return drafter.cfg.num_layers - start.cfg.num_layers
 
 
 def drafter_config(args, runner: ModelRunner) -> DrafterConfig:
