@@ -4,6 +4,8 @@ on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 in the environment
 kernels are defined)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,3 +109,28 @@ def test_a_mode_other_than_auto_triton_cublas_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="expected one of"):
         with gemv.forced("cuda"):
             pass
+
+
+def test_auto_choices_are_kept_on_disk(tmp_path):
+    """What auto timed once is read back by the next process; a file that is not ours, or a
+    choice this code does not have, is no choice (timed again), and a change to the code starts
+    another file."""
+    from common.model import gemv_cache
+
+    path = gemv_cache.path_for("NVIDIA H200", "torch2.11-triton3.6", b"kernel code")
+    assert os.path.dirname(path) == gemv_cache.FOLDER and " " not in os.path.basename(path)
+    assert path != gemv_cache.path_for("NVIDIA H200", "torch2.11-triton3.6", b"other kernel code")
+    assert path != gemv_cache.path_for("NVIDIA H100", "torch2.11-triton3.6", b"kernel code")
+
+    file = str(tmp_path / "sub" / "kept.json")
+    assert gemv_cache.load(file) == {}
+    key = gemv._key_name((True, 4, 3072, 576, torch.float32, False))
+    gemv_cache.keep(file, key, gemv._name(gemv.CANDIDATES[0]))
+    gemv_cache.keep(file, gemv._key_name((False, 1, 576, 576, torch.bfloat16, True)), gemv._name(None))
+    kept = gemv_cache.load(file)
+    assert kept == {key: str(gemv.CANDIDATES[0]), "linear rows=1 n=576 k=576 bfloat16 bias": "cublas"}
+    assert gemv._BY_NAME[kept[key]] == gemv.CANDIDATES[0] and gemv._BY_NAME["cublas"] is None
+    assert "n3/k999/w5" not in gemv._BY_NAME  # a stale choice is timed again
+    with open(file, "w") as f:
+        f.write("[1, 2")
+    assert gemv_cache.load(file) == {}

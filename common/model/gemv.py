@@ -11,9 +11,10 @@ weight) and rounds where common.model.fused.silu_mul's plain path rounds.
 
 Which kernel runs is chosen per (rows, N, K, dtype, bias, fused SiLU): PDFLASH_GEMV=cublas keeps
 cuBLAS, =triton takes the Triton kernel with its DEFAULT blocks, and =auto (the default) times
-cuBLAS (not in fp32: KERNEL_ONLY) and each of the CANDIDATES once, on first use outside CUDA-graph
-capture, and keeps the fastest. Inside a capture the kept choice is used: a graph's warm-up run
-comes first and fills it.
+cuBLAS and each of the CANDIDATES inside a CUDA graph (timings), on
+first use outside CUDA-graph capture, and keeps the fastest: in this process, and on disk for the
+next ones (gemv_cache). Inside a capture the kept choice is used: a graph's warm-up run comes
+first and fills it.
 """
 from __future__ import annotations
 
@@ -25,24 +26,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.model import fused
+from common.model import fused, gemv_cache
+from common.model.cuda_timing import us_per_op
 
 MAX_ROWS = 8  # decode batches and verify blocks up to this many rows; more go to cuBLAS
-# What `auto` times against cuBLAS, by dtype: in bf16 one row. On the H200 the kernel beat cuBLAS
-# at one row (an embedded layer's products 10.2 against 18.4 us in bf16) and lost at eight in bf16
-# (23.7 against 18.0), where the per-shape timing still picked it once and a batch-8 step got 16%
-# slower. In fp32 cuBLAS has no tensor-core kernel to offer (exact fp32, no TF32): its products of
-# 4-16 rows took 4-14 us at the embedded shape, which makes a verify block of 4 cost twice a
-# one-row step, so there auto takes the kernel at every row count it takes.
-# PDFLASH_GEMV=triton uses it up to MAX_ROWS.
-AUTO_ROWS = {torch.float32: MAX_ROWS}
-# Where auto does not time cuBLAS at all. In fp32 on the H200, inside CUDA graphs, the kernel's
-# best blocks beat cuBLAS at every embedded product of 1, 4 and 8 rows (by 0.9-12.1 us; the
-# 4-row o product 3.5 against 10.0 us), except the 8-row LM head (59.2 against 52.1 us). The timing
-# alone is noisy at these sizes (5.5-40 us per product), so letting cuBLAS compete lets a chance
-# win of it cost several microseconds per layer (docs/PERFORMANCE.md, 2026-12-04 (later still)).
-KERNEL_ONLY = (torch.float32,)
 MODES = ("auto", "triton", "cublas")
+# auto's timing: products per CUDA graph, and weight copies enough to stream this many times the
+# L2 cache (a decode step reads far more than L2 holds, so no product finds its weight there).
+GRAPH_PRODUCTS = 50
+STREAM_L2S = 4
+MAX_COPIES = 256
+REPLAYS = 5
 
 
 @dataclass(frozen=True)
@@ -116,14 +110,22 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, blocks: Blocks = DEFAUL
 
 def timings(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool
             ) -> dict[Blocks | None, float]:
-    """Median GPU time in ms of cuBLAS (key None, except in KERNEL_ONLY dtypes) and of each
-    candidate, each run after the L2 cache is flushed (as a decode step finds the weights: the
-    step reads far more than L2)."""
-    from triton.testing import do_bench
+    """Microseconds per product of cuBLAS (key None) and of each candidate, as a decode step runs
+    them: inside a CUDA graph, one product after another, each reading another copy of the weight
+    so that together they stream past the L2 cache. Timed alone instead, a product's fixed launch cost (several microseconds, and noisy) dwarfs the
+    differences between block shapes, and the choice is close to chance: it picked cuBLAS at
+    shapes where, inside graphs, the kernel is faster and the other way round, costing several
+    microseconds per layer (docs/PERFORMANCE.md, 2026-12-04 (later still))."""
+    nbytes = weight.numel() * weight.element_size()
+    copies = min(MAX_COPIES, -(-STREAM_L2S * torch.cuda.get_device_properties(x.device).L2_cache_size // nbytes),
+                 1 + torch.cuda.mem_get_info(x.device)[0] // (4 * nbytes))  # at most a quarter of what is free
+    weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+    n = max(GRAPH_PRODUCTS, copies)
 
-    contenders = CANDIDATES if x.dtype in KERNEL_ONLY else (None, *CANDIDATES)
-    return {b: do_bench(lambda b=b: run(x, weight, bias, silu_mul, b), warmup=2, rep=10, return_mode="median")
-            for b in contenders}
+    def products(blocks: Blocks | None) -> Callable[[], None]:
+        return lambda: [run(x, weights[i % copies], bias, silu_mul, blocks) for i in range(n)]
+
+    return {b: us_per_op(products(b), n, replays=REPLAYS) for b in (None, *CANDIDATES)}
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
@@ -141,15 +143,46 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
         return None
     if _mode == "triton":
         return DEFAULT
-    if x.shape[0] > AUTO_ROWS.get(x.dtype, 1):
-        return None
     key = (silu_mul, x.shape[0], weight.shape[0], weight.shape[1], x.dtype, bias is not None)
     if key not in _chosen:
         if torch.cuda.is_current_stream_capturing():  # never timed (no warm-up ran): nothing can be timed now
             return None
-        times = timings(x, weight, bias, silu_mul)
-        _chosen[key] = min(times, key=times.__getitem__)
+        path = _kept_path(x.device)
+        name = _kept_choice(path, key)
+        if name not in _BY_NAME:
+            times = timings(x, weight, bias, silu_mul)
+            name = _name(min(times, key=times.__getitem__))
+            gemv_cache.keep(path, _key_name(key), name)
+        _chosen[key] = _BY_NAME[name]
     return _chosen[key]
+
+
+_BY_NAME: dict[str, Blocks | None] = {"cublas": None} | {str(b): b for b in CANDIDATES}
+
+
+def _name(blocks: Blocks | None) -> str:
+    return "cublas" if blocks is None else str(blocks)
+
+
+def _key_name(key: tuple) -> str:
+    silu_mul, rows, n, k, dtype, bias = key
+    return f"{'silu_mul' if silu_mul else 'linear'} rows={rows} n={n} k={k} {str(dtype).removeprefix('torch.')}" \
+           f"{' bias' if bias else ''}"
+
+
+_kept: dict[str, dict[str, str]] = {}  # path -> the choices read from it, once per process
+
+
+def _kept_path(device: torch.device) -> str:
+    versions = f"torch{torch.__version__}-triton{triton.__version__}"
+    with open(__file__, "rb") as f:
+        return gemv_cache.path_for(torch.cuda.get_device_name(device), versions, f.read())
+
+
+def _kept_choice(path: str, key: tuple) -> str | None:
+    if path not in _kept:
+        _kept[path] = gemv_cache.load(path)
+    return _kept[path].get(_key_name(key))
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -34,7 +34,7 @@ from common.model.config import ModelConfig
 from common.model.shapes import SHAPES
 from common.model.static_attention import static_attention_triton
 from common.model.transformer import rope_cos_sin
-from common.tools.gpu.timing import cycled_us_per_op
+from common.model.cuda_timing import cycled_us_per_op
 
 SHAPE_NAMES = ("embedded", "llama3-8b")
 BATCHES = (1, 8, 32)

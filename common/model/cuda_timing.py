@@ -10,8 +10,8 @@ import torch
 REPLAYS = 20
 
 
-def us_per_op(run: Callable[[], None], ops: int, graph: bool = True) -> float:
-    """Median microseconds per op over REPLAYS runs of `run`, which launches `ops` ops. Runs it
+def us_per_op(run: Callable[[], None], ops: int, graph: bool = True, replays: int = REPLAYS) -> float:
+    """Median microseconds per op over `replays` runs of `run`, which launches `ops` ops. Runs it
     once first (Triton compiles, cuBLAS and flashinfer set up), then, with `graph`, captures it
     on a side stream's warm-up as torch.cuda.graph expects and times the replays."""
     run()
@@ -26,7 +26,7 @@ def us_per_op(run: Callable[[], None], ops: int, graph: bool = True) -> float:
             run()
         run = g.replay
     times = []
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         run()
