@@ -112,9 +112,8 @@ def test_a_mode_other_than_auto_triton_cublas_is_refused(monkeypatch):
 
 
 def test_auto_choices_are_kept_on_disk(tmp_path):
-    """What auto timed once is read back by the next process; a file that is not ours, or a
-    choice this code does not have, is no choice (timed again), and a change to the code starts
-    another file."""
+    """auto's choices go to a file per GPU and code, each product under its own name, and come
+    back as the kernel's blocks or cuBLAS; a file that is not ours is no choice (timed again)."""
     from common.model import gemv_cache
 
     path = gemv_cache.path_for("NVIDIA H200", "torch2.11-triton3.6", b"kernel code")
@@ -124,13 +123,16 @@ def test_auto_choices_are_kept_on_disk(tmp_path):
 
     file = str(tmp_path / "sub" / "kept.json")
     assert gemv_cache.load(file) == {}
-    key = gemv._key_name((True, 4, 3072, 576, torch.float32, False))
-    gemv_cache.keep(file, key, gemv._name(gemv.CANDIDATES[0]))
-    gemv_cache.keep(file, gemv._key_name((False, 1, 576, 576, torch.bfloat16, True)), gemv._name(None))
+    gate_up = gemv_cache.key_name(True, 4, 3072, 576, torch.float32, False)
+    o_bias = gemv_cache.key_name(False, 1, 576, 576, torch.bfloat16, True)
+    assert gate_up == "silu_mul rows=4 n=3072 k=576 float32" and o_bias == "linear rows=1 n=576 k=576 bfloat16 bias"
+    gemv_cache.keep(file, gate_up, str(gemv.CANDIDATES[0]))
+    gemv_cache.keep(file, o_bias, "cublas")  # added to the first, not in its place
     kept = gemv_cache.load(file)
-    assert kept == {key: str(gemv.CANDIDATES[0]), "linear rows=1 n=576 k=576 bfloat16 bias": "cublas"}
-    assert gemv._BY_NAME[kept[key]] == gemv.CANDIDATES[0] and gemv._BY_NAME["cublas"] is None
-    assert "n3/k999/w5" not in gemv._BY_NAME  # a stale choice is timed again
+    assert kept == {gate_up: str(gemv.CANDIDATES[0]), o_bias: "cublas"}
+    assert gemv._BY_NAME[kept[gate_up]] == gemv.CANDIDATES[0] and gemv._BY_NAME[kept[o_bias]] is None
+    assert "n3/k999/w5" not in gemv._BY_NAME  # a choice this code does not have is timed again
+    assert sorted(os.listdir(tmp_path / "sub")) == [".lock", "kept.json"]  # the lock, no half-written file
     with open(file, "w") as f:
         f.write("[1, 2")
     assert gemv_cache.load(file) == {}

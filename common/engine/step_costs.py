@@ -30,7 +30,7 @@ from common.engine.sampling import SamplingParams
 from common.engine.spec_policy import SpecConfig, StepCosts
 from common.engine.spec_stats import SpecStats
 from common.kv.seq_cache import SeqCache
-from common.model.cache import building
+from common.model.cache import building, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +58,7 @@ def step_costs(decoder: Decoder, config: SpecConfig, blocks: list[int]) -> StepC
             with open(path) as f:
                 return StepCosts.from_json(json.load(f))
         costs = _measured(decoder, blocks, path)
-        tmp = f"{path}.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(costs.to_json(), f)
-        os.replace(tmp, path)
+        write_json(path, costs.to_json())
     return costs
 
 

@@ -1,12 +1,13 @@
 """Where pdflash keeps what it can rebuild, so that it is built once per machine: models
-converted from GGUF (weights as safetensors, the tokenizer as Hugging Face files) and the step
-costs measured for the speculation policy. `$XDG_CACHE_HOME/pdflash`, else `~/.cache/pdflash`;
-deleting it costs only the time to rebuild."""
+converted from GGUF (weights as safetensors, the tokenizer as Hugging Face files), the step
+costs measured for the speculation policy and the GEMV kernels' choices.
+`$XDG_CACHE_HOME/pdflash`, else `~/.cache/pdflash`; deleting it costs only the time to rebuild."""
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -57,3 +58,19 @@ def building(final: str) -> Iterator[None]:
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def write_json(path: str, obj: object) -> bool:
+    """Replace the file at `path` with `obj` in one rename, so that a reader sees the old or the
+    new version whole. Returns False, leaving nothing behind, if the cache cannot be written."""
+    tmp = f"{path}.{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=0, sort_keys=True)
+        os.replace(tmp, path)
+        return True
+    except (OSError, TypeError, ValueError):
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        return False

@@ -22,7 +22,8 @@ def us_per_op(run: Callable[[], None], ops: int, graph: bool = True, replays: in
         with torch.cuda.stream(side):
             run()
         torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(g):
+        # thread_local: a service's other threads (KV transfers, checksums) may use CUDA meanwhile
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
             run()
         run = g.replay
     times = []

@@ -11,14 +11,17 @@ weight) and rounds where common.model.fused.silu_mul's plain path rounds.
 
 Which kernel runs is chosen per (rows, N, K, dtype, bias, fused SiLU): PDFLASH_GEMV=cublas keeps
 cuBLAS, =triton takes the Triton kernel with its DEFAULT blocks, and =auto (the default) times
-cuBLAS and each of the CANDIDATES inside a CUDA graph (timings), on
-first use outside CUDA-graph capture, and keeps the fastest: in this process, and on disk for the
-next ones (gemv_cache). Inside a capture the kept choice is used: a graph's warm-up run comes
-first and fills it.
+cuBLAS and each of the CANDIDATES inside a CUDA graph (timings) on first use outside CUDA-graph
+capture, and keeps the fastest: in this process, and on disk for the next ones (gemv_cache).
+Inside a capture, a choice kept in this process or on disk is used, else cuBLAS; a graph's
+warm-up run comes first and times what it needs.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,8 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.model import fused, gemv_cache
+from common.model import cuda_timing, fused, gemv_cache
 from common.model.cuda_timing import us_per_op
+
+logger = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # decode batches and verify blocks up to this many rows; more go to cuBLAS
 MODES = ("auto", "triton", "cublas")
@@ -112,13 +117,16 @@ def timings(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
             ) -> dict[Blocks | None, float]:
     """Microseconds per product of cuBLAS (key None) and of each candidate, as a decode step runs
     them: inside a CUDA graph, one product after another, each reading another copy of the weight
-    so that together they stream past the L2 cache. Timed alone instead, a product's fixed launch cost (several microseconds, and noisy) dwarfs the
-    differences between block shapes, and the choice is close to chance: it picked cuBLAS at
-    shapes where, inside graphs, the kernel is faster and the other way round, costing several
-    microseconds per layer (docs/PERFORMANCE.md, 2026-12-04 (later still))."""
+    so that together they stream past the L2 cache. Timed alone instead, a product's fixed launch
+    cost (several microseconds, and noisy) dwarfs the differences between block shapes, and the
+    choice is close to chance: it picked cuBLAS at shapes where, inside graphs, the kernel is
+    faster and the other way round, costing several microseconds per layer (docs/PERFORMANCE.md,
+    2026-12-04 (later still))."""
     nbytes = weight.numel() * weight.element_size()
-    copies = min(MAX_COPIES, -(-STREAM_L2S * torch.cuda.get_device_properties(x.device).L2_cache_size // nbytes),
-                 1 + torch.cuda.mem_get_info(x.device)[0] // (4 * nbytes))  # at most a quarter of what is free
+    l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
+    free = torch.cuda.mem_get_info(x.device)[0]
+    # At most a quarter of the free memory: with less, fewer copies, and the weights partly in L2.
+    copies = min(MAX_COPIES, -(-STREAM_L2S * l2 // nbytes), 1 + free // (4 * nbytes))
     weights = [weight] + [weight.clone() for _ in range(copies - 1)]
     n = max(GRAPH_PRODUCTS, copies)
 
@@ -145,44 +153,48 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
         return DEFAULT
     key = (silu_mul, x.shape[0], weight.shape[0], weight.shape[1], x.dtype, bias is not None)
     if key not in _chosen:
-        if torch.cuda.is_current_stream_capturing():  # never timed (no warm-up ran): nothing can be timed now
+        path = _kept_path(x.device.index)
+        name = _kept_choices(path).get(gemv_cache.key_name(*key))
+        if name in _BY_NAME:
+            _chosen[key] = _BY_NAME[name]
+        elif torch.cuda.is_current_stream_capturing():  # never timed (no warm-up ran): nothing can be timed now
             return None
-        path = _kept_path(x.device)
-        name = _kept_choice(path, key)
-        if name not in _BY_NAME:
-            times = timings(x, weight, bias, silu_mul)
-            name = _name(min(times, key=times.__getitem__))
-            gemv_cache.keep(path, _key_name(key), name)
-        _chosen[key] = _BY_NAME[name]
+        else:
+            _chosen[key] = _timed_choice(x, weight, bias, silu_mul, path, gemv_cache.key_name(*key))
     return _chosen[key]
 
 
+def _timed_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, path: str,
+                  name: str) -> Blocks | None:
+    try:
+        times = timings(x, weight, bias, silu_mul)
+    except RuntimeError as e:  # e.g. no memory left for the weight copies: cuBLAS in this process, nothing kept
+        logger.warning("gemv: timing %s failed (%s); it runs on cuBLAS", name, e)
+        return None
+    best = min(times, key=times.__getitem__)
+    gemv_cache.keep(path, name, "cublas" if best is None else str(best))
+    return best
+
+
 _BY_NAME: dict[str, Blocks | None] = {"cublas": None} | {str(b): b for b in CANDIDATES}
-
-
-def _name(blocks: Blocks | None) -> str:
-    return "cublas" if blocks is None else str(blocks)
-
-
-def _key_name(key: tuple) -> str:
-    silu_mul, rows, n, k, dtype, bias = key
-    return f"{'silu_mul' if silu_mul else 'linear'} rows={rows} n={n} k={k} {str(dtype).removeprefix('torch.')}" \
-           f"{' bias' if bias else ''}"
-
-
 _kept: dict[str, dict[str, str]] = {}  # path -> the choices read from it, once per process
 
 
-def _kept_path(device: torch.device) -> str:
+@functools.cache
+def _kept_path(device_index: int | None) -> str:
+    """The file of this GPU and of the code that computes and times the products."""
+    code = b""
+    for module in (sys.modules[__name__], fused, cuda_timing):
+        with open(module.__file__, "rb") as f:
+            code += f.read()
     versions = f"torch{torch.__version__}-triton{triton.__version__}"
-    with open(__file__, "rb") as f:
-        return gemv_cache.path_for(torch.cuda.get_device_name(device), versions, f.read())
+    return gemv_cache.path_for(torch.cuda.get_device_name(device_index), versions, code)
 
 
-def _kept_choice(path: str, key: tuple) -> str | None:
+def _kept_choices(path: str) -> dict[str, str]:
     if path not in _kept:
         _kept[path] = gemv_cache.load(path)
-    return _kept[path].get(_key_name(key))
+    return _kept[path]
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -1,11 +1,10 @@
 """auto's GEMV choices kept between processes (common.model.cache), so that only the first
-start on a kind of GPU times the products: each choice times every block shape inside a CUDA
-graph, which at start-up takes tens of seconds for a model's shapes.
+start on a kind of GPU times the products: each choice times every contender inside a CUDA
+graph, which at start-up takes about a minute for a model's shapes.
 
-One JSON file per GPU name, torch and Triton versions and digest of the GEMV code (a change to
-the kernel or its candidates starts a new file): {product key: choice}. Processes started
-together may each time a product and write it; the file is replaced whole, so a reader sees one
-of the versions, and a lost entry is timed again by the next start."""
+One JSON file per GPU name, torch and Triton versions and digest of the code that computes and
+times the products (a change there starts a new file): {product: choice}. Processes add their
+choices one at a time (the cache's lock), so none is lost."""
 from __future__ import annotations
 
 import hashlib
@@ -13,7 +12,9 @@ import json
 import os
 import re
 
-from common.model.cache import CACHE_ROOT
+import torch
+
+from common.model.cache import CACHE_ROOT, building, write_json
 
 FOLDER = os.path.join(CACHE_ROOT, "gemv")
 
@@ -23,6 +24,12 @@ def path_for(device_name: str, versions: str, code: bytes) -> str:
     return os.path.join(FOLDER, f"{name}-{hashlib.sha256(code).hexdigest()[:16]}.json")
 
 
+def key_name(silu_mul: bool, rows: int, n: int, k: int, dtype: torch.dtype, bias: bool) -> str:
+    """How a product is named in the file, e.g. 'silu_mul rows=4 n=3072 k=576 float32'."""
+    return f"{'silu_mul' if silu_mul else 'linear'} rows={rows} n={n} k={k} {str(dtype).removeprefix('torch.')}" \
+           f"{' bias' if bias else ''}"
+
+
 def load(path: str) -> dict[str, str]:
     """The kept choices, or none where the file is missing or unreadable."""
     try:
@@ -30,17 +37,12 @@ def load(path: str) -> dict[str, str]:
             kept = json.load(f)
     except (OSError, ValueError):
         return {}
-    return {k: v for k, v in kept.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(kept, dict) else {}
+    if not isinstance(kept, dict):
+        return {}
+    return {k: v for k, v in kept.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def keep(path: str, key: str, choice: str) -> None:
     """Add one choice to the file (nothing happens where the cache cannot be written)."""
-    kept = load(path) | {key: choice}
-    tmp = f"{path}.{os.getpid()}"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(kept, f, indent=0, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    with building(path):
+        write_json(path, load(path) | {key: choice})

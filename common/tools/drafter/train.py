@@ -297,13 +297,17 @@ def init_from(drafter: Drafter, folder: str) -> int:
     (their output projections zero), so the grown drafter first drafts exactly what the loaded
     one did and training only has to find what the new layers add. Returns the layers added."""
     start = Drafter.load(folder)
-    if replace(start.cfg, num_layers=drafter.cfg.num_layers) != drafter.cfg or start.cfg.num_layers > drafter.cfg.num_layers:
-        diff = {k: (v, getattr(drafter.cfg, k)) for k, v in asdict(start.cfg).items() if getattr(drafter.cfg, k) != v}
+    deeper = start.cfg.num_layers <= drafter.cfg.num_layers
+    if replace(start.cfg, num_layers=drafter.cfg.num_layers) != drafter.cfg or not deeper:
+        diff = {k: (v, getattr(drafter.cfg, k)) for k, v in asdict(start.cfg).items()
+                if getattr(drafter.cfg, k) != v and (k != "num_layers" or not deeper)}
         raise ValueError(f"--init {folder}: that drafter differs from this run's (theirs, ours): {diff}; "
                          f"only more layers may be added")
     missing, unexpected = drafter.load_state_dict(start.state_dict(), strict=False)
     new = tuple(f"layers.{i}." for i in range(start.cfg.num_layers, drafter.cfg.num_layers))
-    assert not unexpected and all(k.startswith(new) for k in missing), (missing, unexpected)
+    if unexpected or not all(k.startswith(new) for k in missing):
+        raise ValueError(f"--init {folder}: its weights do not fit this drafter (missing {missing}, "
+                         f"unexpected {unexpected})")
     with torch.no_grad():
         for layer in drafter.layers[start.cfg.num_layers:]:
             layer.self_attn.o_proj.weight.zero_()

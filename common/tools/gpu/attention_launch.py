@@ -24,10 +24,10 @@ from dataclasses import asdict, replace
 import torch
 
 from common.model import static_attention as sa
+from common.model.cuda_timing import cycled_us_per_op
 from common.model.shapes import SHAPES
 from common.tools.gpu.checks import kernel_check
 from common.tools.gpu.flashinfer_check import DTYPE, PAGE_SIZE, TOLERANCE, Pages, kv_copies
-from common.model.cuda_timing import cycled_us_per_op
 
 SHAPE_NAMES = ("embedded", "llama3-8b")
 DECODE_CASES = ((1, 160), (8, 160), (32, 160), (1, 2048), (32, 2048))  # (batch, context)

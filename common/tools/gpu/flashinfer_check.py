@@ -31,10 +31,10 @@ import torch
 
 from common.model import fused
 from common.model.config import ModelConfig
+from common.model.cuda_timing import cycled_us_per_op
 from common.model.shapes import SHAPES
 from common.model.static_attention import static_attention_triton
 from common.model.transformer import rope_cos_sin
-from common.model.cuda_timing import cycled_us_per_op
 
 SHAPE_NAMES = ("embedded", "llama3-8b")
 BATCHES = (1, 8, 32)
