@@ -153,14 +153,14 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
         return DEFAULT
     key = (silu_mul, x.shape[0], weight.shape[0], weight.shape[1], x.dtype, bias is not None)
     if key not in _chosen:
-        path = _kept_path(x.device.index)
-        name = _kept_choices(path).get(gemv_cache.key_name(*key))
-        if name in _BY_NAME:
-            _chosen[key] = _BY_NAME[name]
+        path, name = _kept_path(x.device.index), gemv_cache.key_name(*key)
+        kept = _kept_choices(path).get(name)
+        if kept in _BY_NAME:
+            _chosen[key] = _BY_NAME[kept]
         elif torch.cuda.is_current_stream_capturing():  # never timed (no warm-up ran): nothing can be timed now
             return None
         else:
-            _chosen[key] = _timed_choice(x, weight, bias, silu_mul, path, gemv_cache.key_name(*key))
+            _chosen[key] = _timed_choice(x, weight, bias, silu_mul, path, name)
     return _chosen[key]
 
 
