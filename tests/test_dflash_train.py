@@ -92,6 +92,26 @@ def test_anchors_and_labels():
                 assert labels[s, j, k] == want
 
 
+def test_sampled_answers_labelled_on_the_greedy_path():
+    # Sampled answer 100..111 from position 2; the target's greedy choice after position t is
+    # 1000 + t except after 5, where it chose the sampled token 6 + 100 = 106: the sampled tokens
+    # at positions 3, 4, 5 and 7.. are off the greedy path, the one at 6 is on it.
+    ids = torch.arange(100, 112)
+    seqs = [Sequence("chat", 0, 1, 2, ids.int().numpy(), temperature=0.8),
+            Sequence("chat", 1, 0, 2, ids.int().numpy())]  # greedy: labelled with its own tokens
+    batch = make_batch(seqs)
+    target_next = torch.arange(1000, 1012).repeat(2, 1)
+    target_next[:, 5] = 106
+    anchors, ok = torch.tensor([[5, 2], [5, 2]]), torch.ones(2, 2, dtype=torch.bool)
+    argmax = block_labels(batch, anchors, ok, 4, target_next)
+    path = block_labels(batch, anchors, ok, 4, target_next, greedy_path=True)
+    assert argmax[0].tolist() == [[IGNORE, 106, 1006, 1007], [IGNORE, 1002, 1003, 1004]]
+    # Anchor 5: the token at 6 is the greedy choice, the one at 7 is not: position 3 is dropped.
+    # Anchor 2: the token at 3 is not: everything after position 1 is dropped.
+    assert path[0].tolist() == [[IGNORE, 106, 1006, IGNORE], [IGNORE, 1002, IGNORE, IGNORE]]
+    assert path[1].tolist() == argmax[1].tolist() == [[IGNORE, 106, 107, 108], [IGNORE, 103, 104, 105]]
+
+
 def test_sources_and_greedy_answers_weighted_up_by_repetition():
     seqs = [Sequence(src, i, k, 1, torch.arange(3).int().numpy(), temperature=0.0 if k == 0 else 0.8)
             for src in ("chat", "fewshot") for i in range(2) for k in range(2)]

@@ -129,20 +129,27 @@ def _groups_that_fit(runner: ModelRunner, tokens: list[list[int]]) -> list[list[
 
 
 def block_labels(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, block_size: int,
-                 target_next: torch.Tensor | None = None) -> torch.Tensor:
+                 target_next: torch.Tensor | None = None, greedy_path: bool = False) -> torch.Tensor:
     """labels [S, A, B]: position k of the block of anchor a predicts the token at a+k (k >= 1);
     IGNORE at k = 0, past the sequence end and for unused anchors. Sampled answers are
     labelled with the target's own greedy choice at a+k given the sequence before it (what a
-    T=0 verify would accept) instead of the sampled token."""
+    T=0 verify would accept) instead of the sampled token. With greedy_path, a sampled answer's
+    position k counts only while the sampled tokens a+1..a+k-1 are the target's greedy choices:
+    after the first that is not, the label is the greedy choice after a prefix that greedy
+    decoding never writes, and the drafter, which sees only MASKs there, cannot tell."""
     S, L = batch.ids.shape
     src = batch.ids
+    pos = anchors[:, :, None] + torch.arange(block_size, device=anchors.device)  # [S, A, B]
+    at = lambda x: torch.gather(x, 1, pos.clamp(max=L - 1).flatten(1)).view_as(pos)
+    keep = (pos < batch.lengths[:, None, None]) & ok[:, :, None]
     if target_next is not None and bool(batch.sampled.any()):
         # target_next[s, t] predicts position t+1; shift it so that src[s, t] labels position t.
         shifted = torch.cat([batch.ids[:, :1], target_next[:, :-1]], dim=1)
         src = torch.where(batch.sampled[:, None], shifted, batch.ids)
-    pos = anchors[:, :, None] + torch.arange(block_size, device=anchors.device)  # [S, A, B]
-    labels = torch.gather(src, 1, pos.clamp(max=L - 1).flatten(1)).view_as(pos)
-    keep = (pos < batch.lengths[:, None, None]) & ok[:, :, None]
+        if greedy_path:
+            on_path = at(batch.ids == shifted) | ~batch.sampled[:, None, None]
+            keep[:, :, 2:] &= on_path[:, :, 1:-1].long().cumprod(-1).bool()
+    labels = at(src)
     keep[:, :, 0] = False
     return labels.masked_fill(~keep, IGNORE)
 

@@ -84,6 +84,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--batch-size", type=int, default=32, help="sequences per step")
     t.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
     t.add_argument("--gamma", type=float, default=7.0, help="loss weight exp(-(k-1)/gamma) of block position k")
+    t.add_argument("--sampled-labels", choices=["argmax", "greedy-path"], default="argmax",
+                   help="labels of sampled answers: the target's greedy choice at every block position (argmax), "
+                        "or only while the sampled tokens before it in the block are the greedy choices too "
+                        "(greedy-path: the rest are ignored)")
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine decays to lr * this")
     t.add_argument("--warmup", type=float, default=0.04, help="warmup: a fraction of the steps (< 1) or a step count")
@@ -177,7 +181,8 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
     amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
     trainer = Trainer(runner, drafter, lr=args.lr, total_steps=total, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
                       weight_decay=args.weight_decay, gamma=args.gamma, anchors=args.anchors,
-                      grad_clip=args.grad_clip, amp=amp, seed=args.seed)
+                      grad_clip=args.grad_clip, amp=amp, seed=args.seed,
+                      greedy_path=args.sampled_labels == "greedy-path")
     ckpt_path = os.path.join(args.out, "checkpoint.pt")
     start, prev_seconds = 0, 0.0
     if args.resume and os.path.isfile(ckpt_path):

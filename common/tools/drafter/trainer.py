@@ -24,7 +24,8 @@ class Trainer:
 
     def __init__(self, runner: ModelRunner, drafter: Drafter, *, lr: float, total_steps: int, warmup: float = 0.04,
                  min_lr_ratio: float = 0.0, weight_decay: float = 0.01, gamma: float = 7.0, anchors: int = 32,
-                 grad_clip: float = 1.0, amp: bool = False, seed: int = 0):
+                 grad_clip: float = 1.0, amp: bool = False, seed: int = 0,
+                 greedy_path: bool = False):
         self.runner, self.drafter = runner, drafter
         self.device = runner.device
         self.amp = amp
@@ -35,6 +36,7 @@ class Trainer:
         self.lr, self.total_steps, self.min_lr_ratio = lr, total_steps, min_lr_ratio
         self.warmup_steps = int(warmup if warmup >= 1 else round(warmup * total_steps))
         self.gamma, self.anchors, self.grad_clip, self.seed = gamma, anchors, grad_clip, seed
+        self.greedy_path = greedy_path
         self.opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                                      fused=self.device.type == "cuda")
 
@@ -56,7 +58,7 @@ class Trainer:
              generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.drafter.cfg
         anchors, ok = sample_anchors(batch, self.anchors, generator)
-        labels = block_labels(batch, anchors, ok, cfg.block_size, target_next)
+        labels = block_labels(batch, anchors, ok, cfg.block_size, target_next, self.greedy_path)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             hidden = draft_hidden(self.drafter, self.embed, feats, batch, anchors, self.rope)
             return block_loss(hidden, labels, self.lm_head, self.gamma)
