@@ -102,14 +102,16 @@ def test_sampled_answers_labelled_on_the_greedy_path():
     batch = make_batch(seqs)
     target_next = torch.arange(1000, 1012).repeat(2, 1)
     target_next[:, 5] = 106
-    anchors, ok = torch.tensor([[5, 2], [5, 2]]), torch.ones(2, 2, dtype=torch.bool)
+    anchors, ok = torch.tensor([[5, 2, 4], [5, 2, 4]]), torch.ones(2, 3, dtype=torch.bool)
     argmax = block_labels(batch, anchors, ok, 4, target_next)
     path = block_labels(batch, anchors, ok, 4, target_next, greedy_path=True)
-    assert argmax[0].tolist() == [[IGNORE, 106, 1006, 1007], [IGNORE, 1002, 1003, 1004]]
+    assert argmax[0].tolist() == [[IGNORE, 106, 1006, 1007], [IGNORE, 1002, 1003, 1004], [IGNORE, 1004, 106, 1006]]
     # Anchor 5: the token at 6 is the greedy choice, the one at 7 is not: position 3 is dropped.
     # Anchor 2: the token at 3 is not: everything after position 1 is dropped.
-    assert path[0].tolist() == [[IGNORE, 106, 1006, IGNORE], [IGNORE, 1002, IGNORE, IGNORE]]
-    assert path[1].tolist() == argmax[1].tolist() == [[IGNORE, 106, 107, 108], [IGNORE, 103, 104, 105]]
+    # Anchor 4: the token at 5 is not, the one at 6 is: the path stays broken, 2 and 3 are dropped.
+    assert path[0].tolist() == [[IGNORE, 106, 1006, IGNORE], [IGNORE, 1002, IGNORE, IGNORE], [IGNORE, 1004, IGNORE, IGNORE]]
+    assert path[1].tolist() == argmax[1].tolist() == [[IGNORE, 106, 107, 108], [IGNORE, 103, 104, 105],
+                                                      [IGNORE, 105, 106, 107]]
 
 
 def test_sources_and_greedy_answers_weighted_up_by_repetition():

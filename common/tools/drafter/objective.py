@@ -147,6 +147,8 @@ def block_labels(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, block_si
         shifted = torch.cat([batch.ids[:, :1], target_next[:, :-1]], dim=1)
         src = torch.where(batch.sampled[:, None], shifted, batch.ids)
         if greedy_path:
+            # on_path[s, a, j]: the token at a+j is the target's greedy choice (always, for greedy
+            # answers); position k counts if j = 1..k-1 all are.
             on_path = at(batch.ids == shifted) | ~batch.sampled[:, None, None]
             keep[:, :, 2:] &= on_path[:, :, 1:-1].long().cumprod(-1).bool()
     labels = at(src)
@@ -192,7 +194,9 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
                gamma: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted cross-entropy over labelled block positions, through the target's LM head.
     Metrics (detached): acc1 = accuracy of the first draft position; accepted = mean length of
-    the correct draft prefix per block (what a greedy verify would accept)."""
+    the correct draft prefix per block (what a greedy verify would accept). An ignored position
+    ends the prefix, so with greedy-path labels a sampled answer's blocks count only up to where
+    the answer leaves the greedy path: not comparable with runs that label every position."""
     S, A, B, H = hidden.shape
     lab = labels[:, :, 1:]
     valid = lab != IGNORE
