@@ -277,6 +277,36 @@ def test_loss_falls_on_fixed_batch(target, dataset):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+def test_train_on_pooled_data(target, dataset, tmp_path):
+    """--pool adds other data folders' sequences, each distinct sequence once."""
+    import shutil
+
+    runner, tok = target
+    pool = str(tmp_path / "seed7")
+    shutil.copytree(dataset[0].folder, pool)
+    meta = json.load(open(os.path.join(pool, "meta.json")))
+    json.dump(meta | {"seed": 7}, open(os.path.join(pool, "meta.json"), "w"))  # another run's data
+    common = ["--data", dataset[0].folder, "--max-seqs", "3", "--gen-max-new-tokens", str(NEW_TOKENS),
+              "--shots", "2", "--sample-temperatures", "0.8,1.1", "--layers", "1", "--block-size", "4",
+              "--anchors", "4", "--batch-size", "2", "--steps", "1", "--save-every", "100"]
+    out = str(tmp_path / "pooled")
+    assert train(parse(*common, "--pool", pool, "--out", out), runner, tok) == 0
+    info = json.load(open(os.path.join(out, "train_info.json")))
+    # This run asks for the 3 greedy answers; the pool holds them too (counted once) and 6 samples,
+    # of which those that repeat an answer (short answers can) count once as well.
+    own = [s for s in dataset[0].sequences(dataset[1]) if s.k == 0]
+    distinct = {s.ids.tobytes() for s in dataset[0].sequences(dataset[1]) if s.response_len >= 2}
+    assert len(own) == 3 and len(distinct) > 3
+    assert info["data"]["pooled_sequences"] == len(distinct) - 3 and info["data"]["sequences"] == len(distinct)
+    assert f"--pool {os.path.relpath(pool)}" in info["command"] or f"--pool {pool}" in info["command"]
+
+    json.dump(meta | {"model": "another-model"}, open(os.path.join(pool, "meta.json"), "w"))
+    with pytest.raises(ValueError, match="holds other data: model"):
+        train(parse(*common, "--pool", pool, "--out", out), runner, tok)
+    with pytest.raises(FileNotFoundError, match="no meta.json"):
+        train(parse(*common, "--pool", str(tmp_path / "nowhere"), "--out", out), runner, tok)
+
+
 def test_train_save_and_resume(target, dataset, tmp_path):
     runner, tok = target
     data = dataset[0].folder

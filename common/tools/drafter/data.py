@@ -198,6 +198,23 @@ class DataStore:
         self._files = {}
 
 
+def pooled_sequences(folder: str, settings: GenSettings) -> list[Sequence]:
+    """Every finished sequence of another data folder (another --seed's data, say) to train on
+    as well. It must hold the same model's answers to the same prompt file, so that prompt i of
+    the file (and --eval-prompts' held-out prompts) means the same question in both."""
+    meta_path = os.path.join(folder, "meta.json")
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"--pool {folder!r}: no meta.json there (not a data folder of dflash train)")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    for key in ("model", "prompts_sha256", "prompt_field"):
+        if meta.get(key) != getattr(settings, key):
+            raise ValueError(f"--pool {folder!r} holds other data: {key} {meta.get(key)!r}, "
+                             f"this run's {getattr(settings, key)!r}")
+    store = DataStore(folder, GenSettings(**meta))
+    return [rec for _, rec in sorted(store.records.items()) if isinstance(rec, Sequence)]
+
+
 @dataclass(frozen=True)
 class Job:
     source: Source

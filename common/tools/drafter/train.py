@@ -33,13 +33,14 @@ from common.runner.model_runner import ModelRunner
 from common.service.loader import ModelOptions, add_model_args, load_model
 from common.tools.bench.gsm8k_data import Item
 from common.tools.drafter import sources
-from common.tools.drafter.data import DataStore, GenSettings, data_stats, file_sha256, generate, read_prompts
+from common.tools.drafter.data import (DataStore, GenSettings, Sequence, data_stats, file_sha256, generate,
+                                       pooled_sequences, read_prompts)
 from common.tools.drafter.objective import Batch, make_batch
 from common.tools.drafter.trainer import EpochOrder, Trainer, load_checkpoint, rounded, save_checkpoint, save_drafter
 
 # Flags that steer one invocation but not what it produces: left out of the reproduce command.
 RUN_CONTROL = {"resume", "stop_at", "time_limit", "no_progress", "log_every", "save_every", "stage", "gen_time_limit"}
-PATHS = {"prompts", "data", "out", "model", "init"}
+PATHS = {"prompts", "data", "pool", "out", "model", "init"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +62,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated; sampled answer k uses the ((k-1) mod n)-th")
     d.add_argument("--sample-top-p", type=float, default=0.95)
     d.add_argument("--data", default=None, help="data folder (default OUT/data); reused and extended if it exists")
+    d.add_argument("--pool", default=None, metavar="DIR[,DIR...]",
+                   help="train also on the finished sequences of these data folders (other runs' --data, of the same "
+                        "model and prompt file; read, never written); a sequence already in the data counts once")
     d.add_argument("--gen-time-limit", type=float, default=None,
                    help="stop generating after this many seconds (what finished is kept; run again to go on)")
     d.add_argument("--eval-prompts", type=int, default=0, help="hold out the last N prompts; report their loss/acc")
@@ -157,14 +161,17 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
     seqs = [s for s in store.sequences(srcs) if s.response_len >= 2]  # an anchor needs a token after it
     held_out = set(range(len(rows) - args.eval_prompts, len(rows))) if args.eval_prompts else set()
     asks_file = ("chat", "fewshot")  # sources whose prompt i is the file's prompt i
-    train_seqs = [s for s in seqs if not (s.source in asks_file and s.i in held_out)]
-    eval_seqs = [s for s in seqs if s.source in asks_file and s.i in held_out and s.k == 0]
+    held = lambda s: s.source in asks_file and s.i in held_out
+    pooled = [s for s in _pooled(args, settings, seqs) if not held(s)]
+    train_seqs = [s for s in seqs if not held(s)] + pooled
+    eval_seqs = [s for s in seqs if held(s) and s.k == 0]
     if not train_seqs:
         raise ValueError("no training sequences (every answer is shorter than 2 tokens?)")
     stats = data_stats(train_seqs)
     train_seqs = repeated(train_seqs, _repeats(args.source_repeat or ""), args.greedy_repeat)
-    print(f"data: {data_dir}: {stats['sequences']} training sequences, {stats['response_tokens']:,} response tokens "
-          f"({', '.join(f'{k} {v:,}' for k, v in stats['response_tokens_by_source'].items())})", flush=True)
+    pool_note = f", {len(pooled)} of them from --pool" if pooled else ""
+    print(f"data: {data_dir}: {stats['sequences']} training sequences{pool_note}, {stats['response_tokens']:,} response "
+          f"tokens ({', '.join(f'{k} {v:,}' for k, v in stats['response_tokens_by_source'].items())})", flush=True)
 
     # ---- 2. training --------------------------------------------------------------------
     if device.type == "cuda":
@@ -206,7 +213,8 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
     info = {
         "command": reproduce_command(args),
         "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-        "data": stats | {"folder": os.path.abspath(data_dir), "eval_sequences": len(eval_seqs)},
+        "data": stats | {"folder": os.path.abspath(data_dir), "eval_sequences": len(eval_seqs),
+                         "pooled_sequences": len(pooled)},
         "generation": gen,
         "drafter": asdict(cfg) | {"parameters": n_params, "saved_dtype": str(save_dtype).removeprefix("torch."),
                                   "bytes": os.path.getsize(os.path.join(drafter_dir, "model.safetensors"))},
@@ -347,12 +355,36 @@ def reproduce_command(args: argparse.Namespace) -> str:
             if value:
                 words.append(action.option_strings[0])
         elif value is not None:
-            if action.dest in PATHS and os.path.isabs(str(value)):
-                # The command is run from a checkout, wherever that is: paths near it relative.
-                rel = os.path.relpath(value)
-                value = value if rel.startswith(os.path.join(os.pardir, os.pardir)) else rel
+            if action.dest in PATHS:
+                value = ",".join(_near(path) for path in str(value).split(","))
             words += [action.option_strings[0], str(value)]
     return shlex.join(words)
+
+
+def _pooled(args, settings: GenSettings, seqs: list[Sequence]) -> list[Sequence]:
+    """The --pool folders' sequences that are not already in `seqs` or an earlier folder: the
+    greedy answers to the prompt file's questions are the same in every run's data."""
+    seen = {s.ids.tobytes() for s in seqs}
+    out = []
+    for folder in _pool_folders(args):
+        for seq in pooled_sequences(folder, settings):
+            key = seq.ids.tobytes()
+            if seq.response_len >= 2 and key not in seen:
+                seen.add(key)
+                out.append(seq)
+    return out
+
+
+def _pool_folders(args) -> list[str]:
+    return [f.strip() for f in (args.pool or "").split(",") if f.strip()]
+
+
+def _near(path: str) -> str:
+    """The command is run from a checkout, wherever that is: absolute paths near it relative."""
+    if not os.path.isabs(path):
+        return path
+    rel = os.path.relpath(path)
+    return path if rel.startswith(os.path.join(os.pardir, os.pardir)) else rel
 
 
 def repeated(seqs: list, source_repeat: dict[str, int], greedy_repeat: int) -> list:
@@ -394,6 +426,9 @@ def _check_args(args) -> None:
     if args.greedy_repeat < 1:
         raise ValueError("--greedy-repeat must be at least 1")
     _repeats(args.source_repeat or "")
+    for folder in _pool_folders(args):  # before generation, which may take long
+        if not os.path.isfile(os.path.join(folder, "meta.json")):
+            raise FileNotFoundError(f"--pool {folder!r}: no meta.json there (not a data folder of dflash train)")
     for name in ("batch_size", "anchors", "block_size", "layers", "gen_max_new_tokens", "log_every", "save_every"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
