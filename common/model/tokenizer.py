@@ -232,11 +232,20 @@ class IncrementalDecoder:
         return full
 
     def _settle(self, ids: list[int], full: str, upto: int) -> None:
-        """Keep the text of ids[:upto] where it is whole characters and the start of `full`."""
+        """Keep the text of ids[:upto] if the next updates, decoding from WINDOW ids before it,
+        read what decoding everything reads. Not where a character is split at either end of
+        those ids, nor where they decode to nothing (skipped special tokens: the next id would be
+        a decode's first and could lose its leading space). A tokenizer with byte-fallback tokens
+        decodes a run of them as one, all U+FFFD while its last character is incomplete: hence
+        no settling while `full` ends in one, and the check that the window reads the rest of
+        `full`."""
         lo = max(0, self._settled - self.WINDOW)
         window = self.tokenizer.decode(ids[lo:upto])
         text = self._base + window[len(self._head):]
         if not window.startswith(self._head) or text.endswith("\ufffd") or not full.startswith(text):
             return
-        self._settled, self._base = upto, text
-        self._head = self.tokenizer.decode(ids[upto - self.WINDOW:upto])
+        head = self.tokenizer.decode(ids[upto - self.WINDOW:upto])
+        if not head or head[0] == "\ufffd" or full.endswith("\ufffd"):
+            return
+        if self.tokenizer.decode(ids[upto - self.WINDOW:]) == head + full[len(text):]:
+            self._settled, self._base, self._head = upto, text, head
