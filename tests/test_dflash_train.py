@@ -278,33 +278,44 @@ def test_loss_falls_on_fixed_batch(target, dataset):
 
 
 def test_train_on_pooled_data(target, dataset, tmp_path):
-    """--pool adds other data folders' sequences, each distinct sequence once."""
+    """--pool adds other data folders' sequences, each distinct sequence once, held-out prompts
+    left out; the folders are checked before generation and never written."""
+    import shlex
     import shutil
 
     runner, tok = target
-    pool = str(tmp_path / "seed7")
-    shutil.copytree(dataset[0].folder, pool)
-    meta = json.load(open(os.path.join(pool, "meta.json")))
-    json.dump(meta | {"seed": 7}, open(os.path.join(pool, "meta.json"), "w"))  # another run's data
-    common = ["--data", dataset[0].folder, "--max-seqs", "3", "--gen-max-new-tokens", str(NEW_TOKENS),
+    store, srcs = dataset
+    pool, pool2 = str(tmp_path / "seed7"), str(tmp_path / "seed8")
+    for folder, seed in ((pool, 7), (pool2, 8)):  # other runs' data: here, copies of this one
+        shutil.copytree(store.folder, folder)
+        meta = json.load(open(os.path.join(folder, "meta.json")))
+        json.dump(meta | {"seed": seed}, open(os.path.join(folder, "meta.json"), "w"))
+    with open(os.path.join(pool, "chat-0000.jsonl"), "a") as f:
+        f.write('{"i": 9, "k": 0, "t": 0.0, "prompt_len": 3, "ids": [1, 2')  # a run still writing there
+    before = {name: open(os.path.join(pool, name), "rb").read() for name in os.listdir(pool)}
+    common = ["--data", store.folder, "--max-seqs", "3", "--gen-max-new-tokens", str(NEW_TOKENS),
               "--shots", "2", "--sample-temperatures", "0.8,1.1", "--layers", "1", "--block-size", "4",
               "--anchors", "4", "--batch-size", "2", "--steps", "1", "--save-every", "100"]
     out = str(tmp_path / "pooled")
-    assert train(parse(*common, "--pool", pool, "--out", out), runner, tok) == 0
+    # This run asks for the 3 greedy answers, the last prompt held out: the pools add the samples
+    # of the other two (both pools hold the same: once), but not those that repeat an answer.
+    assert train(parse(*common, "--eval-prompts", "1", "--pool", f"{pool},{pool2}", "--out", out), runner, tok) == 0
     info = json.load(open(os.path.join(out, "train_info.json")))
-    # This run asks for the 3 greedy answers; the pool holds them too (counted once) and 6 samples,
-    # of which those that repeat an answer (short answers can) count once as well.
-    own = [s for s in dataset[0].sequences(dataset[1]) if s.k == 0]
-    distinct = {s.ids.tobytes() for s in dataset[0].sequences(dataset[1]) if s.response_len >= 2}
-    assert len(own) == 3 and len(distinct) > 3
-    assert info["data"]["pooled_sequences"] == len(distinct) - 3 and info["data"]["sequences"] == len(distinct)
-    assert f"--pool {os.path.relpath(pool)}" in info["command"] or f"--pool {pool}" in info["command"]
+    kept = [s for s in store.sequences(srcs) if s.i < 2 and s.response_len >= 2]
+    distinct = {s.ids.tobytes() for s in kept}
+    assert len([s for s in kept if s.k == 0]) == 2 and len(distinct) > 2
+    assert info["data"]["sequences"] == len(distinct) and info["data"]["pooled_sequences"] == len(distinct) - 2
+    words = shlex.split(info["command"])
+    assert [os.path.abspath(f) for f in words[words.index("--pool") + 1].split(",")] == [pool, pool2]
+    assert {name: open(os.path.join(pool, name), "rb").read() for name in os.listdir(pool)} == before
 
-    json.dump(meta | {"model": "another-model"}, open(os.path.join(pool, "meta.json"), "w"))
-    with pytest.raises(ValueError, match="holds other data: model"):
-        train(parse(*common, "--pool", pool, "--out", out), runner, tok)
+    # Checked before generation: --stage data never trains.
+    for key in ("model", "prompts_sha256", "prompt_field"):
+        json.dump(meta | {key: "another"}, open(os.path.join(pool2, "meta.json"), "w"))
+        with pytest.raises(ValueError, match=f"holds other data: {key}"):
+            train(parse(*common, "--stage", "data", "--pool", pool2, "--out", out), runner, tok)
     with pytest.raises(FileNotFoundError, match="no meta.json"):
-        train(parse(*common, "--pool", str(tmp_path / "nowhere"), "--out", out), runner, tok)
+        train(parse(*common, "--stage", "data", "--pool", str(tmp_path / "nowhere"), "--out", out), runner, tok)
 
 
 def test_train_save_and_resume(target, dataset, tmp_path):

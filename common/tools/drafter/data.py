@@ -125,30 +125,12 @@ class DataStore:
             with open(meta_path, "w") as f:
                 json.dump(want, f, indent=1)
         self.records: dict[tuple[str, int, int], Sequence | str] = {}  # str: why it was skipped
-        for path in sorted(glob.glob(os.path.join(folder, "*-[0-9][0-9][0-9][0-9].jsonl"))):
-            self._read(path)
+        for path in _shards(folder):
+            good, torn = _read_shard(path, self.records)
+            if torn:  # the last line of a killed run: drop it, so that appends start on a line
+                with open(path, "w") as f:
+                    f.writelines(good)
         self._files: dict[str, object] = {}
-
-    def _read(self, path: str) -> None:
-        source = os.path.basename(path).rsplit("-", 1)[0]
-        good, torn = [], False
-        with open(path) as f:
-            for line in f:
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    torn = True  # the last line of a killed run
-                    break
-                good.append(line if line.endswith("\n") else line + "\n")
-                key = (source, obj["i"], obj["k"])
-                if "skipped" in obj:
-                    self.records[key] = obj["skipped"]
-                else:
-                    self.records[key] = Sequence(source, obj["i"], obj["k"], obj["prompt_len"],
-                                                 np.asarray(obj["ids"], dtype=np.int32), obj["finish"], obj["t"])
-        if torn:
-            with open(path, "w") as f:
-                f.writelines(good)
 
     def __contains__(self, key: tuple[str, int, int]) -> bool:
         return key in self.records
@@ -198,10 +180,34 @@ class DataStore:
         self._files = {}
 
 
-def pooled_sequences(folder: str, settings: GenSettings) -> list[Sequence]:
-    """Every finished sequence of another data folder (another --seed's data, say) to train on
-    as well. It must hold the same model's answers to the same prompt file, so that prompt i of
-    the file (and --eval-prompts' held-out prompts) means the same question in both."""
+def _shards(folder: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(folder, "*-[0-9][0-9][0-9][0-9].jsonl")))
+
+
+def _read_shard(path: str, records: dict) -> tuple[list[str], bool]:
+    """Add a shard's records; returns its whole lines and whether a torn last line followed them."""
+    source = os.path.basename(path).rsplit("-", 1)[0]
+    good = []
+    with open(path) as f:
+        for line in f:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                return good, True
+            good.append(line if line.endswith("\n") else line + "\n")
+            key = (source, obj["i"], obj["k"])
+            if "skipped" in obj:
+                records[key] = obj["skipped"]
+            else:
+                records[key] = Sequence(source, obj["i"], obj["k"], obj["prompt_len"],
+                                        np.asarray(obj["ids"], dtype=np.int32), obj["finish"], obj["t"])
+    return good, False
+
+
+def check_pool(folder: str, settings: GenSettings) -> None:
+    """Another data folder (another --seed's data, say) to train on as well must hold the same
+    model's answers to the same prompt file, so that prompt i of the file (and --eval-prompts'
+    held-out prompts) means the same question in both."""
     meta_path = os.path.join(folder, "meta.json")
     if not os.path.isfile(meta_path):
         raise FileNotFoundError(f"--pool {folder!r}: no meta.json there (not a data folder of dflash train)")
@@ -211,8 +217,15 @@ def pooled_sequences(folder: str, settings: GenSettings) -> list[Sequence]:
         if meta.get(key) != getattr(settings, key):
             raise ValueError(f"--pool {folder!r} holds other data: {key} {meta.get(key)!r}, "
                              f"this run's {getattr(settings, key)!r}")
-    store = DataStore(folder, GenSettings(**meta))
-    return [rec for _, rec in sorted(store.records.items()) if isinstance(rec, Sequence)]
+
+
+def pooled_sequences(folder: str) -> list[Sequence]:
+    """Every finished sequence of a data folder (check_pool first), read without writing to it:
+    another run may still be generating there."""
+    records: dict[tuple[str, int, int], Sequence | str] = {}
+    for path in _shards(folder):
+        _read_shard(path, records)
+    return [rec for _, rec in sorted(records.items()) if isinstance(rec, Sequence)]
 
 
 @dataclass(frozen=True)

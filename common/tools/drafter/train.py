@@ -33,8 +33,8 @@ from common.runner.model_runner import ModelRunner
 from common.service.loader import ModelOptions, add_model_args, load_model
 from common.tools.bench.gsm8k_data import Item
 from common.tools.drafter import sources
-from common.tools.drafter.data import (DataStore, GenSettings, Sequence, data_stats, file_sha256, generate,
-                                       pooled_sequences, read_prompts)
+from common.tools.drafter.data import (DataStore, GenSettings, Sequence, check_pool, data_stats, file_sha256,
+                                       generate, pooled_sequences, read_prompts)
 from common.tools.drafter.objective import Batch, make_batch
 from common.tools.drafter.trainer import EpochOrder, Trainer, load_checkpoint, rounded, save_checkpoint, save_drafter
 
@@ -143,6 +143,8 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
                            prompts_sha256=file_sha256(args.prompts), prompt_field=args.prompt_field, shots=args.shots,
                            gen_max_new_tokens=args.gen_max_new_tokens, sample_temperatures=_temperatures(args),
                            sample_top_p=args.sample_top_p, seed=args.seed)
+    for folder in _pool_folders(args):  # before generation, which may take hours
+        check_pool(folder, settings)
     store = DataStore(data_dir, settings)
     items = [Item(r[args.prompt_field], r["answer"]) for r in rows] if "fewshot" in _formats(args) else None
     srcs = sources.build(tok, [str(r[args.prompt_field]) for r in rows], items, formats=_formats(args),
@@ -355,8 +357,10 @@ def reproduce_command(args: argparse.Namespace) -> str:
             if value:
                 words.append(action.option_strings[0])
         elif value is not None:
-            if action.dest in PATHS:
-                value = ",".join(_near(path) for path in str(value).split(","))
+            if action.dest == "pool":
+                value = ",".join(_near(path) for path in _pool_folders(args))
+            elif action.dest in PATHS:
+                value = _near(str(value))
             words += [action.option_strings[0], str(value)]
     return shlex.join(words)
 
@@ -367,7 +371,7 @@ def _pooled(args, settings: GenSettings, seqs: list[Sequence]) -> list[Sequence]
     seen = {s.ids.tobytes() for s in seqs}
     out = []
     for folder in _pool_folders(args):
-        for seq in pooled_sequences(folder, settings):
+        for seq in pooled_sequences(folder):
             key = seq.ids.tobytes()
             if seq.response_len >= 2 and key not in seen:
                 seen.add(key)
@@ -426,9 +430,6 @@ def _check_args(args) -> None:
     if args.greedy_repeat < 1:
         raise ValueError("--greedy-repeat must be at least 1")
     _repeats(args.source_repeat or "")
-    for folder in _pool_folders(args):  # before generation, which may take long
-        if not os.path.isfile(os.path.join(folder, "meta.json")):
-            raise FileNotFoundError(f"--pool {folder!r}: no meta.json there (not a data folder of dflash train)")
     for name in ("batch_size", "anchors", "block_size", "layers", "gen_max_new_tokens", "log_every", "save_every"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
