@@ -15,14 +15,19 @@ from common.dflash.drafter import Drafter
 from common.engine.engine import Engine
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
+from common.kv.seq_cache import SeqCache
 from common.tools.bench import gsm8k_data
 from common.tools.drafter import sources
 from common.tools.drafter.data import DataStore, GenSettings, Sequence, file_sha256, generate, read_prompts
 from common.tools.drafter.evaluate import eval_prompts
 from common.tools.drafter.objective import (
     IGNORE,
+    SOFT_TOP_K,
+    Targets,
     block_attention_mask,
     block_labels,
+    block_loss,
+    block_soft_labels,
     draft_hidden,
     make_batch,
     sample_anchors,
@@ -114,6 +119,47 @@ def test_sampled_answers_labelled_on_the_greedy_path():
                                                       [IGNORE, 105, 106, 107]]
 
 
+def test_soft_labels_mix_the_targets_distribution_into_each_label():
+    # The target's top-2 after position t of sequence s: tokens 10*t + s and 10*t + s + 1, with
+    # probabilities 0.75 / 0.25 (or 0.5 / 0.5 for s = 1).
+    S, L, B, V, H = 2, 9, 4, 64, 8
+    t = torch.arange(L)[None, :, None]
+    ids = 10 * t + torch.arange(S)[:, None, None] + torch.tensor([0, 1])
+    probs = torch.tensor([[0.75, 0.25], [0.5, 0.5]])[:, None, :].expand(S, L, 2).contiguous()
+    targets = Targets({}, top_ids=ids % V, top_probs=probs)
+    anchors = torch.tensor([[1, 4], [0, 5]])
+    soft_ids, soft_probs = block_soft_labels(targets, anchors, B)
+    # Position k of the block at anchor a: the target's distribution after a+k-1.
+    for s in range(S):
+        for j in range(2):
+            for k in range(1, B):
+                assert soft_ids[s, j, k].tolist() == targets.top_ids[s, int(anchors[s, j]) + k - 1].tolist()
+                assert soft_probs[s, j, k].tolist() == probs[s, 0].tolist()
+
+    g = torch.Generator().manual_seed(0)
+    hidden, lm_head = torch.randn(S, 2, B, H, generator=g), torch.randn(V, H, generator=g)
+    labels = torch.randint(0, V, (S, 2, B), generator=g)
+    labels[:, :, 0] = IGNORE
+    labels[1, 1, 2:] = IGNORE
+    gamma, w = 3.0, 0.4
+    logp = torch.log_softmax(hidden @ lm_head.T, -1)
+    num = den = 0.0
+    for s in range(S):
+        for j in range(2):
+            for k in range(1, B):
+                if labels[s, j, k] == IGNORE:
+                    continue
+                hard = -logp[s, j, k, labels[s, j, k]]
+                soft = -(soft_probs[s, j, k] * logp[s, j, k, soft_ids[s, j, k]]).sum()
+                weight = torch.exp(torch.tensor(-(k - 1) / gamma))
+                num, den = num + weight * ((1 - w) * hard + w * soft), den + weight
+    loss, _ = block_loss(hidden, labels, lm_head, gamma, (soft_ids, soft_probs), w)
+    torch.testing.assert_close(loss, num / den)
+    hard_only, _ = block_loss(hidden, labels, lm_head, gamma)
+    assert torch.equal(block_loss(hidden, labels, lm_head, gamma, (soft_ids, soft_probs), 0.0)[0], hard_only)
+    assert abs(loss.item() - hard_only.item()) > 1e-3  # the soft part counts
+
+
 def test_sources_and_greedy_answers_weighted_up_by_repetition():
     seqs = [Sequence(src, i, k, 1, torch.arange(3).int().numpy(), temperature=0.0 if k == 0 else 0.8)
             for src in ("chat", "fewshot") for i in range(2) for k in range(2)]
@@ -124,6 +170,8 @@ def test_sources_and_greedy_answers_weighted_up_by_repetition():
     assert repeated(seqs, {}, 1) == seqs
     with pytest.raises(ValueError, match="source-repeat"):
         train(parse("--source-repeat", "poetry=2"), None, None)
+    with pytest.raises(ValueError, match="soft-labels must be between 0 and 1"):
+        train(parse("--soft-labels", "1.5"), None, None)
 
 
 # ---- with the embedded model --------------------------------------------------------------
@@ -234,7 +282,7 @@ def test_batched_blocks_match_one_block_at_a_time(target, dataset):
     drafter = Drafter(drafter_config(args, runner)).eval()
     trainer = Trainer(runner, drafter, lr=1e-3, total_steps=1)
     batch = make_batch(seqs[:3])
-    feats, _ = trainer.capture(batch)
+    feats = trainer.capture(batch).feats
     anchors, ok = sample_anchors(batch, 3, torch.Generator().manual_seed(1))
     cos, sin = trainer.rope
     with torch.no_grad():
@@ -265,16 +313,51 @@ def test_loss_falls_on_fixed_batch(target, dataset):
     drafter = Drafter(drafter_config(args, runner))
     trainer = Trainer(runner, drafter, lr=2e-3, total_steps=100, warmup=0, anchors=4)
     batch = make_batch(seqs[:4])  # greedy and sampled answers (labels from the target's argmax)
-    feats, target_next = trainer.capture(batch)  # the target is frozen: run it once
-    assert target_next is not None
+    targets = trainer.capture(batch)  # the target is frozen: run it once
+    assert targets.next_token is not None
     losses = []
     for _ in range(12):
-        loss, _ = trainer.loss(batch, feats, target_next, torch.Generator().manual_seed(0))  # same anchors
+        loss, _ = trainer.loss(batch, targets, torch.Generator().manual_seed(0))  # same anchors
         loss.backward()
         trainer.opt.step()
         trainer.opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_soft_labels_are_the_targets_renormalised_top_k(target, dataset):
+    """capture(top_k) keeps, per position, the target's most likely next tokens and their
+    probabilities renormalised over them; the greedy token is the first; and a drafter trained
+    on soft labels learns too."""
+    runner, _ = target
+    seqs = dataset[0].sequences(dataset[1])
+    args = parse("--layers", "1", "--block-size", "4")
+    torch.manual_seed(0)
+    trainer = Trainer(runner, Drafter(drafter_config(args, runner)), lr=2e-3, total_steps=100, warmup=0,
+                      anchors=4, soft_weight=0.5)
+    batch = make_batch(seqs[:2])
+    targets = trainer.capture(batch)
+    ids = batch.tokens[1]
+    cache = SeqCache()
+    runner.reserve(cache, len(ids))
+    try:
+        logits = runner.extend([cache], [ids], all_logits=True).logits.float()
+    finally:
+        runner.release(cache)
+    n = len(ids)
+    top = logits.topk(SOFT_TOP_K, dim=-1)
+    assert torch.equal(targets.top_ids[1, :n], top.indices)
+    torch.testing.assert_close(targets.top_probs[1, :n], torch.softmax(top.values, -1))
+    torch.testing.assert_close(targets.top_probs[1, :n].sum(-1), torch.ones(n))
+    assert torch.equal(targets.top_ids[1, :n, 0], targets.next_token[1, :n])
+    losses = []
+    for _ in range(12):
+        loss, _ = trainer.loss(batch, targets, torch.Generator().manual_seed(0))
+        loss.backward()
+        trainer.opt.step()
+        trainer.opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
 
 
 def test_train_on_pooled_data(target, dataset, tmp_path):
@@ -374,14 +457,14 @@ def test_train_save_and_resume(target, dataset, tmp_path):
     scores = []
     for d in (whole, grown):
         trainer = Trainer(runner, d, lr=0.0, total_steps=1, anchors=4)
-        loss, m = trainer.loss(batch, *trainer.capture(batch), torch.Generator().manual_seed(0))
+        loss, m = trainer.loss(batch, trainer.capture(batch), torch.Generator().manual_seed(0))
         scores.append((loss.item(), m["accepted"].item()))
     assert scores[0] == scores[1]
     # Negative control: a new layer that does not start as the identity changes the scores.
     with torch.no_grad():
         grown.layers[1].mlp.down_proj.weight.normal_(0, 0.02)
     trainer = Trainer(runner, grown, lr=0.0, total_steps=1, anchors=4)
-    assert trainer.loss(batch, *trainer.capture(batch), torch.Generator().manual_seed(0))[0].item() != scores[0][0]
+    assert trainer.loss(batch, trainer.capture(batch), torch.Generator().manual_seed(0))[0].item() != scores[0][0]
 
     # Fewer layers, or another shape, are refused.
     with pytest.raises(ValueError, match="only more layers"):

@@ -5,7 +5,9 @@ For every sequence s and anchor a (a random position in the response):
   context  = fused target features of positions < a   (strictly before the anchor)
   attention: each block sees its context and itself (bidirectionally), never another block
   labels   : block position k (1..B-1) predicts the token at a+k; weight exp(-(k-1)/gamma);
-             positions past the end of the sequence are ignored.
+             positions past the end of the sequence are ignored. With soft labels, part of
+             each label's mass is the target's own next-token distribution there (its
+             SOFT_TOP_K most likely tokens), not only its greedy token.
 
 Shapes: S sequences padded to L tokens, A anchors per sequence, B block size, N = S*A*B.
 The target is frozen: its captured hidden states, embedding and LM head are constants here.
@@ -24,6 +26,7 @@ from common.kv.seq_cache import SeqCache
 from common.runner.model_runner import ModelRunner
 
 IGNORE = -100
+SOFT_TOP_K = 16  # the target's most likely next tokens a soft label keeps per position
 
 
 @dataclass
@@ -82,34 +85,53 @@ def block_attention_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
     return torch.cat([ctx, own], dim=-1).unsqueeze(1)
 
 
+@dataclass
+class Targets:
+    """What the frozen target says about a batch, per position t of each sequence [S, L, ...]."""
+    feats: dict[int, torch.Tensor]  # the residual stream after each capture layer [S, L, H]
+    next_token: torch.Tensor | None = None  # its greedy choice for position t+1 [S, L]
+    top_ids: torch.Tensor | None = None  # its SOFT_TOP_K most likely tokens for t+1 [S, L, K]
+    top_probs: torch.Tensor | None = None  # their probabilities, renormalised over the K [S, L, K]
+
+
 @torch.no_grad()
-def capture(runner: ModelRunner, batch: Batch, layers: tuple[int, ...],
-            argmax: bool = False) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
-    """Run the frozen target over every sequence once. Returns the residual stream after each
-    capture layer, padded to [S, L, H] (ordinary tensors, usable under autograd), and if asked
-    the target's greedy next token at every position [S, L]."""
+def capture(runner: ModelRunner, batch: Batch, layers: tuple[int, ...], argmax: bool = False,
+            top_k: int = 0) -> Targets:
+    """Run the frozen target over every sequence once: the residual stream after each capture
+    layer, padded to [S, L, H] (ordinary tensors, usable under autograd), and if asked its
+    greedy next token and its top_k next tokens with their probabilities at every position."""
     S, L = batch.ids.shape
-    feats = {layer: torch.zeros(S, L, runner.cfg.hidden_size, dtype=runner.dtype, device=runner.device)
-             for layer in layers}
-    nxt = torch.zeros(S, L, dtype=torch.long, device=runner.device) if argmax else None
+    dev = runner.device
+    out_t = Targets({layer: torch.zeros(S, L, runner.cfg.hidden_size, dtype=runner.dtype, device=dev)
+                     for layer in layers})
+    if argmax:
+        out_t.next_token = torch.zeros(S, L, dtype=torch.long, device=dev)
+    if top_k:
+        out_t.top_ids = torch.zeros(S, L, top_k, dtype=torch.long, device=dev)
+        out_t.top_probs = torch.zeros(S, L, top_k, dtype=torch.float32, device=dev)
     for rows in _groups_that_fit(runner, batch.tokens):
         caches = [SeqCache() for _ in rows]
         try:
             for c, r in zip(caches, rows):
                 runner.reserve(c, len(batch.tokens[r]))
-            out = runner.extend(caches, [batch.tokens[r] for r in rows], all_logits=argmax, capture_layers=layers)
+            out = runner.extend(caches, [batch.tokens[r] for r in rows], all_logits=argmax or top_k > 0,
+                                capture_layers=layers)
         finally:
             for c in caches:
                 runner.release(c)
-        lens = torch.tensor([len(batch.tokens[r]) for r in rows], device=runner.device)
-        row_of = torch.repeat_interleave(torch.tensor(rows, device=runner.device), lens)
-        pos = torch.arange(len(row_of), device=runner.device) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+        lens = torch.tensor([len(batch.tokens[r]) for r in rows], device=dev)
+        row_of = torch.repeat_interleave(torch.tensor(rows, device=dev), lens)
+        pos = torch.arange(len(row_of), device=dev) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
         for layer in layers:
             # A copy into ordinary tensors: inference-mode tensors cannot enter autograd.
-            feats[layer][row_of, pos] = out.captured[layer]
+            out_t.feats[layer][row_of, pos] = out.captured[layer]
         if argmax:
-            nxt[row_of, pos] = out.logits.argmax(-1)
-    return feats, nxt
+            out_t.next_token[row_of, pos] = out.logits.argmax(-1)
+        if top_k:
+            top = out.logits.float().topk(top_k, dim=-1)
+            out_t.top_ids[row_of, pos] = top.indices
+            out_t.top_probs[row_of, pos] = top.values.softmax(-1)  # softmax over the K = renormalised
+    return out_t
 
 
 def _groups_that_fit(runner: ModelRunner, tokens: list[list[int]]) -> list[list[int]]:
@@ -190,9 +212,24 @@ def draft_hidden(drafter: Drafter, embed: torch.Tensor, feats: dict[int, torch.T
     return drafter.blocks(x, attend).view(S, A, B, -1)
 
 
-def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor,
-               gamma: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted cross-entropy over labelled block positions, through the target's LM head.
+def block_soft_labels(targets: Targets, anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top tokens and their probabilities for every block position [S, A, B, K]:
+    position k of anchor a gets the target's distribution after the sequence up to a+k-1 (the
+    prefix its hard label follows). Position 0 is never labelled."""
+    L = targets.top_ids.shape[1]
+    before = (anchors[:, :, None] + torch.arange(block_size, device=anchors.device) - 1).clamp(0, L - 1)
+    at = lambda x: torch.gather(x, 1, before.flatten(1)[:, :, None].expand(-1, -1, x.shape[-1]))
+    shape = (*before.shape, targets.top_ids.shape[-1])
+    return at(targets.top_ids).view(shape), at(targets.top_probs).view(shape)
+
+
+def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, gamma: float,
+               soft: tuple[torch.Tensor, torch.Tensor] | None = None, soft_weight: float = 0.0,
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weighted cross-entropy over labelled block positions, through the target's LM head. With
+    soft = block_soft_labels(...) and soft_weight w, a position's label is (1 - w) x its hard
+    label + w x the target's renormalised top-K distribution there: the loss is then, up to a
+    constant, a KL divergence from that mixture, and near-ties of the target stop being one-hot.
     Metrics (detached): acc1 = accuracy of the first draft position; accepted = mean length of
     the correct draft prefix per block (what a greedy verify would accept). An ignored position
     ends the prefix, so with greedy-path labels a sampled answer's blocks count only up to where
@@ -203,7 +240,11 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     k = torch.arange(1, B, device=hidden.device, dtype=torch.float32)
     weight = torch.exp(-(k - 1) / gamma).expand(S, A, B - 1)[valid]
     logits = F.linear(hidden[:, :, 1:][valid], lm_head)
-    ce = F.cross_entropy(logits.float(), lab[valid], reduction="none")
+    logp = F.log_softmax(logits.float(), dim=-1)
+    ce = -logp.gather(1, lab[valid][:, None])[:, 0]
+    if soft is not None and soft_weight:
+        ids, probs = (x[:, :, 1:][valid] for x in soft)
+        ce = (1 - soft_weight) * ce - soft_weight * (probs * logp.gather(1, ids)).sum(-1)
     loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
     with torch.no_grad():
         correct = torch.zeros_like(valid)

@@ -35,7 +35,7 @@ from common.tools.bench.gsm8k_data import Item
 from common.tools.drafter import sources
 from common.tools.drafter.data import (DataStore, GenSettings, Sequence, check_pool, data_stats, file_sha256,
                                        generate, pooled_sequences, read_prompts)
-from common.tools.drafter.objective import Batch, make_batch
+from common.tools.drafter.objective import SOFT_TOP_K, Batch, make_batch
 from common.tools.drafter.trainer import EpochOrder, Trainer, load_checkpoint, rounded, save_checkpoint, save_drafter
 
 # Flags that steer one invocation but not what it produces: left out of the reproduce command.
@@ -92,6 +92,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="labels of sampled answers: the target's greedy choice at every block position (argmax), "
                         "or only while the sampled tokens before it in the block are the greedy choices too "
                         "(greedy-path: the rest are ignored)")
+    t.add_argument("--soft-labels", type=float, default=0.0, metavar="W",
+                   help=f"weight of the target's own next-token distribution (its top {SOFT_TOP_K} tokens) in each "
+                        "label, 0-1; the rest is its greedy token (0: hard labels only). The loss then counts "
+                        "that distribution's entropy: not comparable with hard-label runs")
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine decays to lr * this")
     t.add_argument("--warmup", type=float, default=0.04, help="warmup: a fraction of the steps (< 1) or a step count")
@@ -191,7 +195,7 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
     trainer = Trainer(runner, drafter, lr=args.lr, total_steps=total, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
                       weight_decay=args.weight_decay, gamma=args.gamma, anchors=args.anchors,
                       grad_clip=args.grad_clip, amp=amp, seed=args.seed,
-                      greedy_path=args.sampled_labels == "greedy-path")
+                      greedy_path=args.sampled_labels == "greedy-path", soft_weight=args.soft_labels)
     ckpt_path = os.path.join(args.out, "checkpoint.pt")
     start, prev_seconds = 0, 0.0
     if args.resume and os.path.isfile(ckpt_path):
@@ -439,6 +443,8 @@ def _check_args(args) -> None:
         raise ValueError("--steps must be positive")
     if args.samples_per_prompt < 0 or args.eval_prompts < 0:
         raise ValueError("--samples-per-prompt and --eval-prompts must be >= 0")
+    if not 0.0 <= args.soft_labels <= 1.0:
+        raise ValueError(f"--soft-labels must be between 0 and 1 (got {args.soft_labels})")
 
 
 def _fmt(m: dict) -> str:

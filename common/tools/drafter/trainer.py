@@ -14,7 +14,8 @@ from common.dflash.drafter import Drafter, DrafterConfig
 from common.model.transformer import rope_cos_sin
 from common.runner.model_runner import ModelRunner
 from common.tools.drafter.data import Sequence
-from common.tools.drafter.objective import Batch, block_labels, block_loss, capture, draft_hidden, sample_anchors
+from common.tools.drafter.objective import (SOFT_TOP_K, Batch, Targets, block_labels, block_loss, block_soft_labels,
+                                            capture, draft_hidden, sample_anchors)
 
 MAX_DRAFTER_BYTES = 40_000_000  # the issue's limit, in decimal MB
 
@@ -25,7 +26,7 @@ class Trainer:
     def __init__(self, runner: ModelRunner, drafter: Drafter, *, lr: float, total_steps: int, warmup: float = 0.04,
                  min_lr_ratio: float = 0.0, weight_decay: float = 0.01, gamma: float = 7.0, anchors: int = 32,
                  grad_clip: float = 1.0, amp: bool = False, seed: int = 0,
-                 greedy_path: bool = False):
+                 greedy_path: bool = False, soft_weight: float = 0.0):
         self.runner, self.drafter = runner, drafter
         self.device = runner.device
         self.amp = amp
@@ -36,7 +37,7 @@ class Trainer:
         self.lr, self.total_steps, self.min_lr_ratio = lr, total_steps, min_lr_ratio
         self.warmup_steps = int(warmup if warmup >= 1 else round(warmup * total_steps))
         self.gamma, self.anchors, self.grad_clip, self.seed = gamma, anchors, grad_clip, seed
-        self.greedy_path = greedy_path
+        self.greedy_path, self.soft_weight = greedy_path, soft_weight
         self.opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                                      fused=self.device.type == "cuda")
 
@@ -48,20 +49,23 @@ class Trainer:
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cos)
 
     def forward(self, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return self.loss(batch, *self.capture(batch), generator)
+        return self.loss(batch, self.capture(batch), generator)
 
-    def capture(self, batch: Batch) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
-        """Target features (and greedy next tokens, needed for sampled answers) of a batch."""
-        return capture(self.runner, batch, self.drafter.cfg.capture_layers, argmax=bool(batch.sampled.any()))
+    def capture(self, batch: Batch) -> Targets:
+        """Target features of a batch, its greedy next tokens where sampled answers need them, and
+        its top next tokens where soft labels do."""
+        return capture(self.runner, batch, self.drafter.cfg.capture_layers, argmax=bool(batch.sampled.any()),
+                       top_k=SOFT_TOP_K if self.soft_weight else 0)
 
-    def loss(self, batch: Batch, feats: dict[int, torch.Tensor], target_next: torch.Tensor | None,
-             generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, batch: Batch, targets: Targets, generator: torch.Generator
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.drafter.cfg
         anchors, ok = sample_anchors(batch, self.anchors, generator)
-        labels = block_labels(batch, anchors, ok, cfg.block_size, target_next, self.greedy_path)
+        labels = block_labels(batch, anchors, ok, cfg.block_size, targets.next_token, self.greedy_path)
+        soft = block_soft_labels(targets, anchors, cfg.block_size) if self.soft_weight else None
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            hidden = draft_hidden(self.drafter, self.embed, feats, batch, anchors, self.rope)
-            return block_loss(hidden, labels, self.lm_head, self.gamma)
+            hidden = draft_hidden(self.drafter, self.embed, targets.feats, batch, anchors, self.rope)
+            return block_loss(hidden, labels, self.lm_head, self.gamma, soft, self.soft_weight)
 
     def step(self, batch: Batch, step: int) -> dict[str, torch.Tensor]:
         """One optimizer step; anchors depend only on (seed, step), so a resumed run repeats them."""
