@@ -177,6 +177,27 @@ def test_dflash_bench_small_grid(tmp_path):
         assert run["blocks"] == {"4": run["verify_steps"]} and run["speculated_share"] == 1.0
         assert run["plain_tok_s"] > 0 and run["dflash_tok_s"] > 0
         assert run["plain_prefill_ms"] > 0 and run["dflash_prefill_ms"] > 0
+        assert run["step_ms"] is None  # device times: CUDA only
     assert 250 < result["runs"][1]["prompt_tokens_mean"] <= 300
     _assert_png(str(out / "speedup.png"))
     assert "| speedup |" in r.stdout
+
+
+def test_dflash_step_costs_from_rounds():
+    """The device times of an arm's rounds add up per block; a block's cost is counted in plain
+    steps of the plain arm; wall time per step is decode time over every step run."""
+    from common.engine.step_clock import BlockTime
+    from common.tools.bench.dflash import merged, step_costs
+
+    run = lambda device, decode: {"reqs": [], "seconds": 1.0, "decode_seconds": decode, "prefill_seconds": 0.1,
+                                  "graphs_captured": 0, "device": device}
+    base = merged([run({0: BlockTime(100, 0.10)}, 0.12), run({0: BlockTime(100, 0.10)}, 0.12)])
+    fast = merged([run({4: BlockTime(40, 0.06), 0: BlockTime(10, 0.01)}, 0.08),
+                   run({4: BlockTime(60, 0.09)}, 0.12)])
+    assert fast["device"][4].steps == 100 and fast["device"][4].seconds == pytest.approx(0.15)
+    c = step_costs(base, fast)
+    assert c["plain_device_ms"] == pytest.approx(1.0) and c["plain_wall_ms"] == pytest.approx(1.2)
+    assert c["dflash_steps"] == {0: 10, 4: 100} and c["dflash_wall_ms"] == pytest.approx(1e3 * 0.2 / 110)
+    assert c["dflash_device_ms"] == pytest.approx({0: 1.0, 4: 1.5})
+    assert c["in_plain_steps"] == pytest.approx({0: 1.0, 4: 1.5})
+    assert step_costs(merged([run({}, 0.1)]), fast) is None  # no device times (the CPU)

@@ -38,6 +38,7 @@ from common.engine.proposer import Proposer
 from common.engine.request import Request
 from common.engine.sampler import Mode, mode_of, sample_rows
 from common.engine.spec_policy import SpecPolicy
+from common.engine.step_clock import StepClock
 from common.engine.step_inputs import StepInputs, StepView
 from common.model.attention import table_slots
 from common.model.static_attention import StaticAttn
@@ -66,6 +67,7 @@ class Decoder:
             # later means capturing every graph again while requests wait.
             proposer.reserve_pending(2 * block, max(self.sizes[-1], max_requests))
         self.graphs = GraphCache(runner.use_graphs)
+        self.clock: StepClock | None = None  # set on CUDA to time each step on the device (benchmarks)
         self._make_inputs(stop_width=8)
 
     def _make_inputs(self, stop_width: int) -> None:
@@ -162,7 +164,12 @@ class Decoder:
             self.inputs.fill([], rows, self.eos_token_ids)
             self.graphs.capture(key, step)
         self.inputs.fill(reqs, rows, self.eos_token_ids)
-        return self.graphs.run(key, step)
+        if self.clock is None:
+            return self.graphs.run(key, step)
+        self.clock.start()
+        out = self.graphs.run(key, step)
+        self.clock.stop(block)
+        return out
 
     def _width(self, reqs: list[Request], tokens: int) -> int:
         page = self.runner.page_size

@@ -25,6 +25,7 @@ from common.engine.engine import Engine
 from common.engine.meta import meta_info
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
+from common.engine.step_clock import BlockTime, StepClock
 from common.model.tokenizer import Tokenizer
 from common.service.loader import ModelOptions, add_model_args, load_model, load_proposer, spec_config
 from common.service.spec_args import add_spec_args
@@ -74,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0)
     plain = Engine(runner, tok.eos_token_ids, max_running=max(levels))
     spec = Engine(runner, tok.eos_token_ids, max_running=max(levels), proposer=proposer, spec=spec_config(args))
+    if runner.device.type == "cuda":  # each step's time on the device, beside its wall time
+        plain.decoder.clock, spec.decoder.clock = StepClock(), StepClock()
     # A CPU maps a fresh cache's pages on first write: whichever engine first reached a page would
     # pay for it. Touch them all before timing anything.
     runner.kv.fill_(0)
@@ -147,6 +150,9 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams,
     """Keep `concurrency` requests in flight until all are done."""
     reqs = [Request(uuid.uuid4().hex, ids, params) for ids in prompts]
     before, graphs = dict(engine.step_seconds), engine.decoder.graphs.captures
+    clock = engine.decoder.clock
+    if clock is not None:
+        clock.take()  # steps before this run are not its own
     start = time.perf_counter()
     engine.run_all(reqs, concurrency)
     if engine.runner.device.type == "cuda":
@@ -154,14 +160,34 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams,
     return {"reqs": reqs, "seconds": time.perf_counter() - start,
             "decode_seconds": engine.step_seconds["decode"] - before["decode"],
             "prefill_seconds": engine.step_seconds["prefill"] - before["prefill"],
-            "graphs_captured": engine.decoder.graphs.captures - graphs}
+            "graphs_captured": engine.decoder.graphs.captures - graphs,
+            "device": clock.take() if clock is not None else {}}
 
 
 def merged(runs: list[dict]) -> dict:
-    """One arm's rounds as one run: every request, the seconds summed."""
-    return {"reqs": [r for run in runs for r in run["reqs"]],
+    """One arm's rounds as one run: every request, the seconds and the device times summed."""
+    device: dict[int, BlockTime] = {}
+    for run in runs:
+        for block, t in run["device"].items():
+            total = device.setdefault(block, BlockTime())
+            total.steps += t.steps
+            total.seconds += t.seconds
+    return {"reqs": [r for run in runs for r in run["reqs"]], "device": dict(sorted(device.items())),
             **{key: sum(run[key] for run in runs)
                for key in ("seconds", "decode_seconds", "prefill_seconds", "graphs_captured")}}
+
+
+def step_costs(base: dict, fast: dict) -> dict | None:
+    """Milliseconds a decode step takes on the device (its graph replay) and in wall time
+    (host work included), per arm and block; and each block's device time in plain steps."""
+    if not base["device"]:
+        return None
+    plain = base["device"].get(0, BlockTime()).ms_per_step
+    wall = lambda run: 1e3 * run["decode_seconds"] / max(1, sum(t.steps for t in run["device"].values()))
+    return {"plain_device_ms": plain, "plain_wall_ms": wall(base), "dflash_wall_ms": wall(fast),
+            "dflash_device_ms": {b: t.ms_per_step for b, t in fast["device"].items()},
+            "dflash_steps": {b: t.steps for b, t in fast["device"].items()},
+            "in_plain_steps": {b: t.ms_per_step / plain for b, t in fast["device"].items() if plain}}
 
 
 def _tok_s(run: dict) -> float:
@@ -211,6 +237,7 @@ def summarize(kind: str, concurrency: int, prompts: list[list[int]], base: dict,
         # Graphs captured inside the timed runs (a capture's time counts against its arm): sampling
         # modes are captured on first use, greedy steps at start-up.
         "graphs_captured": {"plain": base["graphs_captured"], "dflash": fast["graphs_captured"]},
+        "step_ms": step_costs(base, fast),  # CUDA only
     }
 
 
@@ -229,7 +256,12 @@ def line(r: dict) -> str:
             f"accept length {acc if acc is None else f'{acc:.2f}'} | speculated {100 * r['speculated_share']:.0f}% "
             f"blocks {r['blocks']} | identical {r['identical_outputs']}/{r['requests']}"
             + (f" | graphs captured while timed {captured}" if any((captured := r["graphs_captured"]).values()) else "")
-            + (f" | rounds {min(rounds):.2f}-{max(rounds):.2f}x" if len(rounds := r["round_speedups"]) > 1 else ""))
+            + (f" | rounds {min(rounds):.2f}-{max(rounds):.2f}x" if len(rounds := r["round_speedups"]) > 1 else "")
+            + (f" | device ms a step: plain {c['plain_device_ms']:.3f}, "
+               + ", ".join(f"B={b} {ms:.3f} ({c['in_plain_steps'].get(b, 0):.2f} plain)"
+                           for b, ms in c["dflash_device_ms"].items() if b)
+               + f"; wall ms a step: plain {c['plain_wall_ms']:.3f}, dflash {c['dflash_wall_ms']:.3f}"
+               if (c := r.get("step_ms")) else ""))
 
 
 def markdown(result: dict) -> str:
