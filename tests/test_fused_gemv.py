@@ -22,7 +22,10 @@ SHAPES = [(1, 37, 45, gemv.DEFAULT), (3, 70, 300, gemv.Blocks(4, 512, 4)), (5, 2
           (8, 45, 513, gemv.Blocks(8, 256, 4)), (2, 9, 7, gemv.DEFAULT), (4, 33, 256, gemv.Blocks(4, 256, 4)),
           (6, 17, 64, gemv.Blocks(1, 1024, 4)), (7, 5, 100, gemv.Blocks(8, 256, 4)),
           (4, 21, 600, gemv.Blocks(2, 1024, 1)), (3, 30, 90, gemv.Blocks(4, 1024, 2)),
-          (2, 13, 1100, gemv.Blocks(1, 1024, 1)), (5, 40, 77, gemv.Blocks(2, 1024, 2))]
+          (2, 13, 1100, gemv.Blocks(1, 1024, 1)), (5, 40, 77, gemv.Blocks(2, 1024, 2)),
+          (4, 35, 700, gemv.Blocks(1, 1024, 4, tile=True)), (7, 19, 2100, gemv.Blocks(1, 2048, 8, tile=True)),
+          (1, 23, 90, gemv.Blocks(2, 512, 4, tile=True)), (8, 41, 520, gemv.Blocks(4, 256, 4, tile=True)),
+          (3, 6, 33, gemv.Blocks(2, 512, 4, tile=True))]
 
 
 def _inputs(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

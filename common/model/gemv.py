@@ -50,9 +50,13 @@ class Blocks:
     n: int  # output columns per program
     k: int  # reduction step
     warps: int
+    # How the rows of x meet a block of weights: one row at a time, each reduced over K on its
+    # own (False), or all rows loaded at once as a tile and reduced together (True): one
+    # exchange between threads per step instead of one per row, for more registers.
+    tile: bool = False
 
     def __str__(self) -> str:
-        return f"n{self.n}/k{self.k}/w{self.warps}"
+        return f"n{self.n}/k{self.k}/w{self.warps}" + ("/tile" if self.tile else "")
 
 
 DEFAULT = Blocks(2, 1024, 4)
@@ -63,8 +67,12 @@ DEFAULT = Blocks(2, 1024, 4)
 # reduce across fewer of them: on the H200 (fp32, the embedded shapes, in CUDA graphs) one or two
 # warps took a 4-row gate/up product from 6.3 to 5.3 us and the 4-row LM head from 55 to 37 us
 # (docs/PERFORMANCE.md, 2026-12-04 (later still)).
+# The tile shapes are for verify blocks of several rows, where a row at a time cost ~1.3-1.6 us
+# more per product than one row (docs/PERFORMANCE.md, 2026-12-04, the pooled drafter).
 CANDIDATES = (Blocks(1, 1024, 1), Blocks(1, 1024, 4), Blocks(1, 2048, 8), Blocks(2, 1024, 1), Blocks(2, 1024, 2),
-              DEFAULT, Blocks(4, 1024, 2), Blocks(4, 256, 4), Blocks(4, 512, 4), Blocks(8, 256, 4))
+              DEFAULT, Blocks(4, 1024, 2), Blocks(4, 256, 4), Blocks(4, 512, 4), Blocks(8, 256, 4),
+              Blocks(1, 1024, 4, tile=True), Blocks(1, 2048, 8, tile=True), Blocks(2, 512, 4, tile=True),
+              Blocks(4, 256, 4, tile=True))
 
 
 def _mode_from_env() -> str:
@@ -214,7 +222,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
     _gemv_kernel[(triton.cdiv(n, blocks.n),)](
         x, weight, weight if bias is None else bias, out, n, K, x.stride(0), weight.stride(0), out.stride(0),
         M=M, BLOCK_M=triton.next_power_of_2(M), HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        BLOCK_N=blocks.n, BLOCK_K=blocks.k, num_warps=blocks.warps)
+        BLOCK_N=blocks.n, BLOCK_K=blocks.k, TILE=blocks.tile, num_warps=blocks.warps)
     return out
 
 
@@ -225,10 +233,11 @@ if fused.HAS_TRITON:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_x, stride_w, stride_out, M: tl.constexpr,
                      BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr):
         # One program: output columns [j, j + BLOCK_N) for all M rows. Each block of weight rows is
-        # loaded once and each row of x is multiplied with it in turn (a static loop: M <= 8), so
-        # the registers held do not grow with M.
+        # loaded once. Without TILE each row of x is multiplied with it in turn (a static loop:
+        # M <= 8), so the registers held do not grow with M; with TILE every row is loaded at once
+        # and the [BLOCK_M, BLOCK_N, BLOCK_K] products are summed over K in one reduction.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
@@ -243,11 +252,18 @@ if fused.HAS_TRITON:
             w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
             if SILU_MUL:
                 u = tl.load(u_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
-            for m in tl.static_range(M):
-                xm = tl.load(x_ptr + m * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-                acc += tl.where(rows == m, tl.sum(w * xm, axis=1)[None, :], 0.0)
+            if TILE:
+                xs = tl.load(x_ptr + rows * stride_x + ks[None, :], mask=(rows < M) & k_ok[None, :],
+                             other=0.0).to(tl.float32)[:, None, :]
+                acc += tl.sum(w[None, :, :] * xs, axis=2)
                 if SILU_MUL:
-                    acc_up += tl.where(rows == m, tl.sum(u * xm, axis=1)[None, :], 0.0)
+                    acc_up += tl.sum(u[None, :, :] * xs, axis=2)
+            else:
+                for m in tl.static_range(M):
+                    xm = tl.load(x_ptr + m * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                    acc += tl.where(rows == m, tl.sum(w * xm, axis=1)[None, :], 0.0)
+                    if SILU_MUL:
+                        acc_up += tl.where(rows == m, tl.sum(u * xm, axis=1)[None, :], 0.0)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         dtype = out_ptr.dtype.element_ty
