@@ -1,5 +1,6 @@
 """The decode GEMV kernels (common.model.gemv) against F.linear and SiLU(gate) * up: fp32 to
-reduction order, bf16 to one rounding, M = 1..8 rows, N and K off the block sizes. On a GPU, or
+reduction order, bf16 to one rounding, M = 1..8 rows, N and K off the block sizes; and the
+logits' argmax (common.model.fused.argmax) against torch's, ties included. On a GPU, or
 on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 in the environment before the
 kernels are defined)."""
 from __future__ import annotations
@@ -87,6 +88,27 @@ def test_gemv_silu_mul_matches_plain_path(M, N, K, blocks):
 
 
 @KERNELS_RUN
+@KERNELS_RUN
+def test_argmax_matches_torch_ties_included():
+    g = torch.Generator().manual_seed(0)
+    for rows, V in ((1, 1), (3, 7), (2, fused.ARGMAX_CHUNK), (4, fused.ARGMAX_CHUNK + 1), (5, 3 * fused.ARGMAX_CHUNK + 77)):
+        x = torch.randn(rows, V, generator=g)
+        if V > 5:  # the largest value twice in a row, and (past one chunk) again in a later chunk
+            x[0, 2] = x[0, 5] = x[0].max() + 1
+            x[0, -1] = x[0, 2]
+        if rows > 2:
+            x[2] = float("-inf")  # all equal: index 0
+        if rows > 3:
+            x[3, :] = 0.5  # all equal and finite
+        for dtype in (torch.float32, torch.bfloat16):
+            y = x.to(DEVICE, dtype)
+            got = fused.argmax(y)
+            assert got.dtype == torch.int64 and got.tolist() == y.argmax(-1).tolist(), (rows, V, dtype)
+    # A strided view (a block's rows of logits) reads the same.
+    x = torch.randn(6, 2 * fused.ARGMAX_CHUNK + 3, generator=g).to(DEVICE)
+    assert fused.argmax(x[::2]).tolist() == x[::2].argmax(-1).tolist()
+
+
 def test_rows_past_the_limit_are_refused():
     x, w, _ = _inputs(gemv.MAX_ROWS + 1, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="at most 8 rows"):

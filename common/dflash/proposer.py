@@ -209,7 +209,7 @@ class DFlashProposer(DraftPages):
 
         hidden = self.drafter.blocks(x, attend)
         drafted = hidden.view(rows, B, -1)[:, 1:].reshape(rows * (B - 1), -1)
-        return self.target.model.logits(drafted).argmax(-1).view(rows, B - 1)
+        return fused.argmax(self.target.model.logits(drafted)).view(rows, B - 1)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Positions past the table belong to tokens past a request's budget, never committed.

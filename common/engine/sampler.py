@@ -17,6 +17,7 @@ from enum import IntEnum
 import torch
 
 from common.engine.sampling import SamplingParams, new_seed
+from common.model import fused
 
 
 class Mode(IntEnum):
@@ -60,14 +61,14 @@ class SamplingRows:
 
 def sample_rows(logits: torch.Tensor, rows: SamplingRows, mode: Mode) -> torch.Tensor:
     """logits [R, V] fp32 -> tokens [R] int64 on the same device."""
-    greedy = logits.argmax(-1)
+    greedy = fused.argmax(logits)
     if mode == Mode.GREEDY:
         return greedy
     temp = rows.temperature.clamp(min=1e-5)[:, None]
     scaled = logits / temp
     noise = gumbel(rows.seed, rows.step, logits.shape[-1])
     if mode == Mode.TEMPERATURE:
-        drawn = (scaled + noise).argmax(-1)
+        drawn = fused.argmax(scaled + noise)
     else:
         drawn = _drawn_top_k_top_p(scaled, noise, rows.top_k, rows.top_p)
     return torch.where(rows.temperature > 0, drawn, greedy)

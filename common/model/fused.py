@@ -10,6 +10,8 @@ function here does in one Triton kernel what plain PyTorch does in two to six:
   rope_write_kv  RoPE on q and k of the fused q/k/v projection's output (after per-head
                  RMSNorms, for models that have them), and K and V written into their cache
                  slots; returns the rotated q
+  argmax         x.argmax(-1) over a few rows of logits, in two short kernels (torch's gives a
+                 row to one block, which walks the whole vocabulary)
 
 The kernels round where PyTorch rounds (the residual sum and the normed value are cast to the
 input dtype before the weight multiplies them, SiLU's output before the product), so fp32
@@ -115,6 +117,27 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     return q
 
 
+ARGMAX_CHUNK = 2048  # values one program of argmax's first pass reduces
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) for x [R, V], int64 [R]: the first index of each row's largest value, as
+    torch returns it (rows holding NaN aside: logits do not). First the largest value and its
+    first index in each chunk of ARGMAX_CHUNK, then per row the first chunk's index among those
+    that reach the row's largest."""
+    if not active(x) or x.dim() != 2:
+        return x.argmax(-1)
+    R, V = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    chunks = triton.cdiv(V, ARGMAX_CHUNK)
+    values = torch.empty(R, chunks, dtype=torch.float32, device=x.device)
+    indices = torch.empty(R, chunks, dtype=torch.int64, device=x.device)
+    _argmax_chunk_kernel[(R, chunks)](x, values, indices, x.stride(0), V, chunks, BLOCK=ARGMAX_CHUNK)
+    out = torch.empty(R, dtype=torch.int64, device=x.device)
+    _argmax_row_kernel[(R,)](values, indices, out, chunks, BLOCK=triton.next_power_of_2(chunks))
+    return out
+
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -178,3 +201,26 @@ if HAS_TRITON:
             tl.store(k_ptr + slot * stride_cache_slot + kh * stride_cache_head + dd, y)
             v = tl.load(qkv_ptr + t * stride_qkv + (HQ + HKV + kh) * D + dd)
             tl.store(v_ptr + slot * stride_cache_slot + kh * stride_cache_head + dd, v)
+
+    @triton.jit
+    def _argmax_chunk_kernel(x_ptr, values_ptr, indices_ptr, stride_x, V, chunks, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        chunk = tl.program_id(1)
+        cols = chunk * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        top = tl.max(x, 0)
+        # The first column holding it; padding holds -inf too, but comes after every real column.
+        first = tl.min(tl.where(x == top, cols, V + BLOCK), 0)
+        tl.store(values_ptr + row * chunks + chunk, top)
+        tl.store(indices_ptr + row * chunks + chunk, first.to(tl.int64))
+
+    @triton.jit
+    def _argmax_row_kernel(values_ptr, indices_ptr, out_ptr, chunks, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.arange(0, BLOCK)
+        ok = c < chunks
+        v = tl.load(values_ptr + row * chunks + c, mask=ok, other=float("-inf"))
+        i = tl.load(indices_ptr + row * chunks + c, mask=ok, other=0)
+        top = tl.max(v, 0)
+        big = tl.full((BLOCK,), 2**62, dtype=tl.int64)
+        tl.store(out_ptr + row, tl.min(tl.where(ok & (v == top), i, big), 0))
