@@ -40,6 +40,7 @@ from common.engine.sampler import Mode, mode_of, sample_rows
 from common.engine.spec_policy import SpecPolicy
 from common.engine.step_clock import StepClock
 from common.engine.step_inputs import StepInputs, StepView
+from common.engine.verdict import verdict
 from common.model.attention import table_slots
 from common.model.static_attention import StaticAttn
 from common.runner.graphs import GraphCache
@@ -193,13 +194,10 @@ class Decoder:
         positions = v.length[:, None] + offsets[None, :]
         hidden, captured = self._target(v, torch.cat([v.last[:, None], drafts], 1).flatten(), positions)  # 2
         choices = sample_rows(self.runner.model.logits(hidden), v.sampling.repeat(B, offsets), mode).view(rows, B)
-        accepted = (drafts == choices[:, :-1]).long().cumprod(1).sum(1)                          # 3
-        stops = v.is_stop(choices) & (offsets[None, :] <= accepted[:, None])                     # 4
-        first_stop = torch.where(stops.any(1), stops.long().argmax(1), B)
-        count = torch.minimum(torch.minimum(accepted + 1, first_stop + 1), v.left)
-        self.runner.commit_block(v.state_slot, count, B)                                        # 5
+        out = verdict(drafts, choices, v.stop_ids, v.left)                                       # 3, 4
+        self.runner.commit_block(v.state_slot, out[:, B + 1], B)                                 # 5
         self._keep(v, captured, catch_up)
-        return torch.cat([choices, accepted[:, None], count[:, None]], 1)
+        return out
 
     def _catch_up(self, v: StepView, width: int) -> None:
         if width:

@@ -50,10 +50,6 @@ class StepView:
     pending: torch.Tensor  # [rows]
     draft_slot: torch.Tensor  # [rows]
 
-    def is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [rows, T] -> bool [rows, T]: which of them end their request."""
-        return (tokens[:, :, None] == self.stop_ids[:, None, :]).any(-1)
-
 
 class StepInputs:
     def __init__(self, max_rows: int, width: int, scratch_page: int, draft_scratch_page: int | None,
