@@ -46,7 +46,9 @@ def test_kernel_matches_torch():
             stops = torch.randint(-1, vocab + 2, (rows, W), generator=g)
             left = torch.randint(1, B + 3, (rows,), generator=g)
             want = _verdict_torch(drafts, choices, stops, left)
-            dev = [t.to(DEVICE) for t in (drafts, choices, stops, left)]
+            # stops and left as a decode step holds them: columns of one packed int64 buffer.
+            packed = torch.cat([left[:, None], torch.full((rows, 2), 7), stops], 1).to(DEVICE)
+            dev = [drafts.to(DEVICE), choices.to(DEVICE), packed[:, 3:], packed[:, 0]]
             got = verdict(*dev).cpu()
             assert got.tolist() == want.tolist(), (B, W, trial)
             with fused.disabled():

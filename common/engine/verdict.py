@@ -18,9 +18,13 @@ def verdict(drafts: torch.Tensor, choices: torch.Tensor, stop_ids: torch.Tensor,
         return _verdict_torch(drafts, choices, stop_ids, left)
     rows, B = choices.shape
     out = torch.empty(rows, B + 2, dtype=torch.int64, device=choices.device)
-    drafts, choices, stop_ids = drafts.contiguous(), choices.contiguous(), stop_ids.contiguous()
-    _verdict_kernel[(rows,)](drafts, choices, stop_ids, left, out, B, stop_ids.shape[1],
-                             BLOCK_B=triton.next_power_of_2(B), BLOCK_W=triton.next_power_of_2(max(1, stop_ids.shape[1])))
+    drafts, choices = drafts.contiguous(), choices.contiguous()
+    # stop_ids and left are columns of the step's packed inputs: read in place, by their strides.
+    if stop_ids.stride(1) != 1:
+        stop_ids = stop_ids.contiguous()
+    W = stop_ids.shape[1]
+    _verdict_kernel[(rows,)](drafts, choices, stop_ids, left, out, B, W, stop_ids.stride(0), left.stride(0),
+                             BLOCK_B=triton.next_power_of_2(B), BLOCK_W=triton.next_power_of_2(max(1, W)))
     return out
 
 
@@ -40,7 +44,7 @@ if fused.HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _verdict_kernel(drafts_ptr, choices_ptr, stops_ptr, left_ptr, out_ptr, B, W,
+    def _verdict_kernel(drafts_ptr, choices_ptr, stops_ptr, left_ptr, out_ptr, B, W, stride_stops, stride_left,
                         BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr):
         row = tl.program_id(0)
         j = tl.arange(0, BLOCK_B)
@@ -49,10 +53,10 @@ if fused.HAS_TRITON:
         # k: the first draft position that misses (B - 1 when none does).
         accepted = tl.min(tl.where((j < B - 1) & (d != c), j, B - 1), 0)
         s = tl.arange(0, BLOCK_W)
-        stop_ids = tl.load(stops_ptr + row * W + s, mask=s < W, other=-1)
+        stop_ids = tl.load(stops_ptr + row * stride_stops + s, mask=s < W, other=-1)
         is_stop = tl.max((c[:, None] == stop_ids[None, :]).to(tl.int32), 1) > 0
         first_stop = tl.min(tl.where(is_stop & (j < B), j, B), 0)
-        count = tl.minimum(tl.minimum(accepted + 1, first_stop + 1), tl.load(left_ptr + row))
+        count = tl.minimum(tl.minimum(accepted + 1, first_stop + 1), tl.load(left_ptr + row * stride_left))
         tl.store(out_ptr + row * (B + 2) + j, c, mask=j < B)
         tl.store(out_ptr + row * (B + 2) + B, accepted.to(tl.int64))
         tl.store(out_ptr + row * (B + 2) + B + 1, count.to(tl.int64))
