@@ -182,7 +182,7 @@ class Decoder:
         self._catch_up(v, catch_up)
         positions = v.length[:, None]
         hidden, captured = self._target(v, v.last, positions)
-        tokens = sample_rows(self.runner.model.logits(hidden), v.sampling, mode)
+        tokens = sample_rows(self.runner.model.logits(hidden), None if mode == Mode.GREEDY else v.sampling, mode)
         self._keep(v, captured, catch_up)
         return tokens[:, None]
 
@@ -193,7 +193,8 @@ class Decoder:
         offsets = torch.arange(B, device=drafts.device)
         positions = v.length[:, None] + offsets[None, :]
         hidden, captured = self._target(v, torch.cat([v.last[:, None], drafts], 1).flatten(), positions)  # 2
-        choices = sample_rows(self.runner.model.logits(hidden), v.sampling.repeat(B, offsets), mode).view(rows, B)
+        sampling = None if mode == Mode.GREEDY else v.sampling.repeat(B, offsets)
+        choices = sample_rows(self.runner.model.logits(hidden), sampling, mode).view(rows, B)
         out = verdict(drafts, choices, v.stop_ids, v.left)                                       # 3, 4
         self.runner.commit_block(v.state_slot, out[:, B + 1], B)                                 # 5
         self._keep(v, captured, catch_up)

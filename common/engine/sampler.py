@@ -59,11 +59,12 @@ class SamplingRows:
                             (self.step[:, None] + step_offset[None, :]).flatten())
 
 
-def sample_rows(logits: torch.Tensor, rows: SamplingRows, mode: Mode) -> torch.Tensor:
-    """logits [R, V] fp32 -> tokens [R] int64 on the same device."""
+def sample_rows(logits: torch.Tensor, rows: SamplingRows | None, mode: Mode) -> torch.Tensor:
+    """logits [R, V] fp32 -> tokens [R] int64 on the same device (rows: None when greedy)."""
     greedy = fused.argmax(logits)
     if mode == Mode.GREEDY:
         return greedy
+    assert rows is not None
     temp = rows.temperature.clamp(min=1e-5)[:, None]
     scaled = logits / temp
     noise = gumbel(rows.seed, rows.step, logits.shape[-1])

@@ -42,8 +42,9 @@ SHORT, LONG = 128, 4096
 CPU_ROWS = (1, 4, 8, 32)
 SLOPE_ROWS = {"cuda": 4, "cpu": 1}
 STEP_CODE = ("common.engine.decoder", "common.engine.step_costs", "common.engine.sampling",
+             "common.engine.sampler", "common.engine.step_inputs", "common.engine.verdict",
              "common.model.transformer", "common.model.static_attention", "common.model.attention",
-             "common.model.gemv", "common.runner.model_runner")
+             "common.model.fused", "common.model.gemv", "common.runner.model_runner")
 
 
 def step_costs(decoder: Decoder, config: SpecConfig, blocks: list[int]) -> StepCosts:

@@ -45,10 +45,18 @@ class StepView:
     stop_ids: torch.Tensor  # [rows, stop_width]
     pages: torch.Tensor  # [rows, width]
     draft_pages: torch.Tensor | None  # [rows, width]
-    sampling: SamplingRows
     state_slot: torch.Tensor  # [rows]
     pending: torch.Tensor  # [rows]
     draft_slot: torch.Tensor  # [rows]
+    packed: torch.Tensor  # [rows, columns]: all of the above's source
+
+    @property
+    def sampling(self) -> SamplingRows:
+        """The rows' sampling inputs, on demand: a greedy step reads none of them, and in a CUDA
+        graph each conversion is a kernel every replay pays."""
+        x = self.packed
+        return SamplingRows(x[:, TEMP].view(torch.float64).float(), x[:, TOPP].view(torch.float64).float(),
+                            x[:, TOPK], x[:, SEED], x[:, STEP])
 
 
 class StepInputs:
@@ -112,8 +120,6 @@ class StepInputs:
             # Columns past the row's pages hold its scratch page: keep w - 1, then that column.
             return torch.cat([x[:, at:at + w - 1], x[:, at + self.width - 1:at + self.width]], 1)
 
-        sampling = SamplingRows(x[:, TEMP].view(torch.float64).float(), x[:, TOPP].view(torch.float64).float(),
-                                x[:, TOPK], x[:, SEED], x[:, STEP])
         return StepView(x[:, LAST], x[:, LEN], x[:, STEP], x[:, LEFT], x[:, STOPS:self.pages_at],
                         table(self.pages_at), table(self.draft_at) if self.draft_scratch_page is not None else None,
-                        sampling, x[:, STATE], x[:, PEND], x[:, DSLOT])
+                        x[:, STATE], x[:, PEND], x[:, DSLOT], x)
