@@ -141,7 +141,14 @@ def timings(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     def products(blocks: Blocks | None) -> Callable[[], None]:
         return lambda: [run(x, weights[i % copies], bias, silu_mul, blocks) for i in range(n)]
 
-    return {b: us_per_op(products(b), n, replays=REPLAYS) for b in (None, *CANDIDATES)}
+    times = {}
+    for blocks in (None, *CANDIDATES):
+        try:
+            times[blocks] = us_per_op(products(blocks), n, replays=REPLAYS)
+        except _LAUNCH_ERRORS as e:  # a block shape this GPU cannot launch (registers, shared memory)
+            logger.warning("gemv: %s cannot run %s rows x %s here (%s); left out", blocks, x.shape[0],
+                           tuple(weight.shape), e)
+    return times
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
@@ -229,6 +236,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
 if fused.HAS_TRITON:
     import triton
     import triton.language as tl
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    _LAUNCH_ERRORS: tuple[type[Exception], ...] = (CompilationError, OutOfResources)
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_x, stride_w, stride_out, M: tl.constexpr,
