@@ -257,11 +257,8 @@ def line(r: dict) -> str:
             f"blocks {r['blocks']} | identical {r['identical_outputs']}/{r['requests']}"
             + (f" | graphs captured while timed {captured}" if any((captured := r["graphs_captured"]).values()) else "")
             + (f" | rounds {min(rounds):.2f}-{max(rounds):.2f}x" if len(rounds := r["round_speedups"]) > 1 else "")
-            + (f" | device ms a step: plain {c['plain_device_ms']:.3f}, "
-               + ", ".join(f"B={b} {ms:.3f} ({c['in_plain_steps'].get(b, 0):.2f} plain)"
-                           for b, ms in c["dflash_device_ms"].items() if b)
-               + f"; wall ms a step: plain {c['plain_wall_ms']:.3f}, dflash {c['dflash_wall_ms']:.3f}"
-               if (c := r.get("step_ms")) else ""))
+            + (f" | device ms a step: plain, blocks (in plain steps) {_device_cell(c)}; wall ms a step: plain "
+               f"{c['plain_wall_ms']:.3f}, dflash {c['dflash_wall_ms']:.3f}" if (c := r.get("step_ms")) else ""))
 
 
 def markdown(result: dict) -> str:
@@ -271,13 +268,22 @@ def markdown(result: dict) -> str:
              f"{f(r['plain_prefill_ms'], 1)} / {f(r['dflash_prefill_ms'], 1)}", f(r["accept_length_weighted"]),
              f(r["accept_length_interface"]), f"{100 * r['speculated_share']:.0f}%",
              " ".join(f"{b}:{n}" for b, n in r["blocks"].items()) or "-",
-             f"{r['identical_outputs']}/{r['requests']}"] for r in result["runs"]]
+             f"{r['identical_outputs']}/{r['requests']}", _device_cell(r.get("step_ms"))] for r in result["runs"]]
     head = (f"## DFlash vs plain decoding, {result['device']} {result['dtype']}, drafter block "
             f"{result['drafter_block']}, block {'pinned to ' + str(result['pinned_block']) if result['pinned_block'] else 'chosen per step'}\n\n")
     return head + report.md_table(
         ["prompt", "concurrency", "prompt tokens", "plain tok/s", "dflash tok/s", "speedup", "decode speedup",
          "prefill ms a request (plain / dflash)", "accept length (weighted)", "accept length (interface)",
-         "steps speculated", "blocks (B:steps)", "identical"], rows)
+         "steps speculated", "blocks (B:steps)", "identical",
+         "device ms a step: plain, blocks (in plain steps)"], rows)
+
+
+def _device_cell(c: dict | None) -> str:
+    if not c:
+        return "-"
+    blocks = ", ".join(f"B={b} {ms:.3f} ({c['in_plain_steps'].get(b, 0):.2f})"
+                       for b, ms in c["dflash_device_ms"].items() if b)
+    return f"{c['plain_device_ms']:.3f}, {blocks}" if blocks else f"{c['plain_device_ms']:.3f}"
 
 
 def speedup_png(path: str, result: dict) -> None:
