@@ -100,6 +100,9 @@ def test_argmax_matches_torch_ties_included():
             x[2] = float("-inf")  # all equal: index 0
         if rows > 3:
             x[3, :] = 0.5  # all equal and finite
+        if rows > 4:
+            x[4, V // 2] = x[4, -1] = float("nan")  # NaN counts as the largest: the first one
+            x[1] = float("nan")
         for dtype in (torch.float32, torch.bfloat16):
             y = x.to(DEVICE, dtype)
             got = fused.argmax(y)

@@ -122,9 +122,9 @@ ARGMAX_CHUNK = 2048  # values one program of argmax's first pass reduces
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) for x [R, V], int64 [R]: the first index of each row's largest value, as
-    torch returns it (rows holding NaN aside: logits do not). First the largest value and its
-    first index in each chunk of ARGMAX_CHUNK, then per row the first chunk's index among those
-    that reach the row's largest."""
+    torch returns it, NaN counting as the largest (so a row of overflowed logits still yields a
+    token of the vocabulary). First the largest value and its first index in each chunk of
+    ARGMAX_CHUNK, then per row the first chunk's index among those that reach the row's largest."""
     if not active(x) or x.dim() != 2:
         return x.argmax(-1)
     R, V = x.shape
@@ -207,12 +207,16 @@ if HAS_TRITON:
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        top = tl.max(x, 0)
-        # The first column holding it; padding holds -inf too, but comes after every real column.
-        first = tl.min(tl.where(x == top, cols, V + BLOCK), 0)
-        tl.store(values_ptr + row * chunks + chunk, top)
-        tl.store(indices_ptr + row * chunks + chunk, first.to(tl.int64))
+        real = cols < V
+        x = tl.load(x_ptr + row * stride_x + cols, mask=real, other=float("-inf")).to(tl.float32)
+        # NaN is the largest, as in torch (the GPU's max would skip it): the first NaN if any.
+        nan = x != x
+        top = tl.max(tl.where(nan, float("-inf"), x), 0)
+        first = tl.min(tl.where((x == top) & real, cols, V + BLOCK), 0)
+        first_nan = tl.min(tl.where(nan, cols, V + BLOCK), 0)
+        has_nan = first_nan < V + BLOCK
+        tl.store(values_ptr + row * chunks + chunk, tl.where(has_nan, float("nan"), top))
+        tl.store(indices_ptr + row * chunks + chunk, tl.where(has_nan, first_nan, first).to(tl.int64))
 
     @triton.jit
     def _argmax_row_kernel(values_ptr, indices_ptr, out_ptr, chunks, BLOCK: tl.constexpr):
@@ -221,6 +225,10 @@ if HAS_TRITON:
         ok = c < chunks
         v = tl.load(values_ptr + row * chunks + c, mask=ok, other=float("-inf"))
         i = tl.load(indices_ptr + row * chunks + c, mask=ok, other=0)
-        top = tl.max(v, 0)
+        nan = ok & (v != v)
+        top = tl.max(tl.where(nan, float("-inf"), v), 0)
+        # Chunks are in column order: the smallest index of a chunk holding NaN is the row's first
+        # NaN; else the smallest among the chunks that reach the largest value.
+        pick = tl.where(tl.max(nan.to(tl.int32), 0) > 0, nan, ok & (v == top))
         big = tl.full((BLOCK,), 2**62, dtype=tl.int64)
-        tl.store(out_ptr + row, tl.min(tl.where(ok & (v == top), i, big), 0))
+        tl.store(out_ptr + row, tl.min(tl.where(pick, i, big), 0))
