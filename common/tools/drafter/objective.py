@@ -27,6 +27,7 @@ from common.runner.model_runner import ModelRunner
 
 IGNORE = -100
 SOFT_TOP_K = 16  # the target's most likely next tokens a soft label keeps per position
+TOP_K_ROWS = 4096  # positions whose logits go to fp32 at once to find their top tokens
 
 
 @dataclass
@@ -127,10 +128,11 @@ def capture(runner: ModelRunner, batch: Batch, layers: tuple[int, ...], argmax: 
             out_t.feats[layer][row_of, pos] = out.captured[layer]
         if argmax:
             out_t.next_token[row_of, pos] = out.logits.argmax(-1)
-        if top_k:
-            top = out.logits.float().topk(top_k, dim=-1)
-            out_t.top_ids[row_of, pos] = top.indices
-            out_t.top_probs[row_of, pos] = top.values.softmax(-1)  # softmax over the K = renormalised
+        for a in range(0, len(row_of), TOP_K_ROWS) if top_k else ():  # in slices: an fp32 copy of all logits is GBs
+            top = out.logits[a:a + TOP_K_ROWS].float().topk(top_k, dim=-1)
+            at = row_of[a:a + TOP_K_ROWS], pos[a:a + TOP_K_ROWS]
+            out_t.top_ids[at] = top.indices
+            out_t.top_probs[at] = top.values.softmax(-1)  # softmax over the K = renormalised
     return out_t
 
 
