@@ -469,7 +469,31 @@ def test_train_save_and_resume(target, dataset, tmp_path):
     trainer = Trainer(runner, grown, lr=0.0, total_steps=1, anchors=4)
     assert trainer.loss(batch, trainer.capture(batch), torch.Generator().manual_seed(0))[0].item() != scores[0][0]
 
-    # Fewer layers, or another shape, are refused.
+    # A run that reads more of the target's layers grows fc: the loaded layers' columns move to
+    # their places among the new capture layers, the new ones start at zero, and the grown
+    # drafter fuses the same context (to rounding: fc sums over more columns).
+    wide_dir = str(tmp_path / "wide")
+    assert train(parse(*common, "--out", wide_dir, "--init", os.path.join(straight, "drafter"), "--lr", "0",
+                       "--capture-layers", "1,5,8,14,20,27,29"), runner, tok) == 0
+    wide = Drafter.load(os.path.join(wide_dir, "drafter"))
+    assert wide.cfg.capture_layers == (1, 5, 8, 14, 20, 27, 29) and whole.cfg.capture_layers == (1, 8, 14, 20, 27)
+    H = whole.cfg.hidden_size
+    blocks = wide.fc.weight.view(H, 7, H)
+    assert not blocks[:, [1, 6]].any()
+    assert torch.equal(blocks[:, [0, 2, 3, 4, 5]], whole.fc.weight.view(H, 5, H))
+    for name, w in whole.state_dict().items():
+        if name != "fc.weight":
+            assert torch.equal(w, wide.state_dict()[name]), name
+    feats = Trainer(runner, wide, lr=0.0, total_steps=1).capture(batch).feats
+    with torch.no_grad():
+        torch.testing.assert_close(wide.fuse(feats), whole.fuse(feats), rtol=1e-5, atol=1e-5)
+        wide.fc.weight.view(H, 7, H)[:, 6].normal_(0, 0.02)  # negative control: the new layer read
+        assert not torch.allclose(wide.fuse(feats), whole.fuse(feats), rtol=1e-3, atol=1e-3)
+
+    # Fewer layers, fewer capture layers, or another shape, are refused.
+    with pytest.raises(ValueError, match="only more layers"):
+        train(parse(*common, "--out", str(tmp_path / "narrower"), "--init", os.path.join(wide_dir, "drafter")),
+              runner, tok)
     with pytest.raises(ValueError, match="only more layers"):
         train(parse(*common, "--out", str(tmp_path / "shallower"), "--init", os.path.join(grown_dir, "drafter")),
               runner, tok)

@@ -75,7 +75,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("drafter")
     m.add_argument("--init", default=None, metavar="DRAFTER",
                    help="start from this drafter folder's weights, e.g. to train a shipped drafter on more data; "
-                        "same shape, or more --layers (added after its own, starting as the identity)")
+                        "same shape, or more --layers (added after its own, starting as the identity), or more "
+                        "--capture-layers (their features start with zero weight)")
     m.add_argument("--layers", type=int, default=2, help="draft layers")
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--mask-token-id", type=int, default=16, help="MASK token (16 = <empty_output> in SmolLM2, unused in chat)")
@@ -188,8 +189,9 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
     torch.manual_seed(args.seed)
     drafter = Drafter(cfg).to(device)
     if args.init:
-        added = init_from(drafter, args.init)
-        grew = f", with {added} new layer{'s' * (added > 1)} after its own" if added else ""
+        added, reads = init_from(drafter, args.init)
+        grew = (f", with {added} new layer{'s' * (added > 1)} after its own" if added else "") + \
+            (f", reading also the target's layer{'s' * (len(reads) > 1)} {', '.join(map(str, reads))}" if reads else "")
         print(f"initialised from the drafter at {args.init}{grew}", flush=True)
     amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
     trainer = Trainer(runner, drafter, lr=args.lr, total_steps=total, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
@@ -309,29 +311,43 @@ def save_snapshot(folder: str, trainer: Trainer, order: EpochOrder, step: int, a
         json.dump({"step": step, "trained_response_tokens": order.response_tokens_through(step),
                    "command": reproduce_command(args)}, f, indent=2)
 
-def init_from(drafter: Drafter, folder: str) -> int:
+def init_from(drafter: Drafter, folder: str) -> tuple[int, tuple[int, ...]]:
     """The weights of the drafter in `folder` (more steps or data for a trained drafter). Its
     shape and what it reads from the target must be those this run trains, except that this
-    run may be deeper: the layers it adds go after the loaded ones and start as the identity
-    (their output projections zero), so the grown drafter first drafts exactly what the loaded
-    one did and training only has to find what the new layers add. Returns the layers added."""
+    run may be deeper or read more of the target's layers, and the loaded drafter first drafts
+    exactly what it did: the layers it adds go after the loaded ones and start as the identity
+    (their output projections zero); the capture layers it adds get zero columns in fc, so their
+    features add nothing until training moves them. Returns the layers and the capture layers
+    added."""
     start = Drafter.load(folder)
-    deeper = start.cfg.num_layers <= drafter.cfg.num_layers
-    if replace(start.cfg, num_layers=drafter.cfg.num_layers) != drafter.cfg or not deeper:
-        diff = {k: (v, getattr(drafter.cfg, k)) for k, v in asdict(start.cfg).items()
-                if getattr(drafter.cfg, k) != v and (k != "num_layers" or not deeper)}
+    ours, theirs = drafter.cfg, start.cfg
+    deeper = theirs.num_layers <= ours.num_layers
+    wider = set(theirs.capture_layers) <= set(ours.capture_layers)
+    if replace(theirs, num_layers=ours.num_layers, capture_layers=ours.capture_layers) != ours or not deeper \
+            or not wider:
+        diff = {k: (v, getattr(ours, k)) for k, v in asdict(theirs).items()
+                if getattr(ours, k) != v and not (k == "num_layers" and deeper) and not (k == "capture_layers" and wider)}
         raise ValueError(f"--init {folder}: that drafter differs from this run's (theirs, ours): {diff}; "
-                         f"only more layers may be added")
-    missing, unexpected = drafter.load_state_dict(start.state_dict(), strict=False)
-    new = tuple(f"layers.{i}." for i in range(start.cfg.num_layers, drafter.cfg.num_layers))
+                         f"only more layers or more capture layers may be added")
+    state = start.state_dict()
+    if ours.capture_layers != theirs.capture_layers:  # fc's column block i reads capture layer i
+        width = ours.target_hidden_size or ours.hidden_size
+        loaded = state["fc.weight"]
+        fc = loaded.new_zeros(loaded.shape[0], len(ours.capture_layers) * width)
+        for i, layer in enumerate(theirs.capture_layers):
+            j = ours.capture_layers.index(layer)
+            fc[:, j * width:(j + 1) * width] = loaded[:, i * width:(i + 1) * width]
+        state["fc.weight"] = fc
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    new = tuple(f"layers.{i}." for i in range(theirs.num_layers, ours.num_layers))
     if unexpected or not all(k.startswith(new) for k in missing):
         raise ValueError(f"--init {folder}: its weights do not fit this drafter (missing {missing}, "
                          f"unexpected {unexpected})")
     with torch.no_grad():
-        for layer in drafter.layers[start.cfg.num_layers:]:
+        for layer in drafter.layers[theirs.num_layers:]:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
-    return drafter.cfg.num_layers - start.cfg.num_layers
+    return ours.num_layers - theirs.num_layers, tuple(x for x in ours.capture_layers if x not in theirs.capture_layers)
 
 
 def drafter_config(args, runner: ModelRunner) -> DrafterConfig:
