@@ -244,10 +244,14 @@ def test_data_matches_engine(target, dataset):
         DataStore(store.folder, settings_for(runner, gen_max_new_tokens=9))
 
 
-def test_fewshot_and_self_written_sources(target, tmp_path):
+def test_fewshot_and_self_written_sources(target, tmp_path, monkeypatch, capsys):
     """The few-shot source asks in the users' format (other questions of the file as worked
     examples, then the question, plain completion with the format's stop strings); a stage-2
-    source asks, as a chat turn, what its stage-1 source wrote, and skips what was cut off."""
+    source asks, as a chat turn, what its stage-1 source wrote, and skips what was cut off.
+    Progress lines (without a bar) name the stage whose rate they give."""
+    from common.tools.drafter import data
+
+    monkeypatch.setattr(data, "NOTE_EVERY_S", -1.0)  # a line at every finished step
     runner, tok = target
     rows = read_prompts(WORKED, "question", 4)
     items = [gsm8k_data.Item(r["question"], r["answer"]) for r in rows]
@@ -270,6 +274,9 @@ def test_fewshot_and_self_written_sources(target, tmp_path):
         else:  # cut off by the token limit: not asked, and recorded so that no later run asks it
             assert answer == "its written prompt is unusable"
     assert stats["generated"] + stats["skipped"] == 4 + 2 + 2
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("generate: ")]
+    stages = [line.split("; ")[1].split(" at ")[0] for line in notes]
+    assert stages[0] == "self-math-q" and stages[-1] == "fewshot+self-math" and all(" tok/s" in n for n in notes)
 
 
 def test_batched_blocks_match_one_block_at_a_time(target, dataset):

@@ -276,7 +276,7 @@ def _run(engine: Engine, tok: Tokenizer, sources: list[Source], store: DataStore
     in_flight: dict[str, Job] = {}
     asked: tuple[tuple[str, int], Prompt | None] | None = None  # a prompt's samples come in a row
     refill_below = max(1, engine.max_running * 3 // 4)  # prefill in batches, not one prompt per step
-    exhausted, t0 = False, time.perf_counter()
+    exhausted, t0, tokens0 = False, time.perf_counter(), stats["gen_tokens"]
     last_note = t0
     with tqdm(total=len(todo), desc=f"generate {'+'.join(x.name for x in sources)}", unit="seq",
               disable=not progress, mininterval=2) as bar:
@@ -308,11 +308,13 @@ def _run(engine: Engine, tok: Tokenizer, sources: list[Source], store: DataStore
                 store.flush()
                 stats["generated"] += finished
                 bar.update(finished)
-                rate = f"{stats['gen_tokens'] / (time.perf_counter() - t0):,.0f} tok/s"
+                # This stage's tokens over this stage's time (the totals span every stage).
+                rate = f"{(stats['gen_tokens'] - tokens0) / (time.perf_counter() - t0):,.0f} tok/s"
                 bar.set_postfix_str(rate, refresh=False)
                 if not progress and time.perf_counter() - last_note > NOTE_EVERY_S:  # logs, not a terminal
                     last_note = time.perf_counter()
-                    print(f"generate: {stats['generated']} sequences, {stats['gen_tokens']:,} tokens, {rate}", flush=True)
+                    print(f"generate: {stats['generated']} sequences, {stats['gen_tokens']:,} tokens; "
+                          f"{'+'.join(x.name for x in sources)} at {rate}", flush=True)
     return True
 
 
