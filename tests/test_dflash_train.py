@@ -312,6 +312,18 @@ def test_batched_blocks_match_one_block_at_a_time(target, dataset):
                 torch.testing.assert_close(hidden[s, j], alone, atol=1e-4, rtol=1e-4)
 
 
+def losses_on_one_batch(trainer: Trainer, batch, targets, steps: int = 12) -> list[float]:
+    """The loss of each of `steps` optimizer steps on the same batch, targets and anchors."""
+    losses = []
+    for _ in range(steps):
+        loss, _ = trainer.loss(batch, targets, torch.Generator().manual_seed(0))
+        loss.backward()
+        trainer.opt.step()
+        trainer.opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def test_loss_falls_on_fixed_batch(target, dataset):
     runner, _ = target
     seqs = dataset[0].sequences(dataset[1])
@@ -322,13 +334,7 @@ def test_loss_falls_on_fixed_batch(target, dataset):
     batch = make_batch(seqs[:4])  # greedy and sampled answers (labels from the target's argmax)
     targets = trainer.capture(batch)  # the target is frozen: run it once
     assert targets.next_token is not None
-    losses = []
-    for _ in range(12):
-        loss, _ = trainer.loss(batch, targets, torch.Generator().manual_seed(0))  # same anchors
-        loss.backward()
-        trainer.opt.step()
-        trainer.opt.zero_grad()
-        losses.append(loss.item())
+    losses = losses_on_one_batch(trainer, batch, targets)
     assert losses[-1] < 0.5 * losses[0], losses
 
 
@@ -360,13 +366,7 @@ def test_soft_labels_are_the_targets_renormalised_top_k(target, dataset, monkeyp
     torch.testing.assert_close(targets.top_probs[1, :n], torch.softmax(top.values, -1))
     torch.testing.assert_close(targets.top_probs[1, :n].sum(-1), torch.ones(n))
     assert torch.equal(targets.top_ids[1, :n, 0], targets.next_token[1, :n])
-    losses = []
-    for _ in range(12):
-        loss, _ = trainer.loss(batch, targets, torch.Generator().manual_seed(0))
-        loss.backward()
-        trainer.opt.step()
-        trainer.opt.zero_grad()
-        losses.append(loss.item())
+    losses = losses_on_one_batch(trainer, batch, targets)
     assert losses[-1] < 0.7 * losses[0], losses
 
 
