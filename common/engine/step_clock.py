@@ -14,6 +14,10 @@ class BlockTime:
     steps: int = 0
     seconds: float = 0.0
 
+    def add(self, steps: int, seconds: float) -> None:
+        self.steps += steps
+        self.seconds += seconds
+
     @property
     def ms_per_step(self) -> float:
         return 1e3 * self.seconds / self.steps if self.steps else 0.0
@@ -40,8 +44,6 @@ class StepClock:
             self._marks[-1][2].synchronize()
         out: dict[int, BlockTime] = {}
         for block, start, end in self._marks:
-            t = out.setdefault(block, BlockTime())
-            t.steps += 1
-            t.seconds += start.elapsed_time(end) / 1e3
+            out.setdefault(block, BlockTime()).add(1, start.elapsed_time(end) / 1e3)
         self._marks = []
         return dict(sorted(out.items()))

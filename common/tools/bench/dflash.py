@@ -169,9 +169,7 @@ def merged(runs: list[dict]) -> dict:
     device: dict[int, BlockTime] = {}
     for run in runs:
         for block, t in run["device"].items():
-            total = device.setdefault(block, BlockTime())
-            total.steps += t.steps
-            total.seconds += t.seconds
+            device.setdefault(block, BlockTime()).add(t.steps, t.seconds)
     return {"reqs": [r for run in runs for r in run["reqs"]], "device": dict(sorted(device.items())),
             **{key: sum(run[key] for run in runs)
                for key in ("seconds", "decode_seconds", "prefill_seconds", "graphs_captured")}}
