@@ -1,18 +1,26 @@
 """How far a drafter's drafts get accepted, estimated from evidence that fades.
 
-After a verify step with a block of B whose drafts were right for the first k positions, each
-position i < B is one trial of "at least i drafts accepted", a hit if k >= i; positions past the
-block say nothing. The estimate of P(at least i accepted) is (hits + s * prior) / (trials + s):
-the prior (another estimate) weighs s trials. Evidence fades with every decode step, speculative
-or not, so that what plain steps cannot teach (they verify nothing) is eventually tried again:
-a policy that stopped speculating because the drafts were poor speculates again once its
-evidence has faded back toward the prior, and stops again after a few steps if they still are.
-The estimate leans a little toward speculating where the evidence is thin (`optimism` standard
-errors above the mean): a few unlucky verify steps early on then do not switch a drafter that
-pays off for hundreds of steps.
+The quantity is q[i] = P(draft i is right | drafts 1..i-1 were), i >= 1: a verify step with a
+block of B whose drafts were right for the first k positions tried position i if it reached it
+(i <= k + 1) and the block held it (i < B), and passed it if i <= k. P(at least i accepted) is
+then the product q[1] * ... * q[i]. Estimating the continuations rather than P(at least i)
+itself uses every verify step whatever its block, like a survival curve of censored data, and
+says what to expect past the blocks that were verified: a position that no block reached yet
+continues at the rate of the last position before it (`continuations`). Estimated per position,
+P(at least i) past the block in use would stay at its prior whatever the drafts did: a drafter
+verified in blocks of 4 would look no better past 4 than a coin and never be given a longer
+block, however often it filled the whole block.
+
+Each estimate is (passed + s * prior) / (tried + s): the prior (another estimate) weighs s trials.
+Evidence fades with every decode step, speculative or not, so that what plain steps cannot teach
+(they verify nothing) is eventually tried again: a policy that stopped speculating because the
+drafts were poor speculates again once its evidence has faded back toward the prior, and stops
+again after a few steps if they still are. The estimate leans a little toward speculating where
+the evidence is thin (`optimism` standard errors above the mean): a few unlucky verify steps early
+on then do not switch a drafter that pays off for hundreds of steps.
 
 The policy weighs every running request at every step, so the arithmetic is numpy over the
-whole batch (`estimates`), and fading multiplies one scale per request instead of its counts.
+whole batch (`reach`), and fading multiplies one scale per request instead of its counts.
 """
 from __future__ import annotations
 
@@ -21,35 +29,43 @@ import numpy as np
 
 class Acceptance:
     def __init__(self, max_block: int):
-        # Counts in units of `scale`: a count is hits[i] * scale.
-        self.hits = np.zeros(max_block)
-        self.trials = np.zeros(max_block)
+        # Counts in units of `scale`: a count is passed[i] * scale.
+        self.passed = np.zeros(max_block)
+        self.tried = np.zeros(max_block)
         self.scale = 1.0
 
     def observe(self, drafted: int, block: int) -> None:
         one = 1.0 / self.scale
-        self.trials[1:block] += one
-        self.hits[1:drafted + 1] += one
+        self.tried[1:min(drafted + 1, block - 1) + 1] += one
+        self.passed[1:drafted + 1] += one
 
     def fade(self, keep: float) -> None:
         """One decode step passed: every count keeps this share."""
         self.scale *= keep
         if self.scale < 1e-100:  # fold it into the counts before it underflows
-            self.hits *= self.scale
-            self.trials *= self.scale
+            self.passed *= self.scale
+            self.tried *= self.scale
             self.scale = 1.0
 
-    def estimate(self, prior: np.ndarray, strength: float, optimism: float = 0.0) -> np.ndarray:
-        """P(at least i drafts accepted) for each i < len(prior); [0] is 1."""
-        return estimates([self], prior, strength, optimism)[0]
+    def continuations(self, first: float, strength: float) -> np.ndarray:
+        """q[i] for each i < max_block ([0] is 1): position 1's prior is `first`, each later
+        position's the estimate before it."""
+        passed, tried = self.passed * self.scale, self.tried * self.scale
+        q = np.ones_like(passed)
+        prior = first
+        for i in range(1, len(q)):
+            q[i] = prior = (passed[i] + strength * prior) / (tried[i] + strength)
+        return q
 
 
-def estimates(evidence: list[Acceptance], prior: np.ndarray, strength: float, optimism: float = 0.0) -> np.ndarray:
-    """[len(evidence), len(prior)]: each one's estimate, with the same prior."""
+def reach(evidence: list[Acceptance], prior: np.ndarray, strength: float, optimism: float = 0.0) -> np.ndarray:
+    """[len(evidence), len(prior)]: P(at least i drafts accepted) by each one's evidence, with the
+    continuations `prior` as every one's prior; [:, 0] is 1. The optimism leans each P(at least i)
+    by its own trials, not each continuation, whose leaning would compound along the product."""
     scale = np.array([e.scale for e in evidence])[:, None]
-    hits = np.stack([e.hits for e in evidence]) * scale
-    trials = np.stack([e.trials for e in evidence]) * scale + strength
-    p = (hits + strength * prior) / trials
-    p = np.minimum(1.0, p + optimism * np.sqrt(p * (1.0 - p) / trials))
+    passed = np.stack([e.passed for e in evidence]) * scale
+    tried = np.stack([e.tried for e in evidence]) * scale + strength
+    p = ((passed + strength * prior) / tried).cumprod(axis=1)
+    p = np.minimum(1.0, p + optimism * np.sqrt(p * (1.0 - p) / tried))
     p[:, 0] = 1.0
     return p

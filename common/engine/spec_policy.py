@@ -16,17 +16,22 @@ step follows the machine's speed (clocks, other work), and each choice's price i
 relative to that level, which a change of the whole machine's speed leaves as it is. Timings fix
 prices only up to a common factor, so a plain step's price stays 1 and the level takes the rest;
 the running averages are of logarithms, which zero-mean noise does not drag. Prices of two choices
-compare only when both were timed lately, so the other kind of step than the one chosen (plain
-while speculating, the best block while decoding plainly) is taken once every EXPLORE steps,
-and a price forgets at the same rate per step whether it is timed at every step or at every
-EXPLORE-th. A choice that is never timed stays near the start-up cost's price (it moves only as
-plain's does, which anchors them all). A speculative step that first catches up the draft KV of
+compare only when both were timed lately, so once every EXPLORE steps a choice other than the
+one made is taken, the one timed longest ago of: the best of the other kind (plain while
+speculating, the best block while decoding plainly), and the blocks whose rate comes within
+CONTENDER of the best's. A price timed at a bad moment, as the machine's speed changed, is then
+mended, and the drafter's evidence reaches past the block in use. A block far behind is explored
+only once in STALE steps, where each step would cost (a block of 16 against plain steps, with
+drafts that miss, costs about two plain steps) but its price would otherwise follow plain's
+updates alone, which carry the bias of the blocks chosen for being cheap. A price forgets at the same rate per step whether it is
+timed at every step or at every few hundredth. A speculative step that first catches up the draft KV of
 the plain steps before it is not timed (that work is the plain steps' price): when it was the
 exploring step, the step after it, which catches up only its own block, explores again.
 
 E[tokens | B] = 1 + the sum over i < B of P(at least i drafts accepted), estimated per request
 from its own verify steps, with the estimate over all requests as its prior, which in turn has
-PRIOR_REACH ** i as its prior (acceptance.py). The evidence fades with every decode step (the requests' faster than the
+PRIOR_REACH as the prior of each draft being right given the ones before it, and past the
+positions verified so far continues at the last one's rate (acceptance.py). The evidence fades with every decode step (the requests' faster than the
 global), so that when the drafts were poor and the batch decodes plainly, speculation is tried
 again once that evidence has faded, and dropped again within a few steps if the drafts still
 miss: a drafter that never hits costs about one speculative step in a hundred.
@@ -44,11 +49,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.engine.acceptance import Acceptance, estimates
+from common.engine.acceptance import Acceptance, reach
 from common.engine.request import Request
 
 BLOCKS = (4, 8, 16)
-PRIOR_REACH = 0.5  # before any evidence: P(at least i accepted) = PRIOR_REACH ** i
+PRIOR_REACH = 0.5  # before any evidence: P(a draft is right | the ones before it were)
 GLOBAL_STRENGTH = 8.0  # the prior counts as this many verify steps in the estimate over all requests
 REQUEST_STRENGTH = 4.0  # the estimate over all requests counts as this many of a request's own steps
 GLOBAL_KEEP = 0.998  # evidence over all requests kept per decode step (half-life ~350 steps)
@@ -57,7 +62,9 @@ OPTIMISM = 0.25  # standard errors the estimates lean toward speculating (accept
 # A clear decision (one choice CLEAR times the other's rate) holds for HOLD more steps of the same
 # batch: the estimates move slowly, and weighing them takes host time.
 CLEAR, HOLD = 1.25, 6
-EXPLORE = 50  # a step of the other kind once in this many (2% of the steps, priced wrongly)
+EXPLORE = 50  # an exploring step once in this many (2% of the steps, priced wrongly)
+CONTENDER = 0.75  # a block explored besides the best of the other kind: its rate over the best's at least this
+STALE = 500  # every choice is explored at least once in this many steps
 LEVEL_KEEP = 0.8  # per timed step, the weight the machine's level keeps
 PRICE_KEEP = 0.99  # per step taken, the weight a choice's price keeps (half-life ~70 steps)
 PRICE_LEAST_KEPT = 0.5  # one timed step moves a price at most halfway, however long since the last
@@ -115,7 +122,6 @@ class SpecPolicy:
         self.pinned = config.block
         self.blocks = [b for b in config.blocks if b <= max_block] or [max_block]
         self.costs = costs  # None: only a pinned block (or the largest) is ever used
-        self.prior = PRIOR_REACH ** np.arange(max_block)
         self.acceptance = Acceptance(max_block)  # over all requests
         self.timed_steps = config.timed
         self.level = 0.0  # log of time taken / start-up cost over every step: the machine's speed now
@@ -124,7 +130,8 @@ class SpecPolicy:
         self._steps = 0  # steps taken so far
         self._timed_at = dict.fromkeys(self.log_price, 0)  # the step at which each choice was last timed
         self._asked_at = dict.fromkeys(self.log_price, 0)  # ... and last chosen to be timed
-        self._other = 0  # the best choice of the other kind at the last weighing
+        self._others: list[int] = [0]  # the choices to explore, from the last weighing
+        self._explored_at = 0  # the last step that explored
         self._exploring: int | None = None  # this step's exploring choice, if it explores
         self._explore_again: int | None = None  # an exploring step that was not timed, to take again
         self._retrying = False  # this step's exploring choice is such a step, taken again
@@ -144,8 +151,13 @@ class SpecPolicy:
         self._steps += 1
         other, self._explore_again = self._explore_again, None
         self._retrying = other is not None
-        if other is None and self._steps - max(self._timed_at[self._other], self._asked_at[self._other]) >= EXPLORE:
-            other = self._other
+        if other is None and self._steps - self._explored_at >= EXPLORE:
+            stalest = min(self._others, key=self._last_timed)
+            forgotten = min(self.log_price, key=self._last_timed)
+            if self._steps - self._last_timed(forgotten) >= STALE:
+                stalest = forgotten
+            if self._steps - self._last_timed(stalest) >= EXPLORE:
+                other, self._explored_at = stalest, self._steps
         if other is not None:
             self._asked_at[other] = self._steps
             self._exploring = other
@@ -177,8 +189,8 @@ class SpecPolicy:
             return held_choice
         rows = len(reqs)
         context = sum(r.cache.length for r in reqs) / rows
-        shared = self.acceptance.estimate(self.prior, GLOBAL_STRENGTH, OPTIMISM)
-        expected = estimates([r.spec.acceptance for r in reqs], shared, REQUEST_STRENGTH, OPTIMISM).cumsum(1)
+        shared = self.acceptance.continuations(PRIOR_REACH, GLOBAL_STRENGTH)
+        expected = reach([r.spec.acceptance for r in reqs], shared, REQUEST_STRENGTH, OPTIMISM).cumsum(1)
         left = np.array([r.params.max_new_tokens - len(r.output_ids) for r in reqs])
         # Tokens per second of each choice; E[tokens | B] = 1 + P(>= 1) + ... + P(>= B-1).
         rates = {0: rows / self._cost(rows, 0, context)}
@@ -186,11 +198,15 @@ class SpecPolicy:
             rates[block] = np.minimum(left, expected[:, block - 1]).sum() / self._cost(rows, block, context)
         best = max(rates, key=rates.get)
         best_block = max(self.blocks, key=rates.get)
-        self._other = best_block if best == 0 else 0
+        self._others = [best_block if best == 0 else 0]
+        self._others += [b for b in self.blocks if b not in (best, best_block) and rates[b] >= CONTENDER * rates[best]]
         plain, spec = rates[0], rates[best_block]
         clear = max(plain, spec) >= CLEAR * min(plain, spec)
         self._held = (batch, best, HOLD if clear else 0)
         return best
+
+    def _last_timed(self, choice: int) -> int:
+        return max(self._timed_at[choice], self._asked_at[choice])
 
     def _cost(self, rows: int, block: int, context: float) -> float:
         return self.costs.cost(rows, block, context) * math.exp(self.log_price[block])
