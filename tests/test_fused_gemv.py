@@ -1,5 +1,5 @@
 """The decode GEMV kernels (common.model.gemv) against F.linear and SiLU(gate) * up: fp32 to
-reduction order, bf16 to one rounding, M = 1..8 rows, N and K off the block sizes; and the
+reduction order, bf16 to one rounding, M = 1..16 rows, N and K off the block sizes; and the
 logits' argmax (common.model.fused.argmax) against torch's, ties included. On a GPU, or
 on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 in the environment before the
 kernels are defined)."""
@@ -18,7 +18,7 @@ KERNELS_RUN = pytest.mark.skipif(
     not fused.HAS_TRITON or (DEVICE == "cpu" and not fused._INTERPRETED),
     reason="triton is not installed" if not fused.HAS_TRITON else
     "no GPU: needs TRITON_INTERPRET=1 set before the kernels are imported")
-# N and K off every block size; a block shape of each kind; rows 1..8.
+# N and K off every block size; a block shape of each kind; rows 1..16.
 SHAPES = [(1, 37, 45, gemv.DEFAULT), (3, 70, 300, gemv.Blocks(4, 512, 4)), (5, 24, 129, gemv.Blocks(1, 2048, 8)),
           (8, 45, 513, gemv.Blocks(8, 256, 4)), (2, 9, 7, gemv.DEFAULT), (4, 33, 256, gemv.Blocks(4, 256, 4)),
           (6, 17, 64, gemv.Blocks(1, 1024, 4)), (7, 5, 100, gemv.Blocks(8, 256, 4)),
@@ -26,7 +26,8 @@ SHAPES = [(1, 37, 45, gemv.DEFAULT), (3, 70, 300, gemv.Blocks(4, 512, 4)), (5, 2
           (2, 13, 1100, gemv.Blocks(1, 1024, 1)), (5, 40, 77, gemv.Blocks(2, 1024, 2)),
           (4, 35, 700, gemv.Blocks(1, 1024, 4, tile=True)), (7, 19, 2100, gemv.Blocks(1, 2048, 8, tile=True)),
           (1, 23, 90, gemv.Blocks(2, 512, 4, tile=True)), (8, 41, 520, gemv.Blocks(4, 256, 4, tile=True)),
-          (3, 6, 33, gemv.Blocks(2, 512, 4, tile=True))]
+          (3, 6, 33, gemv.Blocks(2, 512, 4, tile=True)), (16, 29, 600, gemv.Blocks(2, 1024, 1)),
+          (12, 18, 130, gemv.Blocks(4, 256, 4, tile=True)), (16, 11, 1030, gemv.Blocks(1, 1024, 4, tile=True))]
 
 
 def _inputs(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,7 +115,7 @@ def test_argmax_matches_torch_ties_included():
 
 def test_rows_past_the_limit_are_refused():
     x, w, _ = _inputs(gemv.MAX_ROWS + 1, 8, 16, torch.float32)
-    with pytest.raises(ValueError, match="at most 8 rows"):
+    with pytest.raises(ValueError, match=f"at most {gemv.MAX_ROWS} rows"):
         gemv.gemv(x, w)
     with pytest.raises(ValueError, match="must share K"):
         gemv.gemv(x[:2, :8], w)

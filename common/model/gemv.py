@@ -1,7 +1,7 @@
 """Decode-sized matrix products on CUDA: y = x W^T (+ b) for a few rows of x, and the MLP's
 SiLU(x Wg^T) * (x Wu^T) in one kernel.
 
-A decode step multiplies each weight by one to eight rows: the product is memory-bound, and at
+A decode step multiplies each weight by one to sixteen rows: the product is memory-bound, and at
 the small model's shapes cuBLAS's kernels take ~4 us where reading the weight takes under 1 us
 (issue 19). Here one Triton kernel reads a block of weight rows once and multiplies it with
 every row of x, accumulating in fp32 with plain multiplies and sums (no tl.dot: fp32 inputs get
@@ -34,7 +34,10 @@ from common.model.cuda_timing import us_per_op
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 8  # decode batches and verify blocks up to this many rows; more go to cuBLAS
+# Decode batches and verify blocks up to this many rows; more go to cuBLAS. A verify block of 16
+# at batch 1 is 16 rows: in fp32, cuBLAS took 3.2 ms a step for it on the H200, against 1.7 for
+# blocks of 8 through this kernel (docs/PERFORMANCE.md, 2026-12-04, blocks past the evidence).
+MAX_ROWS = 16
 MODES = ("auto", "triton", "cublas")
 # auto's timing: products per CUDA graph, and weight copies enough to stream this many times the
 # L2 cache (a decode step reads far more than L2 holds, so no product finds its weight there).
@@ -246,7 +249,7 @@ if fused.HAS_TRITON:
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr):
         # One program: output columns [j, j + BLOCK_N) for all M rows. Each block of weight rows is
         # loaded once. Without TILE each row of x is multiplied with it in turn (a static loop:
-        # M <= 8), so the registers held do not grow with M; with TILE every row is loaded at once
+        # M <= MAX_ROWS), so the registers held do not grow with M; with TILE every row is loaded at once
         # and the [BLOCK_M, BLOCK_N, BLOCK_K] products are summed over K in one reduction.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N

@@ -1,7 +1,7 @@
 """gpu-check part `gemv`: the decode GEMV kernels (common.model.gemv) on the GPU.
 
 For each projection of a decoder layer (qkv, o, gate/up with SiLU x up, down; and the embedded
-model's LM head) at the embedded and the Llama-3-8B shapes, M = 1, 4 and 8 rows, fp32 and bf16:
+model's LM head) at the embedded and the Llama-3-8B shapes, M = 1, 4, 8 and 16 rows, fp32 and bf16:
   check   every Triton block shape against cuBLAS's F.linear (and fused.silu_mul after it):
           fp32 within 1e-5 of the largest output, bf16 within 2^-7 (a rounding step) of it
   graph   microseconds per product inside a CUDA graph of at least 50 products (no launch
@@ -64,7 +64,7 @@ def gemv_check() -> list[dict]:
                     copies = -(-STREAM_BYTES // (N * K * dtype.itemsize))
                     g = torch.Generator(device="cuda").manual_seed(N + K)
                     ws = [torch.randn(N, K, device="cuda", generator=g).div_(K ** 0.5).to(dtype) for _ in range(copies)]
-                    for M in (1, 4, 8):
+                    for M in (1, 4, 8, 16):
                         xs = [torch.randn(M, K, device="cuda", generator=g).to(dtype) for _ in range(4)]
                         rows.append(_case(shape, name, silu_mul, xs, ws, dtype))
                     del ws
@@ -91,11 +91,11 @@ def _case(shape: str, name: str, silu_mul: bool, xs: list[torch.Tensor], ws: lis
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
-    lines = [f"gemv     {'shape':9} {'product':12} {'dtype':8} M  {'N x K':>11}  check     graph us: cuBLAS Triton"
+    lines = [f"gemv     {'shape':9} {'product':12} {'dtype':8} M   {'N x K':>11}  check     graph us: cuBLAS Triton"
              f"   plain us: cuBLAS Triton  auto"]
     for r in rows:
         check = f"{'ok' if r['ok'] else 'FAIL'} {r['max_rel_err']:.0e}"
-        lines.append(f"gemv     {r['shape']:9} {r['product']:12} {r['dtype']:8} {r['M']}  {r['N']:>5}x{r['K']:<5}  "
+        lines.append(f"gemv     {r['shape']:9} {r['product']:12} {r['dtype']:8} {r['M']:<2}  {r['N']:>5}x{r['K']:<5}  "
                      f"{check:9} {r['cublas_graph_us']:14.2f} {r['triton_graph_us']:6.2f}"
                      f" {r['cublas_plain_us']:16.2f} {r['triton_plain_us']:6.2f}  {r['auto']} (+{r['auto_loss_us']:.2f})")
     layers: dict[tuple, list[dict]] = {}
