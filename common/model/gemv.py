@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 # Decode batches and verify blocks up to this many rows; more go to cuBLAS. A verify block of 16
 # at batch 1 is 16 rows: in fp32, cuBLAS took 3.2 ms a step for it on the H200, against 1.7 for
-# blocks of 8 through this kernel (docs/PERFORMANCE.md, 2026-12-04, blocks past the evidence).
+# blocks of 8 through this kernel (docs/PERFORMANCE.md, 2026-12-04 (night)).
 MAX_ROWS = 16
 MODES = ("auto", "triton", "cublas")
 # auto's timing: products per CUDA graph, and weight copies enough to stream this many times the
