@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from common.engine.acceptance import Acceptance, reach
 from common.engine.sampling import SamplingParams
 from common.engine.spec_policy import SpecConfig, SpecPolicy, StepCosts
 from common.engine.spec_stats import SpecStats
@@ -71,6 +72,26 @@ def test_a_drafter_that_fills_its_blocks_gets_longer_ones():
     assert longer >= 950, (blocks, req.spec.block_histogram)
 
 
+def test_positions_past_the_blocks_continue_at_the_last_rate():
+    """Blocks of 4 whose 3 drafts all hit, and blocks of 8 that stop after 6 of 7: positions 1-3
+    reached and passed by all, 4-6 by the 8s only, 7 reached by the 8s and never passed; 8 and
+    later, never reached, continue at position 7's estimate. A full block is no miss at the next
+    position."""
+    acc = Acceptance(16)
+    for _ in range(10):
+        acc.observe(3, 4)
+    for _ in range(10):
+        acc.observe(6, 8)
+    assert acc.tried.tolist()[:9] == [0] + [20] * 3 + [10] * 4 + [0] and acc.passed[7] == 0
+    q = acc.continuations(0.5, 8.0)
+    assert q[1] == pytest.approx((20 + 8 * 0.5) / 28) and q[2] == pytest.approx((20 + 8 * q[1]) / 28)
+    assert q[6] == pytest.approx((10 + 8 * q[5]) / 18) and q[7] == pytest.approx(8 * q[6] / 18)
+    assert q[8:].tolist() == pytest.approx([q[7]] * 8)
+    p = reach([acc], q, 4.0)[0]
+    assert p[0] == 1 and all(a >= b for a, b in zip(p, p[1:]))
+    assert reach([acc], q, 4.0, optimism=0.25)[0][3] > p[3]  # it leans toward speculating
+
+
 def test_follows_a_drafter_that_starts_hitting():
     policy, rng, req = SpecPolicy(16, SpecConfig(), COSTS), random.Random(1), request()
     assert run(policy, req, 1000, 0.0, rng) < 35
@@ -97,20 +118,21 @@ def test_timed_steps_as_measured_change_little(hit, low, high):
 def test_speculation_slower_than_measured_is_dropped(timed, chunks):
     """A drafter that pays at the start-up costs (2.53 tokens for 1.5 plain steps) but whose steps
     take twice what was measured (on the H200 a grid point's speculative arm once ran 18% slower
-    than in the call before), so that a block of 4 makes 0.84 of plain decoding's rate: plain steps
-    once the times are in, speculation still tried now and then (the exploring steps, and runs of
-    blocks while the drafts are lucky and a block's price is mended only as plain steps are timed
-    again), at least 0.95 of plain decoding's rate; also when every step runs in two chunks. The negative control, the same steps untimed,
+    than in the call before), so that a block of 4 makes 0.84 of plain decoding's rate: plain
+    steps once the times are in, speculation still tried now and then (the exploring steps, and
+    runs of blocks while the drafts are lucky and a block's price is mended only as plain steps
+    are timed again), at least 0.95 of plain decoding's rate; also when every step runs in two
+    chunks. The negative control, the same steps untimed,
     speculates throughout at about 0.84."""
     policy, req, rng = SpecPolicy(16, SpecConfig(), COSTS), request(), random.Random(4)
     slow = (lambda block, step: measured(block, step) * (2.0 if block else 1.0)) if timed else None
     run(policy, req, 500, 0.7, rng, slow, chunks)
-    before = SpecStats(16, req.spec.verify_ct, req.spec.accepted_drafts, block_histogram=list(req.spec.block_histogram))
+    blocks_before, accepted_before = list(req.spec.block_histogram), req.spec.accepted_drafts
     steps = 2000
     share = run(policy, req, steps, 0.7, rng, slow, chunks) / steps
-    blocks = [now - then for now, then in zip(req.spec.block_histogram, before.block_histogram)]
+    blocks = [now - then for now, then in zip(req.spec.block_histogram, blocks_before)]
     seconds = (steps - sum(blocks)) * measured(0, 0) + sum(n * 2.0 * measured(b, 0) for b, n in enumerate(blocks) if n)
-    rate = (steps + req.spec.accepted_drafts - before.accepted_drafts) / seconds  # plain decoding's is 1
+    rate = (steps + req.spec.accepted_drafts - accepted_before) / seconds  # plain decoding's is 1
     assert (share <= 0.1 and rate >= 0.95) if timed else (share >= 0.95 and rate < 0.9), (share, rate)
 
 

@@ -6,10 +6,8 @@ block of B whose drafts were right for the first k positions tried position i if
 then the product q[1] * ... * q[i]. Estimating the continuations rather than P(at least i)
 itself uses every verify step whatever its block, like a survival curve of censored data, and
 says what to expect past the blocks that were verified: a position that no block reached yet
-continues at the rate of the last position before it (`continuations`). Estimated per position,
-P(at least i) past the block in use would stay at its prior whatever the drafts did: a drafter
-verified in blocks of 4 would look no better past 4 than a coin and never be given a longer
-block, however often it filled the whole block.
+continues at the rate of the last position before it (`continuations`), so that a drafter that
+fills its blocks of 4 is expected to go on past 4 and is given a longer block to show it.
 
 Each estimate is (passed + s * prior) / (tried + s): the prior (another estimate) weighs s trials.
 Evidence fades with every decode step, speculative or not, so that what plain steps cannot teach
@@ -19,8 +17,11 @@ again after a few steps if they still are. The estimate leans a little toward sp
 the evidence is thin (`optimism` standard errors above the mean): a few unlucky verify steps early
 on then do not switch a drafter that pays off for hundreds of steps.
 
-The policy weighs every running request at every step, so the arithmetic is numpy over the
-whole batch (`reach`), and fading multiplies one scale per request instead of its counts.
+The leaning is of each P(at least i), by the verify steps whose block held position i: leaning
+each continuation instead would compound along the product, and the steps that reached i are
+fewer the deeper i is, which would lean the deep positions for ever. The policy weighs every
+running request at every step, so the arithmetic is numpy over the whole batch (`reach`), and
+fading multiplies one scale per request instead of its counts.
 """
 from __future__ import annotations
 
@@ -29,13 +30,16 @@ import numpy as np
 
 class Acceptance:
     def __init__(self, max_block: int):
-        # Counts in units of `scale`: a count is passed[i] * scale.
-        self.passed = np.zeros(max_block)
+        # Counts in units of `scale`: a count is passed[i] * scale. Position i was held by the
+        # block of `held` verify steps, reached by `tried` of them and passed by `passed`.
+        self.held = np.zeros(max_block)
         self.tried = np.zeros(max_block)
+        self.passed = np.zeros(max_block)
         self.scale = 1.0
 
     def observe(self, drafted: int, block: int) -> None:
         one = 1.0 / self.scale
+        self.held[1:block] += one
         self.tried[1:min(drafted + 1, block - 1) + 1] += one
         self.passed[1:drafted + 1] += one
 
@@ -43,8 +47,8 @@ class Acceptance:
         """One decode step passed: every count keeps this share."""
         self.scale *= keep
         if self.scale < 1e-100:  # fold it into the counts before it underflows
-            self.passed *= self.scale
-            self.tried *= self.scale
+            for counts in (self.held, self.tried, self.passed):
+                counts *= self.scale
             self.scale = 1.0
 
     def continuations(self, first: float, strength: float) -> np.ndarray:
@@ -60,12 +64,12 @@ class Acceptance:
 
 def reach(evidence: list[Acceptance], prior: np.ndarray, strength: float, optimism: float = 0.0) -> np.ndarray:
     """[len(evidence), len(prior)]: P(at least i drafts accepted) by each one's evidence, with the
-    continuations `prior` as every one's prior; [:, 0] is 1. The optimism leans each P(at least i)
-    by its own trials, not each continuation, whose leaning would compound along the product."""
+    continuations `prior` as every one's prior; [:, 0] is 1, and no later P exceeds an earlier."""
     scale = np.array([e.scale for e in evidence])[:, None]
     passed = np.stack([e.passed for e in evidence]) * scale
     tried = np.stack([e.tried for e in evidence]) * scale + strength
+    held = np.stack([e.held for e in evidence]) * scale + strength
     p = ((passed + strength * prior) / tried).cumprod(axis=1)
-    p = np.minimum(1.0, p + optimism * np.sqrt(p * (1.0 - p) / tried))
+    p = np.minimum(1.0, p + optimism * np.sqrt(p * (1.0 - p) / held))
     p[:, 0] = 1.0
-    return p
+    return np.minimum.accumulate(p, axis=1)

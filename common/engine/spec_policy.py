@@ -23,18 +23,20 @@ CONTENDER of the best's. A price timed at a bad moment, as the machine's speed c
 mended, and the drafter's evidence reaches past the block in use. A block far behind is explored
 only once in STALE steps, where each step would cost (a block of 16 against plain steps, with
 drafts that miss, costs about two plain steps) but its price would otherwise follow plain's
-updates alone, which carry the bias of the blocks chosen for being cheap. A price forgets at the same rate per step whether it is
-timed at every step or at every few hundredth. A speculative step that first catches up the draft KV of
-the plain steps before it is not timed (that work is the plain steps' price): when it was the
-exploring step, the step after it, which catches up only its own block, explores again.
+updates alone, which carry the bias of the blocks chosen for being cheap. A price forgets at the
+same rate per step however seldom it is timed. A speculative step that first catches up the
+draft KV of the plain steps before it is not timed (that work is the plain steps' price): when
+it was the exploring step, the step after it, which catches up only its own block, explores
+again.
 
 E[tokens | B] = 1 + the sum over i < B of P(at least i drafts accepted), estimated per request
-from its own verify steps, with the estimate over all requests as its prior, which in turn has
-PRIOR_REACH as the prior of each draft being right given the ones before it, and past the
-positions verified so far continues at the last one's rate (acceptance.py). The evidence fades with every decode step (the requests' faster than the
-global), so that when the drafts were poor and the batch decodes plainly, speculation is tried
-again once that evidence has faded, and dropped again within a few steps if the drafts still
-miss: a drafter that never hits costs about one speculative step in a hundred.
+from its own verify steps, with the estimate over all requests as its prior. That one's prior
+for each draft being right, given the ones before it, is PRIOR_REACH, and past the positions
+verified so far the last one's rate; a request's own evidence refines it where the request's
+blocks reached (acceptance.py). The evidence fades with every decode step (the requests' faster
+than the global), so that when the drafts were poor and the batch decodes plainly, speculation is
+tried again once that evidence has faded, and dropped again within a few steps if the drafts
+still miss: a drafter that never hits costs about one speculative step in a hundred.
 `--spec-block N` pins every step to N.
 
 Weighing takes tens of microseconds of host time, which a GPU step of a small batch would wait
