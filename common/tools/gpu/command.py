@@ -21,8 +21,8 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
              on 32 GSM8K chat prompts, fp32: one at a time and 8 at once, greedy and seeded
              sampling (T 0.8, top-p 0.95), and requests that stop inside a block; must be identical
   gemv       the decode GEMV kernels (common.model.gemv) against cuBLAS at the embedded and 8B
-             shapes, M 1, 4 and 8, fp32 and bf16: results, and microseconds per product in CUDA graphs
-             and in plain launches (common/tools/gpu/gemv_check.py; about a minute)
+             shapes, M 1, 4, 8 and 16, fp32 and bf16: results, and microseconds per product in CUDA graphs
+             and in plain launches (common/tools/gpu/gemv_check.py; about two minutes)
   flashinfer flashinfer's fused add-RMSNorm, SiLU x up, RoPE + paged-KV append and graph decode
              attention against ours (common.model.fused, Triton attention), embedded and 8B shapes,
              bf16, batch 1, 8, 32: results, and microseconds per op in CUDA graphs
@@ -183,7 +183,8 @@ def _decoder(dtype: str, graphs: bool) -> Decoder:
 def _replay(context: int = 256) -> list[dict]:
     """Step time through the decoder (inputs, graph replay, the one host synchronisation), in ms;
     the decode GEMVs as PDFLASH_GEMV=auto picks them, and each dtype with cuBLAS alone to compare;
-    fp32 also with our kernel and its DEFAULT blocks for every product of up to 8 rows."""
+    fp32 also with our kernel and its DEFAULT blocks for every product it takes (up to 8 rows,
+    and 16)."""
     rows = []
     for dtype, mode in (("fp32", "auto"), ("fp32", "cublas"), ("fp32", "triton"), ("bf16", "auto"), ("bf16", "cublas")):
         with gemv.forced(mode):  # while the graphs are captured: they keep what ran then
