@@ -204,7 +204,9 @@ def chat_sources(tok, questions: list[str], samples: int) -> list[sources.Source
 def dataset(target, tmp_path_factory):
     """Greedy + two sampled answers for the fixture prompts, generated in three runs: one
     stopped by its time limit at once, one of two prompts, and one that resumes the folder
-    (after a torn line) with a third prompt and the samples. Returns (store, sources)."""
+    (after a torn line) with a third prompt and the samples, prefilling 8 prompt tokens a step
+    (test_data_matches_engine compares its greedy answer with an engine's of the default chunk).
+    Returns (store, sources)."""
     runner, tok = target
     folder = str(tmp_path_factory.mktemp("data") / "data")
     questions = [r["question"] for r in read_prompts(PROMPTS, "question", 3)]
@@ -218,7 +220,7 @@ def dataset(target, tmp_path_factory):
     with open(os.path.join(folder, "chat-0000.jsonl"), "a") as f:
         f.write('{"i": 2, "k": 0, "t": 0.0, "prompt_len": 3, "ids": [1, 2')  # a torn line from a killed run
     srcs = chat_sources(tok, questions, 2)
-    second = generate(runner, tok, srcs, DataStore(folder, settings), max_running=8, progress=False)
+    second = generate(runner, tok, srcs, DataStore(folder, settings), max_running=8, chunk_size=8, progress=False)
     assert second["reused"] == 2 and second["generated"] == 7
     return DataStore(folder, settings), srcs
 

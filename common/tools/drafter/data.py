@@ -243,14 +243,14 @@ def pending(sources: list[Source], store: DataStore) -> list[Job]:
 
 
 def generate(runner: ModelRunner, tok: Tokenizer, sources: list[Source], store: DataStore, *, max_running: int,
-             time_limit: float | None = None, progress: bool = True) -> dict:
+             chunk_size: int = 8192, time_limit: float | None = None, progress: bool = True) -> dict:
     """Generate every missing sequence of `sources` into `store`: first the sources that write
     prompts, then the rest. Returns stats (tokens/s over the whole run, prefill included)."""
     stats = {"reused": len(store.sequences(sources)),
              "generated": 0, "skipped": 0, "gen_tokens": 0, "gen_seconds": 0.0, "stopped": "done"}
     start = time.perf_counter()
     sizes = tuple(sorted({*BATCH_SIZES, *(n for n in (128, 256, 512) if n <= max_running)}))
-    engine = Engine(runner, tok.eos_token_ids, max_running=max_running, batch_sizes=sizes)
+    engine = Engine(runner, tok.eos_token_ids, max_running=max_running, batch_sizes=sizes, chunk_size=chunk_size)
     deadline = None if time_limit is None else start + time_limit
     for stage in ([s for s in sources if s.writes], [s for s in sources if not s.writes]):
         if stage and not _run(engine, tok, stage, store, stats, deadline, progress):

@@ -57,6 +57,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--max-seqs", type=int, default=None, help="use only the first N prompts of the file")
     d.add_argument("--gen-max-new-tokens", type=int, default=256)
     d.add_argument("--gen-max-running", type=int, default=None, help="engine batch (default 256 on CUDA, 32 on CPU)")
+    d.add_argument("--gen-chunk-size", type=int, default=8192,
+                   help="prompt tokens per prefill step while generating: the engine refills its batch a quarter at a "
+                        "time, and each prefill step costs host time whatever its size, so larger steps are fewer")
     d.add_argument("--samples-per-prompt", type=int, default=0, help="K sampled answers per prompt besides the greedy one")
     d.add_argument("--sample-temperatures", default="0.8",
                    help="comma-separated; sampled answer k uses the ((k-1) mod n)-th")
@@ -157,8 +160,8 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
                          self_chat=args.self_chat, seed=args.seed, written=lambda name, i: store.written(name, i, tok))
     gen = {"generated": 0, "gen_seconds": 0.0, "stopped": "not run (--stage train)"}
     if args.stage != "train":
-        gen = generate(runner, tok, srcs, store, max_running=_max_running(args), time_limit=args.gen_time_limit,
-                       progress=not args.no_progress)
+        gen = generate(runner, tok, srcs, store, max_running=_max_running(args), chunk_size=args.gen_chunk_size,
+                       time_limit=args.gen_time_limit, progress=not args.no_progress)
         print(f"generation: {gen['generated']} sequences, {gen['gen_tokens']:,} tokens in {gen['gen_seconds']} s "
               f"({gen['gen_tok_per_s']:,.0f} tok/s), {gen['reused']} reused, {gen['skipped']} skipped; {gen['stopped']}",
               flush=True)
