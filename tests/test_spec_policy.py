@@ -92,6 +92,19 @@ def test_positions_past_the_blocks_continue_at_the_last_rate():
     assert reach([acc], q, 4.0, optimism=0.25)[0][3] > p[3]  # it leans toward speculating
 
 
+@pytest.mark.parametrize("edge, low, high", [(None, 0.0, 0.35), (1.0, 0.4, 1.0)])
+def test_near_a_tie_plain_steps_are_kept(edge, low, high, monkeypatch):
+    """Drafts right with probability 0.36: a block of 4 makes 1.024 times plain decoding's rate,
+    within PLAIN_EDGE, so the batch mostly decodes plainly. The control, without the edge,
+    speculates in about half the steps."""
+    from common.engine import spec_policy
+
+    if edge is not None:
+        monkeypatch.setattr(spec_policy, "PLAIN_EDGE", edge)
+    share = run(SpecPolicy(16, SpecConfig(), COSTS), request(), 3000, 0.36, random.Random(1), measured) / 3000
+    assert low <= share <= high, share
+
+
 def test_follows_a_drafter_that_starts_hitting():
     policy, rng, req = SpecPolicy(16, SpecConfig(), COSTS), random.Random(1), request()
     assert run(policy, req, 1000, 0.0, rng) < 35

@@ -3,10 +3,10 @@
 A speculative step of block B costs more than a plain step and commits more tokens. Per step the
 policy compares, for the batch about to run,
 
-    plain:  rows / cost(rows, plain)
+    plain:  PLAIN_EDGE * rows / cost(rows, plain)
     B:      sum over requests of E[tokens | B] / cost(rows, B)
 
-and picks the best. Costs were measured on this device at start-up (step_costs.py): per batch
+and picks the best: speculation has to promise PLAIN_EDGE times plain decoding's rate. Costs were measured on this device at start-up (step_costs.py): per batch
 size and block, at two context lengths, so that long contexts (where attention dominates, and
 a CPU pays for every query) are priced as well as short ones. What the steps then take is timed,
 so that a start-up measurement that was off, or a device that later runs one kind of step slower
@@ -61,6 +61,11 @@ REQUEST_STRENGTH = 4.0  # the estimate over all requests counts as this many of 
 GLOBAL_KEEP = 0.998  # evidence over all requests kept per decode step (half-life ~350 steps)
 REQUEST_KEEP = 0.98  # a request's own evidence kept per decode step (half-life ~35 steps)
 OPTIMISM = 0.25  # standard errors the estimates lean toward speculating (acceptance.py)
+# Speculation is chosen only where it promises this much more than a plain step: its rate rests on
+# two estimates (acceptance, a step's price) and plain decoding's on one, and near a tie a wrong
+# guess costs a few percent for nothing (on two CPU cores, at 32 rows, speculating read 0.90-1.05x
+# of plain decoding in rounds of the same choices: docs/PERFORMANCE.md, 2026-12-04 (night)).
+PLAIN_EDGE = 1.05
 # A clear decision (one choice CLEAR times the other's rate) holds for HOLD more steps of the same
 # batch: the estimates move slowly, and weighing them takes host time.
 CLEAR, HOLD = 1.25, 6
@@ -195,7 +200,7 @@ class SpecPolicy:
         expected = reach([r.spec.acceptance for r in reqs], shared, REQUEST_STRENGTH, OPTIMISM).cumsum(1)
         left = np.array([r.params.max_new_tokens - len(r.output_ids) for r in reqs])
         # Tokens per second of each choice; E[tokens | B] = 1 + P(>= 1) + ... + P(>= B-1).
-        rates = {0: rows / self._cost(rows, 0, context)}
+        rates = {0: PLAIN_EDGE * rows / self._cost(rows, 0, context)}
         for block in self.blocks:
             rates[block] = np.minimum(left, expected[:, block - 1]).sum() / self._cost(rows, block, context)
         best = max(rates, key=rates.get)
