@@ -34,12 +34,10 @@ from common.model.cuda_timing import us_per_op
 
 logger = logging.getLogger(__name__)
 
-# Decode batches and verify blocks of up to 8 rows, and of 16, go through the kernel; others to
-# cuBLAS. 16 rows are a verify block of 16 at batch 1 (or 8 at 2, 4 at 4) and a decode batch of 16:
-# in fp32 on the H200 a step with a block of 16 through cuBLAS took 3.2 ms, against 1.7 with a
-# block of 8 through this kernel (docs/PERFORMANCE.md, 2026-12-04 (night)). Counts of 9 to 15 rows
-# are no CUDA graph's, only eager steps', where a count's first use would hold up serving while
-# every candidate compiles and is timed.
+# Products of up to this many rows are timed against cuBLAS (auto) or go through the kernel
+# (triton); more go to cuBLAS. A verify block of 16 at batch 1 is 16 rows for the target and 15 for
+# the drafter's LM head: in fp32 on the H200 a step with a block of 16, its products past 8 rows
+# on cuBLAS, took 3.2 ms, against 1.7 for a block of 8 (docs/PERFORMANCE.md, 2026-12-04 (night)).
 MAX_ROWS = 16
 MODES = ("auto", "triton", "cublas")
 # auto's timing: products per CUDA graph, and weight copies enough to stream this many times the
@@ -223,7 +221,7 @@ def _kept_choices(path: str) -> dict[str, str]:
 
 def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Decode rows on CUDA, one dtype, rows contiguous, and no autograd (fused.active)."""
-    return (x.is_cuda and x.dim() == 2 and (1 <= x.shape[0] <= 8 or x.shape[0] == MAX_ROWS) and x.dtype == weight.dtype
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
             and x.stride(1) == 1 and weight.stride(1) == 1 and (bias is None or bias.stride(0) == 1)
             and fused.active(*(t for t in (x, weight, bias) if t is not None)))
 

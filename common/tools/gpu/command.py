@@ -183,8 +183,7 @@ def _decoder(dtype: str, graphs: bool) -> Decoder:
 def _replay(context: int = 256) -> list[dict]:
     """Step time through the decoder (inputs, graph replay, the one host synchronisation), in ms;
     the decode GEMVs as PDFLASH_GEMV=auto picks them, and each dtype with cuBLAS alone to compare;
-    fp32 also with our kernel and its DEFAULT blocks for every product it takes (up to 8 rows,
-    and 16)."""
+    fp32 also with our kernel and its DEFAULT blocks for every product of up to 16 rows."""
     rows = []
     for dtype, mode in (("fp32", "auto"), ("fp32", "cublas"), ("fp32", "triton"), ("bf16", "auto"), ("bf16", "cublas")):
         with gemv.forced(mode):  # while the graphs are captured: they keep what ran then
