@@ -3,30 +3,30 @@
 A speculative step of block B costs more than a plain step and commits more tokens. Per step the
 policy compares, for the batch about to run,
 
-    plain:  PLAIN_EDGE * rows / cost(rows, plain)
+    plain:  rows / cost(rows, plain)
     B:      sum over requests of E[tokens | B] / cost(rows, B)
 
-and picks the best: speculation has to promise PLAIN_EDGE times plain decoding's rate. Costs were measured on this device at start-up (step_costs.py): per batch
-size and block, at two context lengths, so that long contexts (where attention dominates, and
-a CPU pays for every query) are priced as well as short ones. What the steps then take is timed,
-so that a start-up measurement that was off, or a device that later runs one kind of step slower
-than the other, is seen within a few hundred steps instead of being trusted to the end. Each
-timed step gives its time over its start-up cost; a fast running level of that ratio over every
-step follows the machine's speed (clocks, other work), and each choice's price is its ratio
-relative to that level, which a change of the whole machine's speed leaves as it is. Timings fix
-prices only up to a common factor, so a plain step's price stays 1 and the level takes the rest;
-the running averages are of logarithms, which zero-mean noise does not drag. Prices of two choices
-compare only when both were timed lately, so once every EXPLORE steps a choice other than the
-one made is taken, the one timed longest ago of: the best of the other kind (plain while
-speculating, the best block while decoding plainly), and the blocks whose rate comes within
-CONTENDER of the best's. A price timed at a bad moment, as the machine's speed changed, is then
-mended, and the drafter's evidence reaches past the block in use. A block far behind is explored
-only once in STALE steps, where each step would cost (a block of 16 against plain steps, with
-drafts that miss, costs about two plain steps) but its price would otherwise follow plain's
-updates alone, which carry the bias of the blocks chosen for being cheap. A price forgets at the
-same rate per step however seldom it is timed. A speculative step that first catches up the
-draft KV of the plain steps before it is not timed (that work is the plain steps' price): when
-it was the exploring step, the step after it, which catches up only its own block, explores
+and picks the best, plain unless a block promises PLAIN_EDGE times its rate. Costs were measured on
+this device at start-up (step_costs.py): per batch size and block, at two context lengths, so that
+long contexts (where attention dominates, and a CPU pays for every query) are priced as well as
+short ones. What the steps then take is timed, so that a start-up measurement that was off, or a
+device that later runs one kind of step slower than the other, is seen within a few hundred steps
+instead of being trusted to the end. Each timed step gives its time over its start-up cost; a fast
+running level of that ratio over every step follows the machine's speed (clocks, other work), and
+each choice's price is its ratio relative to that level, which a change of the whole machine's
+speed leaves as it is. Timings fix prices only up to a common factor, so a plain step's price stays
+1 and the level takes the rest; the running averages are of logarithms, which zero-mean noise does
+not drag. Prices of two choices compare only when both were timed lately, so once every EXPLORE
+steps a choice other than the one made is taken, the one timed longest ago of: the best of the
+other kind (plain while speculating, the best block while decoding plainly), and the blocks whose
+rate comes within CONTENDER of the best's. A price timed at a bad moment, as the machine's speed
+changed, is then mended, and the drafter's evidence reaches past the block in use. A block far
+behind is explored only once in STALE steps, where each step would cost (a block of 16 against
+plain steps, with drafts that miss, costs about two plain steps) but its price would otherwise
+follow plain's updates alone, which carry the bias of the blocks chosen for being cheap. A price
+forgets at the same rate per step however seldom it is timed. A speculative step that first catches
+up the draft KV of the plain steps before it is not timed (that work is the plain steps' price):
+when it was the exploring step, the step after it, which catches up only its own block, explores
 again.
 
 E[tokens | B] = 1 + the sum over i < B of P(at least i drafts accepted), estimated per request
@@ -200,11 +200,11 @@ class SpecPolicy:
         expected = reach([r.spec.acceptance for r in reqs], shared, REQUEST_STRENGTH, OPTIMISM).cumsum(1)
         left = np.array([r.params.max_new_tokens - len(r.output_ids) for r in reqs])
         # Tokens per second of each choice; E[tokens | B] = 1 + P(>= 1) + ... + P(>= B-1).
-        rates = {0: PLAIN_EDGE * rows / self._cost(rows, 0, context)}
+        rates = {0: rows / self._cost(rows, 0, context)}
         for block in self.blocks:
             rates[block] = np.minimum(left, expected[:, block - 1]).sum() / self._cost(rows, block, context)
-        best = max(rates, key=rates.get)
         best_block = max(self.blocks, key=rates.get)
+        best = best_block if rates[best_block] >= PLAIN_EDGE * rates[0] else 0
         self._others = [best_block if best == 0 else 0]
         self._others += [b for b in self.blocks if b not in (best, best_block) and rates[b] >= CONTENDER * rates[best]]
         plain, spec = rates[0], rates[best_block]
