@@ -172,6 +172,8 @@ def test_sources_and_greedy_answers_weighted_up_by_repetition():
         train(parse("--source-repeat", "poetry=2"), None, None)
     with pytest.raises(ValueError, match="soft-labels must be between 0 and 1"):
         train(parse("--soft-labels", "1.5"), None, None)
+    with pytest.raises(ValueError, match="gen-chunk-size must be positive"):
+        train(parse("--gen-chunk-size", "0"), None, None)
 
 
 # ---- with the embedded model --------------------------------------------------------------

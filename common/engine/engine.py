@@ -45,9 +45,12 @@ class StepOutput:
     ready: torch.cuda.Event | None = None
 
 
+CHUNK_SIZE = 8192  # prompt tokens per prefill step, by default
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], *,
-                 chunk_size: int = 8192, max_running: int = 256, prefill_only: bool = False,
+                 chunk_size: int = CHUNK_SIZE, max_running: int = 256, prefill_only: bool = False,
                  proposer: ContextProposer | Proposer | None = None, spec: SpecConfig = SpecConfig(),
                  batch_sizes: tuple[int, ...] = BATCH_SIZES):
         self.runner = runner

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from common.engine.decoder import BATCH_SIZES
-from common.engine.engine import Engine
+from common.engine.engine import CHUNK_SIZE, Engine
 from common.engine.request import Request
 from common.engine.sampling import InvalidRequest
 from common.model.tokenizer import IncrementalDecoder, Tokenizer
@@ -243,7 +243,7 @@ def pending(sources: list[Source], store: DataStore) -> list[Job]:
 
 
 def generate(runner: ModelRunner, tok: Tokenizer, sources: list[Source], store: DataStore, *, max_running: int,
-             chunk_size: int = 8192, time_limit: float | None = None, progress: bool = True) -> dict:
+             chunk_size: int = CHUNK_SIZE, time_limit: float | None = None, progress: bool = True) -> dict:
     """Generate every missing sequence of `sources` into `store`: first the sources that write
     prompts, then the rest. Returns stats (tokens/s over the whole run, prefill included)."""
     stats = {"reused": len(store.sequences(sources)),

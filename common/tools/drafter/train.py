@@ -29,6 +29,7 @@ from dataclasses import asdict, replace
 import torch
 
 from common.dflash.drafter import Drafter, DrafterConfig
+from common.engine.engine import CHUNK_SIZE
 from common.runner.model_runner import ModelRunner
 from common.service.loader import ModelOptions, add_model_args, load_model
 from common.tools.bench.gsm8k_data import Item
@@ -57,7 +58,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--max-seqs", type=int, default=None, help="use only the first N prompts of the file")
     d.add_argument("--gen-max-new-tokens", type=int, default=256)
     d.add_argument("--gen-max-running", type=int, default=None, help="engine batch (default 256 on CUDA, 32 on CPU)")
-    d.add_argument("--gen-chunk-size", type=int, default=8192,
+    d.add_argument("--gen-chunk-size", type=int, default=CHUNK_SIZE,
                    help="prompt tokens per prefill step while generating: the engine refills its batch a quarter at a "
                         "time, and each prefill step costs host time whatever its size, so larger steps are fewer")
     d.add_argument("--samples-per-prompt", type=int, default=0, help="K sampled answers per prompt besides the greedy one")
@@ -453,7 +454,8 @@ def _check_args(args) -> None:
     if args.greedy_repeat < 1:
         raise ValueError("--greedy-repeat must be at least 1")
     _repeats(args.source_repeat or "")
-    for name in ("batch_size", "anchors", "block_size", "layers", "gen_max_new_tokens", "log_every", "save_every"):
+    for name in ("batch_size", "anchors", "block_size", "layers", "gen_max_new_tokens", "gen_chunk_size", "log_every",
+                 "save_every"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     if args.block_size < 2:
