@@ -17,10 +17,10 @@ again after a few steps if they still are. The estimate leans a little toward sp
 the evidence is thin (`optimism` standard errors above the mean): a few unlucky verify steps early
 on then do not switch a drafter that pays off for hundreds of steps.
 
-The leaning is of each P(at least i), by the verify steps whose block held position i: leaning
-each continuation instead would compound along the product, and the steps that reached i are
-fewer the deeper i is, which would lean the deep positions for ever. Positions that no block held
-keep the lean of the prior's weight alone, a push toward trying the longer block. The policy weighs every
+The leaning is of each P(at least i), by the verify steps whose block held position i: leaning each
+continuation instead would compound along the product, and the steps that reached i are fewer the
+deeper i is, which would lean the deep positions for ever. Positions that no block held keep the
+lean of the prior's weight alone, a push toward trying the longer block. The policy weighs every
 running request at every step, so the arithmetic is numpy over the whole batch (`reach`), and
 fading multiplies one scale per request instead of its counts.
 """

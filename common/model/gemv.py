@@ -250,8 +250,8 @@ if fused.HAS_TRITON:
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr):
         # One program: output columns [j, j + BLOCK_N) for all M rows. Each block of weight rows is
         # loaded once. Without TILE each row of x is multiplied with it in turn (a static loop:
-        # M <= MAX_ROWS), so the registers held do not grow with M; with TILE every row is loaded at once
-        # and the [BLOCK_M, BLOCK_N, BLOCK_K] products are summed over K in one reduction.
+        # M <= MAX_ROWS), so the registers held do not grow with M; with TILE every row is loaded
+        # at once and the [BLOCK_M, BLOCK_N, BLOCK_K] products are summed over K in one reduction.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
