@@ -27,7 +27,9 @@ SHAPES = [(1, 37, 45, gemv.DEFAULT), (3, 70, 300, gemv.Blocks(4, 512, 4)), (5, 2
           (4, 35, 700, gemv.Blocks(1, 1024, 4, tile=True)), (7, 19, 2100, gemv.Blocks(1, 2048, 8, tile=True)),
           (1, 23, 90, gemv.Blocks(2, 512, 4, tile=True)), (8, 41, 520, gemv.Blocks(4, 256, 4, tile=True)),
           (3, 6, 33, gemv.Blocks(2, 512, 4, tile=True)), (16, 29, 600, gemv.Blocks(2, 1024, 1)),
-          (12, 18, 130, gemv.Blocks(4, 256, 4, tile=True)), (16, 11, 1030, gemv.Blocks(1, 1024, 4, tile=True))]
+          (12, 18, 130, gemv.Blocks(4, 256, 4, tile=True)), (16, 11, 1030, gemv.Blocks(1, 1024, 4, tile=True)),
+          (1, 37, 45, gemv.Blocks(16, 64, 4, dot="mma")), (16, 70, 300, gemv.Blocks(32, 128, 4, dot="mma")),
+          (9, 45, 513, gemv.Blocks(16, 256, 4, dot="tf32x3")), (15, 130, 600, gemv.Blocks(64, 64, 4, dot="tf32x3"))]
 
 
 def _inputs(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,6 +44,16 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return y if b is None else y + b.double()
 
 
+def _dtypes(blocks: gemv.Blocks) -> list[torch.dtype]:
+    """The dtypes these blocks take, as far as they can be checked here: Triton's interpreter
+    multiplies bf16 tiles in tl.dot as their raw bits, so mma blocks are checked on the GPU only
+    (here, and by gpu-check's gemv part)."""
+    dtypes = [d for d in (torch.float32, torch.bfloat16) if blocks.runs(d)]
+    if blocks.dot == "mma" and DEVICE == "cpu":
+        pytest.skip("mma blocks: bf16 tl.dot is not computed under Triton's interpreter")
+    return dtypes
+
+
 def _bf16_ulp(y: torch.Tensor) -> torch.Tensor:
     """One bf16 rounding step at |y| (8 significant bits), and at least a tiny absolute one."""
     return torch.exp2(torch.floor(torch.log2(y.abs().clamp(min=1e-6)))) * 2.0 ** -7
@@ -50,12 +62,16 @@ def _bf16_ulp(y: torch.Tensor) -> torch.Tensor:
 @KERNELS_RUN
 @pytest.mark.parametrize("M,N,K,blocks", SHAPES)
 def test_gemv_matches_linear(M, N, K, blocks):
+    dtypes = _dtypes(blocks)
     for bias in (False, True):
-        x, w, b = _inputs(M, N, K, torch.float32)
-        b = b if bias else None
-        got = gemv.gemv(x, w, b, blocks)
-        assert got.dtype == torch.float32 and got.shape == (M, N)
-        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        if torch.float32 in dtypes:
+            x, w, b = _inputs(M, N, K, torch.float32)
+            b = b if bias else None
+            got = gemv.gemv(x, w, b, blocks)
+            assert got.dtype == torch.float32 and got.shape == (M, N)
+            torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        if torch.bfloat16 not in dtypes:
+            continue
 
         x, w, b = _inputs(M, N, K, torch.bfloat16)
         b = b if bias else None
@@ -72,11 +88,15 @@ def test_gemv_matches_linear(M, N, K, blocks):
 @KERNELS_RUN
 @pytest.mark.parametrize("M,N,K,blocks", SHAPES)
 def test_gemv_silu_mul_matches_plain_path(M, N, K, blocks):
-    x, w, _ = _inputs(M, 2 * N, K, torch.float32)
-    got = gemv.gemv_silu_mul(x, w, blocks)
-    gate, up = F.linear(x, w).chunk(2, dim=-1)
-    assert got.shape == (M, N)
-    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    dtypes = _dtypes(blocks)
+    if torch.float32 in dtypes:
+        x, w, _ = _inputs(M, 2 * N, K, torch.float32)
+        got = gemv.gemv_silu_mul(x, w, blocks)
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        assert got.shape == (M, N)
+        torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    if torch.bfloat16 not in dtypes:
+        return
 
     x, w, _ = _inputs(M, 2 * N, K, torch.bfloat16)
     got = gemv.gemv_silu_mul(x, w, blocks).double()
@@ -111,6 +131,21 @@ def test_argmax_matches_torch_ties_included():
     # A strided view (a block's rows of logits) reads the same.
     x = torch.randn(6, 2 * fused.ARGMAX_CHUNK + 3, generator=g).to(DEVICE)
     assert fused.argmax(x[::2]).tolist() == x[::2].argmax(-1).tolist()
+
+
+def test_dot_blocks_are_checked():
+    """A dot shape tl.dot cannot take, and a dot on inputs it is not for (tf32x3 on bf16, mma on
+    fp32), are refused."""
+    for bad in (dict(dot="tf32"), dict(dot="mma", tile=True), dict(dot="mma", n=8)):
+        with pytest.raises(ValueError, match="dot is one of"):
+            gemv.Blocks(**{"n": 16, "k": 64, "warps": 4} | bad)
+    tf32x3, mma = gemv.Blocks(16, 64, 4, dot="tf32x3"), gemv.Blocks(16, 64, 4, dot="mma")
+    assert tf32x3.runs(torch.float32) and not tf32x3.runs(torch.bfloat16) and str(tf32x3) == "n16/k64/w4/tf32x3"
+    assert mma.runs(torch.bfloat16) and not mma.runs(torch.float32) and gemv.DEFAULT.runs(torch.float32)
+    for blocks, dtype in ((tf32x3, torch.bfloat16), (mma, torch.float32)):
+        x, w, _ = _inputs(2, 16, 64, dtype)
+        with pytest.raises(ValueError, match="do not take"):
+            gemv.gemv(x, w, None, blocks)
 
 
 def test_rows_past_the_limit_are_refused():

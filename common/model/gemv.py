@@ -4,10 +4,13 @@ SiLU(x Wg^T) * (x Wu^T) in one kernel.
 A decode step multiplies each weight by one to sixteen rows: the product is memory-bound, and at
 the small model's shapes cuBLAS's kernels take ~4 us where reading the weight takes under 1 us
 (issue 19). Here one Triton kernel reads a block of weight rows once and multiplies it with
-every row of x, accumulating in fp32 with plain multiplies and sums (no tl.dot: fp32 inputs get
-exact fp32 products, never TF32); the output is rounded once, to x's dtype. With SILU_MUL a
-program computes output column j of gate and of up (rows j and I + j of the fused gate/up
-weight) and rounds where common.model.fused.silu_mul's plain path rounds.
+every row of x, accumulating in fp32; the output is rounded once, to x's dtype. The products are
+plain multiplies and sums (exact in fp32, never TF32), or tl.dot on tensor cores: "mma" for bf16
+and fp16 inputs (their products are exact in fp32), "tf32x3" for fp32 (three TF32 products per
+pair, a*b as aH*bH + aH*bL + aL*bH: each within about 2^-21 of a*b, below the ~sqrt(K) * 2^-24
+that merely reordering a K-term fp32 sum moves it). With SILU_MUL a program computes output
+column j of gate and of up (rows j and I + j of the fused gate/up weight) and rounds where
+common.model.fused.silu_mul's plain path rounds.
 
 Which kernel runs is chosen per (rows, N, K, dtype, bias, fused SiLU): PDFLASH_GEMV=cublas keeps
 cuBLAS, =triton takes the Triton kernel with its DEFAULT blocks, and =auto (the default) times
@@ -48,6 +51,10 @@ MAX_COPIES = 256
 REPLAYS = 5
 
 
+DOTS = ("", "mma", "tf32x3")
+DOT_MIN = 16  # tl.dot's smallest tile side; rows are padded to it
+
+
 @dataclass(frozen=True)
 class Blocks:
     """One launch shape of the Triton kernel."""
@@ -58,9 +65,21 @@ class Blocks:
     # own (False), or all rows loaded at once as a tile and reduced together (True): one
     # exchange between threads per step instead of one per row, for more registers.
     tile: bool = False
+    # tl.dot on [16, k] x [k, n] tiles (DOTS; "" is none): at 8 to 16 rows the multiplies
+    # outgrow one row's; in fp32 the shapes above cost 2-3x a row's time at 16 rows.
+    dot: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dot not in DOTS or (self.dot and (self.tile or self.n < DOT_MIN or self.k < DOT_MIN)):
+            raise ValueError(f"gemv blocks {self}: dot is one of {DOTS}, without tile, n and k >= {DOT_MIN}")
 
     def __str__(self) -> str:
-        return f"n{self.n}/k{self.k}/w{self.warps}" + ("/tile" if self.tile else "")
+        return f"n{self.n}/k{self.k}/w{self.warps}" + ("/tile" if self.tile else "") + \
+            (f"/{self.dot}" if self.dot else "")
+
+    def runs(self, dtype: torch.dtype) -> bool:
+        """Whether these blocks take inputs of this dtype: tf32x3 fp32 only, mma 16-bit only."""
+        return not self.dot or (self.dot == "tf32x3") == (dtype == torch.float32)
 
 
 DEFAULT = Blocks(2, 1024, 4)
@@ -73,10 +92,15 @@ DEFAULT = Blocks(2, 1024, 4)
 # (docs/PERFORMANCE.md, 2026-12-04 (later still)).
 # The tile shapes are for verify blocks of several rows, where a row at a time cost ~1.3-1.6 us
 # more per product than one row (docs/PERFORMANCE.md, 2026-12-04, the pooled drafter).
+# The dot shapes are for blocks of rows. On the H200 (docs/PERFORMANCE.md, 2026-12-04, the second
+# evening): tf32x3 took the fp32 LM head at 16 rows from 64 us (cuBLAS) to 32, as fast as one row,
+# and a layer's small products at 16 rows from 39.6 to 36.5; mma beat cuBLAS by a little for bf16
+# from 8 rows. tl.dot on fp32 in full precision (FMA units) lost everywhere, 13-135 us.
 CANDIDATES = (Blocks(1, 1024, 1), Blocks(1, 1024, 4), Blocks(1, 2048, 8), Blocks(2, 1024, 1), Blocks(2, 1024, 2),
               DEFAULT, Blocks(4, 1024, 2), Blocks(4, 256, 4), Blocks(4, 512, 4), Blocks(8, 256, 4),
               Blocks(1, 1024, 4, tile=True), Blocks(1, 2048, 8, tile=True), Blocks(2, 512, 4, tile=True),
-              Blocks(4, 256, 4, tile=True))
+              Blocks(4, 256, 4, tile=True),
+              *(Blocks(n, k, 4, dot=dot) for dot in DOTS[1:] for n, k in ((16, 64), (16, 256), (32, 128), (64, 64))))
 
 
 def _mode_from_env() -> str:
@@ -146,7 +170,7 @@ def timings(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
         return lambda: [run(x, weights[i % copies], bias, silu_mul, blocks) for i in range(n)]
 
     times = {}
-    for blocks in (None, *CANDIDATES):
+    for blocks in (None, *(b for b in CANDIDATES if b.runs(x.dtype))):
         if blocks is not None:
             try:  # built and launched once first: a shape this GPU cannot build or fit is left out
                 run(x, weight, bias, silu_mul, blocks)
@@ -232,11 +256,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
     if not 1 <= M <= MAX_ROWS or weight.shape[1] != K or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"gemv: x {tuple(x.shape)} (at most {MAX_ROWS} rows) and weight {tuple(weight.shape)} "
                          f"must share K, each row contiguous")
+    if not blocks.runs(x.dtype):
+        raise ValueError(f"gemv blocks {blocks} do not take {x.dtype} inputs")
     out = torch.empty(M, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, blocks.n),)](
         x, weight, weight if bias is None else bias, out, n, K, x.stride(0), weight.stride(0), out.stride(0),
-        M=M, BLOCK_M=triton.next_power_of_2(M), HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        BLOCK_N=blocks.n, BLOCK_K=blocks.k, TILE=blocks.tile, num_warps=blocks.warps)
+        M=M, BLOCK_M=max(DOT_MIN, triton.next_power_of_2(M)) if blocks.dot else triton.next_power_of_2(M),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=blocks.n, BLOCK_K=blocks.k, TILE=blocks.tile,
+        DOT=bool(blocks.dot), PRECISION="tf32x3" if blocks.dot == "tf32x3" else "tf32", num_warps=blocks.warps)
     return out
 
 
@@ -247,11 +274,13 @@ if fused.HAS_TRITON:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_x, stride_w, stride_out, M: tl.constexpr,
                      BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr,
+                     PRECISION: tl.constexpr):
         # One program: output columns [j, j + BLOCK_N) for all M rows. Each block of weight rows is
-        # loaded once. Without TILE each row of x is multiplied with it in turn (a static loop:
-        # M <= MAX_ROWS), so the registers held do not grow with M; with TILE every row is loaded
-        # at once and the [BLOCK_M, BLOCK_N, BLOCK_K] products are summed over K in one reduction.
+        # loaded once. With DOT the rows of x, as loaded, meet it in tl.dot; without TILE each row
+        # of x is multiplied with it in turn (a static loop: M <= MAX_ROWS), so the registers held
+        # do not grow with M; with TILE every row is loaded at once and the [BLOCK_M, BLOCK_N,
+        # BLOCK_K] products are summed over K in one reduction.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
@@ -263,21 +292,27 @@ if fused.HAS_TRITON:
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             w_ok = col_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)
             if SILU_MUL:
-                u = tl.load(u_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
-            if TILE:
+                u = tl.load(u_rows + ks[None, :], mask=w_ok, other=0.0)
+            if DOT:
+                xs = tl.load(x_ptr + rows * stride_x + ks[None, :], mask=(rows < M) & k_ok[None, :], other=0.0)
+                acc = tl.dot(xs, tl.trans(w), acc, input_precision=PRECISION)
+                if SILU_MUL:
+                    acc_up = tl.dot(xs, tl.trans(u), acc_up, input_precision=PRECISION)
+            elif TILE:
                 xs = tl.load(x_ptr + rows * stride_x + ks[None, :], mask=(rows < M) & k_ok[None, :],
                              other=0.0).to(tl.float32)[:, None, :]
-                acc += tl.sum(w[None, :, :] * xs, axis=2)
+                acc += tl.sum(w.to(tl.float32)[None, :, :] * xs, axis=2)
                 if SILU_MUL:
-                    acc_up += tl.sum(u[None, :, :] * xs, axis=2)
+                    acc_up += tl.sum(u.to(tl.float32)[None, :, :] * xs, axis=2)
             else:
+                wf = w.to(tl.float32)
                 for m in tl.static_range(M):
                     xm = tl.load(x_ptr + m * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-                    acc += tl.where(rows == m, tl.sum(w * xm, axis=1)[None, :], 0.0)
+                    acc += tl.where(rows == m, tl.sum(wf * xm, axis=1)[None, :], 0.0)
                     if SILU_MUL:
-                        acc_up += tl.where(rows == m, tl.sum(u * xm, axis=1)[None, :], 0.0)
+                        acc_up += tl.where(rows == m, tl.sum(u.to(tl.float32) * xm, axis=1)[None, :], 0.0)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         dtype = out_ptr.dtype.element_ty
