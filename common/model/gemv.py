@@ -92,8 +92,8 @@ DEFAULT = Blocks(2, 1024, 4)
 # (docs/PERFORMANCE.md, 2026-12-04 (later still)).
 # The tile shapes are for verify blocks of several rows, where a row at a time cost ~1.3-1.6 us
 # more per product than one row (docs/PERFORMANCE.md, 2026-12-04, the pooled drafter).
-# The dot shapes are for blocks of rows. On the H200 (docs/PERFORMANCE.md, 2026-12-04, the second
-# evening): tf32x3 took the fp32 LM head at 16 rows from 64 us (cuBLAS) to 32, as fast as one row,
+# The dot shapes are for blocks of rows. On the H200 (docs/PERFORMANCE.md, 2026-12-04 (second
+# evening)): tf32x3 took the fp32 LM head at 16 rows from 64 us (cuBLAS) to 32, as fast as one row,
 # and a layer's small products at 16 rows from 39.6 to 36.5; mma beat cuBLAS by a little for bf16
 # from 8 rows. tl.dot on fp32 in full precision (FMA units) lost everywhere, 13-135 us.
 CANDIDATES = (Blocks(1, 1024, 1), Blocks(1, 1024, 4), Blocks(1, 2048, 8), Blocks(2, 1024, 1), Blocks(2, 1024, 2),

@@ -43,7 +43,7 @@ from common.tools.drafter.trainer import EpochOrder, Trainer, load_checkpoint, r
 RUN_CONTROL = {"resume", "stop_at", "time_limit", "no_progress", "log_every", "save_every", "stage", "gen_time_limit"}
 PATHS = {"prompts", "data", "pool", "out", "model", "init"}
 # Answering 7,473 few-shot GSM8K prompts on the H200 (bf16): 3,002 tok/s with prefill steps of
-# 8,192 tokens, 5,052 with 32,768 (docs/PERFORMANCE.md, 2026-12-04, the second evening).
+# 8,192 tokens, 5,052 with 32,768 (docs/PERFORMANCE.md, 2026-12-04 (second evening)).
 GEN_CHUNK_SIZE = 32768
 
 
