@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.dflash.drafter import Drafter
-from common.engine.engine import Engine
+from common.engine.engine import CHUNK_SIZE, Engine
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.kv.seq_cache import SeqCache
@@ -32,7 +32,7 @@ from common.tools.drafter.objective import (
     make_batch,
     sample_anchors,
 )
-from common.tools.drafter.train import add_args, drafter_config, repeated, train
+from common.tools.drafter.train import GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, repeated, train
 from common.tools.drafter.trainer import Trainer
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "fixtures", "dflash_prompts.jsonl")
@@ -174,6 +174,14 @@ def test_sources_and_greedy_answers_weighted_up_by_repetition():
         train(parse("--soft-labels", "1.5"), None, None)
     with pytest.raises(ValueError, match="gen-chunk-size must be positive"):
         train(parse("--gen-chunk-size", "0"), None, None)
+
+
+def test_generation_prefill_steps_default_by_device():
+    """Larger prefill steps on CUDA, where each step costs host time; serving's size on the CPU;
+    what is asked for, anywhere."""
+    assert _chunk_size(parse("--device", "cpu")) == CHUNK_SIZE
+    assert _chunk_size(parse("--device", "cuda")) == GEN_CHUNK_SIZE > CHUNK_SIZE
+    assert _chunk_size(parse("--device", "cuda", "--gen-chunk-size", "4096")) == 4096
 
 
 # ---- with the embedded model --------------------------------------------------------------

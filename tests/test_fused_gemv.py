@@ -44,14 +44,14 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return y if b is None else y + b.double()
 
 
-def _dtypes(blocks: gemv.Blocks) -> list[torch.dtype]:
-    """The dtypes these blocks take, as far as they can be checked here: Triton's interpreter
-    multiplies bf16 tiles in tl.dot as their raw bits, so mma blocks are checked on the GPU only
-    (here, and by gpu-check's gemv part)."""
-    dtypes = [d for d in (torch.float32, torch.bfloat16) if blocks.runs(d)]
-    if blocks.dot == "mma" and DEVICE == "cpu":
-        pytest.skip("mma blocks: bf16 tl.dot is not computed under Triton's interpreter")
-    return dtypes
+def _dtypes(blocks: gemv.Blocks) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """fp32 (or None) and the 16-bit dtype (or None) these blocks are checked on: bf16, except
+    mma blocks under Triton's interpreter, which multiplies bf16 tiles in tl.dot as their raw
+    bits and fp16 ones as numbers (on the GPU both are tensor-core products; gpu-check's gemv
+    part checks bf16 there). The interpreter computes tf32x3 as plain fp32 products: its
+    splitting is checked on the GPU only."""
+    half = torch.float16 if blocks.dot == "mma" and DEVICE == "cpu" else torch.bfloat16
+    return (torch.float32 if blocks.runs(torch.float32) else None), (half if blocks.runs(half) else None)
 
 
 def _bf16_ulp(y: torch.Tensor) -> torch.Tensor:
@@ -62,25 +62,25 @@ def _bf16_ulp(y: torch.Tensor) -> torch.Tensor:
 @KERNELS_RUN
 @pytest.mark.parametrize("M,N,K,blocks", SHAPES)
 def test_gemv_matches_linear(M, N, K, blocks):
-    dtypes = _dtypes(blocks)
+    fp32, half = _dtypes(blocks)
     for bias in (False, True):
-        if torch.float32 in dtypes:
-            x, w, b = _inputs(M, N, K, torch.float32)
+        if fp32:
+            x, w, b = _inputs(M, N, K, fp32)
             b = b if bias else None
             got = gemv.gemv(x, w, b, blocks)
-            assert got.dtype == torch.float32 and got.shape == (M, N)
+            assert got.dtype == fp32 and got.shape == (M, N)
             torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-        if torch.bfloat16 not in dtypes:
+        if not half:
             continue
 
-        x, w, b = _inputs(M, N, K, torch.bfloat16)
+        x, w, b = _inputs(M, N, K, half)
         b = b if bias else None
         got = gemv.gemv(x, w, b, blocks)
-        assert got.dtype == torch.bfloat16
+        assert got.dtype == half
         exact = _exact(x, w, b)
-        # fp32 sums rounded once: within one bf16 step of the exact product (half a step on the
-        # GPU, which rounds to nearest; under Triton's interpreter, which rounds toward zero, a
-        # step), plus the fp32 sum's own error, which matters only where terms cancel.
+        # fp32 sums rounded once: within one bf16 step (fp16's are finer) of the exact product (half
+        # a step on the GPU, which rounds to nearest; under Triton's interpreter, which rounds
+        # toward zero, a step), plus the fp32 sum's own error, which matters only where terms cancel.
         fp32_sum_err = 1e-5 * _exact(x.abs(), w.abs())
         assert ((got.double() - exact).abs() <= _bf16_ulp(exact) + fp32_sum_err).all()
 
@@ -88,27 +88,26 @@ def test_gemv_matches_linear(M, N, K, blocks):
 @KERNELS_RUN
 @pytest.mark.parametrize("M,N,K,blocks", SHAPES)
 def test_gemv_silu_mul_matches_plain_path(M, N, K, blocks):
-    dtypes = _dtypes(blocks)
-    if torch.float32 in dtypes:
-        x, w, _ = _inputs(M, 2 * N, K, torch.float32)
+    fp32, half = _dtypes(blocks)
+    if fp32:
+        x, w, _ = _inputs(M, 2 * N, K, fp32)
         got = gemv.gemv_silu_mul(x, w, blocks)
         gate, up = F.linear(x, w).chunk(2, dim=-1)
         assert got.shape == (M, N)
         torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
-    if torch.bfloat16 not in dtypes:
+    if not half:
         return
 
-    x, w, _ = _inputs(M, 2 * N, K, torch.bfloat16)
+    x, w, _ = _inputs(M, 2 * N, K, half)
     got = gemv.gemv_silu_mul(x, w, blocks).double()
     # The plain path's roundings from the exact gate and up. Four roundings (gate, up, SiLU's
     # output, the product) each within a step of 2^-7 relative: the GPU rounds to nearest,
     # Triton's interpreter toward zero, so a bound that holds for both allows a step each.
     gate, up = _exact(x, w).chunk(2, dim=-1)
-    want = (F.silu(gate.to(torch.bfloat16)).to(torch.bfloat16) * up.to(torch.bfloat16)).double()
+    want = (F.silu(gate.to(half)).to(half) * up.to(half)).double()  # fp16's steps are finer than bf16's
     assert ((got - want).abs() <= 4 * 2.0 ** -7 * want.abs() + 1e-3 * want.abs().max()).all()
 
 
-@KERNELS_RUN
 @KERNELS_RUN
 def test_argmax_matches_torch_ties_included():
     g = torch.Generator().manual_seed(0)
@@ -141,10 +140,11 @@ def test_dot_blocks_are_checked():
             gemv.Blocks(**{"n": 16, "k": 64, "warps": 4} | bad)
     tf32x3, mma = gemv.Blocks(16, 64, 4, dot="tf32x3"), gemv.Blocks(16, 64, 4, dot="mma")
     assert tf32x3.runs(torch.float32) and not tf32x3.runs(torch.bfloat16) and str(tf32x3) == "n16/k64/w4/tf32x3"
-    assert mma.runs(torch.bfloat16) and not mma.runs(torch.float32) and gemv.DEFAULT.runs(torch.float32)
+    assert mma.runs(torch.bfloat16) and mma.runs(torch.float16) and not mma.runs(torch.float32)
+    assert gemv.DEFAULT.runs(torch.float32) and gemv.DEFAULT.runs(torch.bfloat16)
     for blocks, dtype in ((tf32x3, torch.bfloat16), (mma, torch.float32)):
         x, w, _ = _inputs(2, 16, 64, dtype)
-        with pytest.raises(ValueError, match="do not take"):
+        with pytest.raises(ValueError, match="must share a dtype these blocks take"):
             gemv.gemv(x, w, None, blocks)
 
 

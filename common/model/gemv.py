@@ -7,8 +7,9 @@ the small model's shapes cuBLAS's kernels take ~4 us where reading the weight ta
 every row of x, accumulating in fp32; the output is rounded once, to x's dtype. The products are
 plain multiplies and sums (exact in fp32, never TF32), or tl.dot on tensor cores: "mma" for bf16
 and fp16 inputs (their products are exact in fp32), "tf32x3" for fp32 (three TF32 products per
-pair, a*b as aH*bH + aH*bL + aL*bH: each within about 2^-21 of a*b, below the ~sqrt(K) * 2^-24
-that merely reordering a K-term fp32 sum moves it). With SILU_MUL a program computes output
+pair, a*b as aH*bH + aH*bL + aL*bH, each within about 2^-20 of a*b: over a K-term sum the same
+order of error as merely reordering the fp32 sum, and within 1e-6 of cuBLAS on the H200's
+shapes). With SILU_MUL a program computes output
 column j of gate and of up (rows j and I + j of the fused gate/up weight) and rounds where
 common.model.fused.silu_mul's plain path rounds.
 
@@ -78,8 +79,10 @@ class Blocks:
             (f"/{self.dot}" if self.dot else "")
 
     def runs(self, dtype: torch.dtype) -> bool:
-        """Whether these blocks take inputs of this dtype: tf32x3 fp32 only, mma 16-bit only."""
-        return not self.dot or (self.dot == "tf32x3") == (dtype == torch.float32)
+        """Whether these blocks take inputs of this dtype: tf32x3 fp32 only, mma bf16 and fp16 only."""
+        if self.dot == "tf32x3":
+            return dtype == torch.float32
+        return self.dot != "mma" or dtype in (torch.bfloat16, torch.float16)
 
 
 DEFAULT = Blocks(2, 1024, 4)
@@ -92,10 +95,11 @@ DEFAULT = Blocks(2, 1024, 4)
 # (docs/PERFORMANCE.md, 2026-12-04 (later still)).
 # The tile shapes are for verify blocks of several rows, where a row at a time cost ~1.3-1.6 us
 # more per product than one row (docs/PERFORMANCE.md, 2026-12-04, the pooled drafter).
-# The dot shapes are for blocks of rows. On the H200 (docs/PERFORMANCE.md, 2026-12-04 (second
-# evening)): tf32x3 took the fp32 LM head at 16 rows from 64 us (cuBLAS) to 32, as fast as one row,
-# and a layer's small products at 16 rows from 39.6 to 36.5; mma beat cuBLAS by a little for bf16
-# from 8 rows. tl.dot on fp32 in full precision (FMA units) lost everywhere, 13-135 us.
+# The dot shapes pay where the rows are many or the weight large. On the H200 (docs/PERFORMANCE.md,
+# 2026-12-04 (second evening)): tf32x3 took the fp32 LM head at 16 rows from 64 us (cuBLAS) to 32,
+# as fast as one row, and a layer's small products at 16 rows from 39.6 to 36.5; mma beat cuBLAS by
+# a little for bf16 from 8 rows and on the one-row LM head. tl.dot on fp32 in full precision (FMA
+# units) lost everywhere, 13-135 us.
 CANDIDATES = (Blocks(1, 1024, 1), Blocks(1, 1024, 4), Blocks(1, 2048, 8), Blocks(2, 1024, 1), Blocks(2, 1024, 2),
               DEFAULT, Blocks(4, 1024, 2), Blocks(4, 256, 4), Blocks(4, 512, 4), Blocks(8, 256, 4),
               Blocks(1, 1024, 4, tile=True), Blocks(1, 2048, 8, tile=True), Blocks(2, 512, 4, tile=True),
@@ -200,9 +204,9 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     key = (silu_mul, x.shape[0], weight.shape[0], weight.shape[1], x.dtype, bias is not None)
     if key not in _chosen:
         path, name = _kept_path(x.device.index), gemv_cache.key_name(*key)
-        kept = _kept_choices(path).get(name)
-        if kept in _BY_NAME:
-            _chosen[key] = _BY_NAME[kept]
+        kept = _BY_NAME.get(_kept_choices(path).get(name, ""), "none kept")
+        if kept is None or (isinstance(kept, Blocks) and kept.runs(x.dtype)):  # else timed again
+            _chosen[key] = kept
         elif torch.cuda.is_current_stream_capturing():  # never timed (no warm-up ran): nothing can be timed now
             return None
         else:
@@ -256,8 +260,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
     if not 1 <= M <= MAX_ROWS or weight.shape[1] != K or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"gemv: x {tuple(x.shape)} (at most {MAX_ROWS} rows) and weight {tuple(weight.shape)} "
                          f"must share K, each row contiguous")
-    if not blocks.runs(x.dtype):
-        raise ValueError(f"gemv blocks {blocks} do not take {x.dtype} inputs")
+    if not blocks.runs(x.dtype) or weight.dtype != x.dtype:
+        raise ValueError(f"gemv blocks {blocks}: x {x.dtype} and weight {weight.dtype} must share a dtype these "
+                         f"blocks take")
     out = torch.empty(M, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, blocks.n),)](
         x, weight, weight if bias is None else bias, out, n, K, x.stride(0), weight.stride(0), out.stride(0),

@@ -42,8 +42,9 @@ from common.tools.drafter.trainer import EpochOrder, Trainer, load_checkpoint, r
 # Flags that steer one invocation but not what it produces: left out of the reproduce command.
 RUN_CONTROL = {"resume", "stop_at", "time_limit", "no_progress", "log_every", "save_every", "stage", "gen_time_limit"}
 PATHS = {"prompts", "data", "pool", "out", "model", "init"}
-# Answering 7,473 few-shot GSM8K prompts on the H200 (bf16): 3,002 tok/s with prefill steps of
-# 8,192 tokens, 5,052 with 32,768 (docs/PERFORMANCE.md, 2026-12-04 (second evening)).
+# Prefill tokens a step while generating on CUDA. Answering 7,473 few-shot GSM8K prompts on the
+# H200 (bf16): 3,002 tok/s with steps of 8,192 tokens, 5,052 with 32,768 (docs/PERFORMANCE.md,
+# 2026-12-04 (second evening)).
 GEN_CHUNK_SIZE = 32768
 
 
@@ -61,10 +62,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--max-seqs", type=int, default=None, help="use only the first N prompts of the file")
     d.add_argument("--gen-max-new-tokens", type=int, default=256)
     d.add_argument("--gen-max-running", type=int, default=None, help="engine batch (default 256 on CUDA, 32 on CPU)")
-    d.add_argument("--gen-chunk-size", type=int, default=GEN_CHUNK_SIZE,
-                   help="prompt tokens per prefill step while generating: the engine refills its batch a quarter at a "
-                        "time, and each prefill step costs host time whatever its size, so larger steps are fewer "
-                        f"(serving's default is {CHUNK_SIZE})")
+    d.add_argument("--gen-chunk-size", type=int, default=None,
+                   help=f"prompt tokens per prefill step while generating (default {GEN_CHUNK_SIZE} on CUDA, "
+                        f"{CHUNK_SIZE} on CPU, as serving): the engine refills its batch a quarter at a time, and on "
+                        "CUDA each prefill step costs host time whatever its size, so larger steps are fewer; a "
+                        "step's activations grow with it (lower it where memory is short)")
     d.add_argument("--samples-per-prompt", type=int, default=0, help="K sampled answers per prompt besides the greedy one")
     d.add_argument("--sample-temperatures", default="0.8",
                    help="comma-separated; sampled answer k uses the ((k-1) mod n)-th")
@@ -141,6 +143,10 @@ def _max_running(args) -> int:
     return args.gen_max_running or (256 if torch.device(args.device).type == "cuda" else 32)
 
 
+def _chunk_size(args) -> int:
+    return args.gen_chunk_size or (GEN_CHUNK_SIZE if torch.device(args.device).type == "cuda" else CHUNK_SIZE)
+
+
 def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
     """The whole command on an already loaded target (tests pass theirs)."""
     t_start = time.perf_counter()
@@ -165,7 +171,7 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
                          self_chat=args.self_chat, seed=args.seed, written=lambda name, i: store.written(name, i, tok))
     gen = {"generated": 0, "gen_seconds": 0.0, "stopped": "not run (--stage train)"}
     if args.stage != "train":
-        gen = generate(runner, tok, srcs, store, max_running=_max_running(args), chunk_size=args.gen_chunk_size,
+        gen = generate(runner, tok, srcs, store, max_running=_max_running(args), chunk_size=_chunk_size(args),
                        time_limit=args.gen_time_limit, progress=not args.no_progress)
         print(f"generation: {gen['generated']} sequences, {gen['gen_tokens']:,} tokens in {gen['gen_seconds']} s "
               f"({gen['gen_tok_per_s']:,.0f} tok/s), {gen['reused']} reused, {gen['skipped']} skipped; {gen['stopped']}",
@@ -460,7 +466,7 @@ def _check_args(args) -> None:
     _repeats(args.source_repeat or "")
     for name in ("batch_size", "anchors", "block_size", "layers", "gen_max_new_tokens", "gen_chunk_size", "log_every",
                  "save_every"):
-        if getattr(args, name) <= 0:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     if args.block_size < 2:
         raise ValueError("--block-size must be at least 2")
