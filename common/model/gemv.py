@@ -9,9 +9,8 @@ plain multiplies and sums (exact in fp32, never TF32), or tl.dot on tensor cores
 and fp16 inputs (their products are exact in fp32), "tf32x3" for fp32 (three TF32 products per
 pair, a*b as aH*bH + aH*bL + aL*bH, each within about 2^-20 of a*b: over a K-term sum the same
 order of error as merely reordering the fp32 sum, and within 1e-6 of cuBLAS on the H200's
-shapes). With SILU_MUL a program computes output
-column j of gate and of up (rows j and I + j of the fused gate/up weight) and rounds where
-common.model.fused.silu_mul's plain path rounds.
+shapes). With SILU_MUL a program computes output column j of gate and of up (rows j and I + j of
+the fused gate/up weight) and rounds where common.model.fused.silu_mul's plain path rounds.
 
 Which kernel runs is chosen per (rows, N, K, dtype, bias, fused SiLU): PDFLASH_GEMV=cublas keeps
 cuBLAS, =triton takes the Triton kernel with its DEFAULT blocks, and =auto (the default) times
