@@ -22,7 +22,8 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
              sampling (T 0.8, top-p 0.95), and requests that stop inside a block; must be identical
   gemv       the decode GEMV kernels (common.model.gemv) against cuBLAS at the embedded and 8B
              shapes, M 1, 4, 8 and 16, fp32 and bf16: results, and microseconds per product in CUDA graphs
-             and in plain launches (common/tools/gpu/gemv_check.py; about two minutes)
+             and in plain launches (common/tools/gpu/gemv_check.py; several minutes: 226 s on the
+             H200 before the tl.dot blocks joined the candidates)
   flashinfer flashinfer's fused add-RMSNorm, SiLU x up, RoPE + paged-KV append and graph decode
              attention against ours (common.model.fused, Triton attention), embedded and 8B shapes,
              bf16, batch 1, 8, 32: results, and microseconds per op in CUDA graphs
