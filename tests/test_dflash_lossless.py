@@ -1,6 +1,8 @@
 """DFlash with the shipped drafter is lossless: greedy fp32 outputs with --spec dflash equal
 --spec none token for token, in-process (single and batched) and through the PD stack (under the
-soak's load: tests/test_soak.py), and the acceptance histogram's invariants hold for every request."""
+soak's load: tests/test_soak.py), and the acceptance histogram's invariants hold for every request.
+The drafter runs in bf16 beside the fp32 target (as --draft-dtype auto runs it on CUDA and on CPUs
+with native bf16), and in fp32 in a test of its own."""
 from __future__ import annotations
 
 import itertools
@@ -8,6 +10,8 @@ import uuid
 
 import pytest
 from conftest import once_per_run
+
+import torch
 
 from common.dflash.drafter import SHIPPED, Drafter
 from common.dflash.proposer import DFlashProposer
@@ -61,7 +65,7 @@ def runner(make_embedded_runner):
 
 @pytest.fixture(scope="module")
 def proposer(runner):
-    return DFlashProposer(Drafter.load(SHIPPED), runner, runner.pool.num_pages)
+    return DFlashProposer(Drafter.load(SHIPPED, dtype=torch.bfloat16), runner, runner.pool.num_pages)
 
 
 # Greedy; seeded sampling (temperature alone, and with top-k and top-p); and requests that stop
@@ -124,6 +128,7 @@ def test_drafter_predicts_something(runner, proposer, embedded_tokenizer, prompt
     reqs = run_all(Engine(runner, embedded_tokenizer.eos_token_ids, proposer=proposer, spec=SpecConfig(block=16)),
                    prompts[:4], 4)
     assert sum(r.spec.accepted_drafts for r in reqs) > 0
+    assert proposer.kv.dtype == proposer.lm_head.dtype == torch.bfloat16 != runner.dtype
 
 
 @pytest.mark.parametrize("concurrency,count,case,block", RUNS)
@@ -143,6 +148,18 @@ def test_in_process_lossless(runner, proposer, embedded_tokenizer, prompts, plai
         assert any(isinstance(r.matched_stop, str) for r in reqs)
     assert runner.pool.num_free == runner.pool.num_pages
     assert proposer.pool.num_free == proposer.pool.num_pages
+
+
+@pytest.mark.parametrize("concurrency,count,case,block", [(8, 16, "greedy", 8), (1, 3, "stops", 16)])
+def test_fp32_drafter_lossless(runner, embedded_tokenizer, prompts, plain_outputs, concurrency, count, case, block):
+    """The drafter in the target's fp32 (--draft-dtype fp32): its own KV and LM head dtype."""
+    proposer = DFlashProposer(Drafter.load(SHIPPED, dtype=torch.float32), runner, runner.pool.num_pages)
+    assert proposer.kv.dtype == proposer.lm_head.dtype == torch.float32
+    engine = Engine(runner, embedded_tokenizer.eos_token_ids, proposer=proposer, spec=SpecConfig(block=block))
+    reqs = run_all(engine, prompts[:count], concurrency, case, embedded_tokenizer)
+    assert [r.output_ids for r in reqs] == plain_outputs[case][:count]
+    assert sum(r.spec.accepted_drafts for r in reqs) > 0
+    assert runner.pool.num_free == runner.pool.num_pages and proposer.pool.num_free == proposer.pool.num_pages
 
 
 def test_mixed_blocks_and_plain_steps_lossless(runner, proposer, embedded_tokenizer, prompts, plain_outputs):

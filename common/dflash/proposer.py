@@ -70,11 +70,15 @@ class DFlashProposer(DraftPages):
         self.target = target
         cfg = drafter.cfg
         page_size = target.page_size
+        # The drafter's dtype may be narrower than the target's (drafter.draft_dtype): its KV and
+        # the LM head it drafts through are kept in it; the pending features stay the target's.
+        self.dtype = drafter.fc.weight.dtype
         self.kv = target.memory.zeros((cfg.num_layers, 2, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim),
-                                      target.dtype, target.device)  # beside the target's KV: shareable alike
+                                      self.dtype, target.device)  # beside the target's KV: shareable alike
+        self.lm_head = target.model.lm_head_weight.to(self.dtype)  # the target's own tensor when dtypes agree
         self.scratch_slot = num_pages * page_size
         self.rope_cos, self.rope_sin = rope_cos_sin(cfg.as_model_config, target.device)
-        self.name = f"dflash {cfg}"
+        self.name = f"dflash {cfg}" + ("" if self.dtype == target.dtype else f" in {self.dtype}")
         # The context K/V of every draft layer in one matrix product (weights stacked once: the
         # drafter does not change while it serves); see write_context.
         attn = [layer.self_attn for layer in drafter.layers]
@@ -195,7 +199,7 @@ class DFlashProposer(DraftPages):
         attn = StaticAttn(pages, length + B, B, causal=False, kv_start=kv_start, backend=self.target.static_backend)
         meta = AttnMeta(positions=positions.flatten(), write_slots=table_slots(pages, positions, self.pool.page_size).flatten(),
                         logit_rows=None, static=attn)
-        x = self.target.model.embed_tokens(ids.flatten())
+        x = self.target.model.embed_tokens(ids.flatten()).to(self.dtype)
         cos, sin = self._rope(positions.flatten(), x.dtype)
 
         def attend(i: int, h: torch.Tensor) -> torch.Tensor:
@@ -209,7 +213,7 @@ class DFlashProposer(DraftPages):
 
         hidden = self.drafter.blocks(x, attend)
         drafted = hidden.view(rows, B, -1)[:, 1:].reshape(rows * (B - 1), -1)
-        return fused.argmax(self.target.model.logits(drafted)).view(rows, B - 1)
+        return fused.argmax(linear(drafted, self.lm_head)).view(rows, B - 1)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Positions past the table belong to tokens past a request's budget, never committed.

@@ -102,6 +102,7 @@ class LoadDrafter:
     stage's TP rank 0 also holds the draft KV cache."""
     path: str
     num_pages: int
+    dtype: torch.dtype  # the driver's drafter's (drafter.draft_dtype): the draft KV must match what decode expects
 
 
 @dataclass
@@ -255,7 +256,7 @@ def _load_drafter(cmd: LoadDrafter, runner: ModelRunner):
     from common.dflash.drafter import Drafter
     from common.dflash.proposer import DFlashProposer
 
-    drafter = Drafter.load(cmd.path, device=runner.device, dtype=runner.dtype)
+    drafter = Drafter.load(cmd.path, device=runner.device, dtype=cmd.dtype)
     layout = runner.layout
     draft = None
     if layout.is_last_stage and layout.tp_rank == 0:

@@ -115,11 +115,11 @@ def load_proposer(args: argparse.Namespace, runner: ModelRunner):
     """The DFlash proposer asked for by --spec/--draft-model, or None."""
     if args.spec == "none":
         return None
-    from common.dflash.drafter import Drafter, shipped_drafter_path
+    from common.dflash.drafter import Drafter, draft_dtype, shipped_drafter_path
     from common.dflash.proposer import DFlashProposer
 
     path = args.draft_model or shipped_drafter_path(args.model)
-    drafter = Drafter.load(path, device=runner.device, dtype=runner.dtype)
+    drafter = Drafter.load(path, device=runner.device, dtype=draft_dtype(args.draft_dtype, runner.dtype, runner.device))
     if runner.layout.pp > 1:  # the draft KV is built on the last stage
         from common.parallel.pipeline_proposer import PipelineProposer
 

@@ -26,7 +26,7 @@ import uuid
 
 import torch
 
-from common.dflash.drafter import Drafter, shipped_drafter_path
+from common.dflash.drafter import Drafter, draft_dtype, shipped_drafter_path
 from common.dflash.proposer import DFlashProposer
 from common.engine.engine import Engine
 from common.engine.request import Request
@@ -35,6 +35,7 @@ from common.engine.spec_policy import SpecConfig
 from common.model.tokenizer import IncrementalDecoder, Tokenizer
 from common.runner.model_runner import ModelRunner
 from common.service.loader import ModelOptions, add_model_args, load_model
+from common.service.spec_args import DRAFT_DTYPES
 from common.tools.bench import gsm8k_data, report
 
 CHAT_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "chat_eval.jsonl")
@@ -44,6 +45,9 @@ SETS = ("gsm8k", "fewshot", "chat")
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", action="append", default=None,
                    help="drafter folder (repeat to compare several; default: the shipped drafter)")
+    p.add_argument("--draft-dtype", default="auto",
+                   help=f"comma-separated, of {', '.join(DRAFT_DTYPES)}: each drafter is measured in each (as "
+                        f"--draft-dtype of the services)")
     p.add_argument("--sets", default="gsm8k,fewshot,chat", help=f"comma-separated, of {', '.join(SETS)}")
     p.add_argument("--num", type=int, default=64, help="prompts per set (chat has 16)")
     p.add_argument("--offset", type=int, default=0, help="first GSM8K test question")
@@ -110,6 +114,9 @@ def plain_outputs(runner: ModelRunner, tok: Tokenizer, prompts, max_new_tokens: 
 
 def run(args: argparse.Namespace) -> int:
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    dtypes = [d.strip() for d in args.draft_dtype.split(",") if d.strip()]
+    if not dtypes or set(dtypes) - set(DRAFT_DTYPES):
+        raise ValueError(f"--draft-dtype {args.draft_dtype!r}: expected a comma-separated list of {', '.join(DRAFT_DTYPES)}")
     if min(args.num, args.max_new_tokens, args.concurrency) < 1:
         raise ValueError("--num, --max-new-tokens and --concurrency must be at least 1")
     opts = ModelOptions.from_args(args)
@@ -123,9 +130,10 @@ def run(args: argparse.Namespace) -> int:
     paths = args.draft_model or [shipped_drafter_path(args.model)]
     result = {"bench": "dflash-eval", "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
               "max_new_tokens": args.max_new_tokens, "provenance": report.provenance(args), "drafters": []}
-    for path in paths:
-        drafter = Drafter.load(path, device=runner.device, dtype=runner.dtype)
-        row = {"drafter": path, "sets": {}}
+    for path, choice in ((path, choice) for path in paths for choice in dtypes):
+        dtype = draft_dtype(choice, runner.dtype, runner.device)
+        drafter = Drafter.load(path, device=runner.device, dtype=dtype)
+        row = {"drafter": path, "draft_dtype": str(dtype).removeprefix("torch."), "sets": {}}
         info_path = os.path.join(path, "train_info.json")
         if os.path.isfile(info_path):  # what it was trained on, for the scaling curve
             with open(info_path) as f:
@@ -136,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                                          concurrency=args.concurrency, plain=plain.get(name))
             r = row["sets"][name]
             same = f", identical {r['identical']}/{r['prompts']}" if "identical" in r else ""
-            print(f"{path}: {name}: accept length {r['accept_length_weighted']:.2f} over {r['verify_steps']} "
+            print(f"{path} ({row['draft_dtype']}): {name}: accept length {r['accept_length_weighted']:.2f} over {r['verify_steps']} "
                   f"verify steps, {r['prompts']} prompts{same}", flush=True)
         result["drafters"].append(row)
     report.write_json(os.path.join(args.out, "eval.json"), result)

@@ -134,7 +134,7 @@ def _greedy(model: str | None) -> dict:
 
 def _speculative(model: str | None, num: int = 32) -> list[dict]:
     """--spec dflash against plain decoding, both with CUDA graphs, fp32: identical outputs."""
-    from common.dflash.drafter import Drafter, shipped_drafter_path
+    from common.dflash.drafter import Drafter, draft_dtype, shipped_drafter_path
     from common.dflash.proposer import DFlashProposer
     from common.tools.bench.gsm8k_data import DEFAULT_TEST, load
 
@@ -142,7 +142,8 @@ def _speculative(model: str | None, num: int = 32) -> list[dict]:
     questions = [it.question for it in load(DEFAULT_TEST)[200:200 + num]]
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
     runner = ModelRunner(cfg, tensors, dtype="fp32", device="cuda", num_pages=2048, page_size=64)
-    proposer = DFlashProposer(Drafter.load(shipped_drafter_path(model), device="cuda"), runner, runner.pool.num_pages)
+    drafter = Drafter.load(shipped_drafter_path(model), device="cuda", dtype=draft_dtype("auto", runner.dtype, "cuda"))
+    proposer = DFlashProposer(drafter, runner, runner.pool.num_pages)
     plain = Engine(runner, tok.eos_token_ids)
     spec = Engine(runner, tok.eos_token_ids, proposer=proposer, spec=SpecConfig(block=16))
     period = tuple(tok.encode("."))
@@ -171,13 +172,13 @@ def _speculative(model: str | None, num: int = 32) -> list[dict]:
 def _decoder(dtype: str, graphs: bool) -> Decoder:
     """The engine's decoder over the embedded shape with random weights and the shipped drafter's
     shape (random weights too: only the time matters)."""
-    from common.dflash.drafter import SHIPPED, Drafter
+    from common.dflash.drafter import SHIPPED, Drafter, draft_dtype
     from common.dflash.proposer import DFlashProposer
 
     cfg = SHAPES["embedded"]
     runner = ModelRunner(cfg, random_weights(cfg, torch.float32, "cuda"), dtype=dtype, device="cuda",
                          num_pages=32 * 8 + 8, page_size=64, enforce_eager=not graphs)
-    drafter = Drafter.load(SHIPPED, device="cuda", dtype=runner.dtype)
+    drafter = Drafter.load(SHIPPED, device="cuda", dtype=draft_dtype("auto", runner.dtype, "cuda"))
     return Decoder(runner, cfg.eos_token_ids, DFlashProposer(drafter, runner, runner.pool.num_pages))
 
 

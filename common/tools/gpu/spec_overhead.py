@@ -44,7 +44,7 @@ def _plain_policy(max_block: int, rows: tuple[int, ...]) -> SpecPolicy:
 
 
 def _decoders(device: str) -> tuple[Decoder, Decoder]:
-    from common.dflash.drafter import SHIPPED, Drafter
+    from common.dflash.drafter import SHIPPED, Drafter, draft_dtype
     from common.dflash.proposer import DFlashProposer
 
     cfg = SHAPES["embedded"]
@@ -53,7 +53,8 @@ def _decoders(device: str) -> tuple[Decoder, Decoder]:
     pages = 2 * sum(rows) * -(-per_row // 64) + 8  # every case's requests, for both decoders
     runner = ModelRunner(cfg, random_weights(cfg, torch.float32, device), dtype="fp32", device=device,
                          num_pages=pages, page_size=64)
-    proposer = DFlashProposer(Drafter.load(SHIPPED, device=device, dtype=runner.dtype), runner, runner.pool.num_pages)
+    drafter = Drafter.load(SHIPPED, device=device, dtype=draft_dtype("auto", runner.dtype, device))
+    proposer = DFlashProposer(drafter, runner, runner.pool.num_pages)
     sizes = tuple(rows)
     plain = Decoder(runner, cfg.eos_token_ids, batch_sizes=sizes)
     spec = Decoder(runner, cfg.eos_token_ids, proposer, _plain_policy(proposer.block_size, sizes), batch_sizes=sizes)

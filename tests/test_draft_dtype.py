@@ -1,0 +1,67 @@
+"""--draft-dtype: which dtype the drafter runs in, and that the services' proposer runs it there
+(its draft KV and the LM head it drafts through; the pending features stay the target's).
+Losslessness with a bf16 drafter beside an fp32 target is tests/test_dflash_lossless.py's."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from tiny_models import random_model, save_random_drafter
+
+from common.dflash import drafter as drafter_module
+from common.dflash.drafter import draft_dtype
+from common.runner.model_runner import ModelRunner
+from common.service.loader import load_proposer
+from common.service.spec_args import add_spec_args, spec_flags
+
+
+def test_named_dtypes_are_taken_as_given():
+    for device in ("cpu", "cuda"):
+        for target in (torch.float32, torch.bfloat16):
+            assert draft_dtype("fp32", target, device) == torch.float32
+            assert draft_dtype("bf16", target, device) == torch.bfloat16
+
+
+def test_auto_narrows_an_fp32_target_where_bf16_is_native(monkeypatch):
+    assert draft_dtype("auto", torch.float32, "cuda") == torch.bfloat16
+    assert draft_dtype("auto", torch.bfloat16, "cuda") == torch.bfloat16
+    monkeypatch.setattr(drafter_module, "_cpu_has_bf16", lambda: True)
+    assert draft_dtype("auto", torch.float32, "cpu") == torch.bfloat16
+    monkeypatch.setattr(drafter_module, "_cpu_has_bf16", lambda: False)
+    assert draft_dtype("auto", torch.float32, "cpu") == torch.float32  # negative control
+    assert draft_dtype("auto", torch.bfloat16, "cpu") == torch.bfloat16
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(ValueError, match="fp16"):
+        draft_dtype("fp16", torch.float32, "cpu")
+    p = argparse.ArgumentParser()
+    add_spec_args(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--draft-dtype", "fp16"])
+
+
+def test_flag_travels_to_child_processes():
+    p = argparse.ArgumentParser()
+    add_spec_args(p)
+    assert "--draft-dtype" not in spec_flags(p.parse_args(["--spec", "dflash"]))
+    flags = spec_flags(p.parse_args(["--spec", "dflash", "--draft-dtype", "fp32"]))
+    assert flags[flags.index("--draft-dtype") + 1] == "fp32"
+
+
+@pytest.mark.parametrize("choice,expected", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_services_proposer_runs_in_the_chosen_dtype(tmp_path, choice, expected):
+    cfg, tensors = random_model(num_layers=2)
+    folder = save_random_drafter(cfg, (0, 1), str(tmp_path / "drafter"))
+    runner = ModelRunner(cfg, tensors, num_pages=16, page_size=8)
+    p = argparse.ArgumentParser()
+    add_spec_args(p)
+    args = p.parse_args(["--spec", "dflash", "--draft-model", folder, "--draft-dtype", choice])
+    args.model = None
+    proposer = load_proposer(args, runner)
+    assert proposer.dtype == proposer.kv.dtype == proposer.lm_head.dtype == expected
+    assert proposer.pending.dtype == torch.float32
+    assert proposer.describe_buffers()[0].dtype == str(expected).removeprefix("torch.")
+    if expected == torch.float32:  # the target's own LM head, not a copy
+        assert proposer.lm_head.data_ptr() == runner.model.lm_head_weight.data_ptr()
