@@ -174,6 +174,11 @@ def plan_writes(room: str, src: list[RankEndpoint], src_tp: int, pages: dict[str
     if ours != theirs:
         raise TransferPlanError(f"room {room}: buffers differ (prefill {sorted(ours)}, decode {sorted(theirs)}); "
                                 "are both started with the same --spec?")
+    ours = {b.dtype for r in src for b in r.buffers if b.name == "draft_kv"}
+    theirs = {b.dtype for _, _, d in dst for b in d.buffers if b.name == "draft_kv"}
+    if ours != theirs:  # --draft-dtype auto is resolved on each host
+        raise TransferPlanError(f"room {room}: the draft KV is {'/'.join(sorted(ours))} here and "
+                                f"{'/'.join(sorted(theirs))} on decode; start both with the same --draft-dtype")
     jobs: list[Writes] = []
     for rank in src:
         writes: Writes = []

@@ -94,14 +94,15 @@ SHARED_STACK_ARGS = ("--page-size", "16", "--kv-pages", "512", "--deadline", "24
 
 @pytest.fixture(scope="session")
 def pd_stack():
-    """`pdflash up --mode pd --spec dflash --spec-block 4 --verify-transfer --chunk-size 40`: PD with
-    speculation at every step (the per-step choice is tested in-process: on a busy CI machine the
+    """`pdflash up --mode pd --spec dflash --draft-dtype bf16 --spec-block 4 --verify-transfer
+    --chunk-size 40`: PD with speculation at every step (the per-step choice is tested in-process: on a busy CI machine the
     costs it would measure, and so what it would choose, vary from run to run), every KV page
     (target and draft) checksummed on arrival, prompts over 40 tokens prefilled in chunks that
-    end inside a page (P sends each chunk's whole pages while the next one computes)."""
+    end inside a page (P sends each chunk's whole pages while the next one computes). The drafter in
+    bf16 beside the fp32 model, as auto runs it on CUDA, whatever this CPU has."""
     from pd_stack import running
 
-    with running("--mode", "pd", "--spec", "dflash", "--spec-block", "4", "--verify-transfer", "--chunk-size", "40",
+    with running("--mode", "pd", "--spec", "dflash", "--draft-dtype", "bf16", "--spec-block", "4", "--verify-transfer", "--chunk-size", "40",
                  *SHARED_STACK_ARGS) as s:
         yield s
 

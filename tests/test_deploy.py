@@ -103,6 +103,15 @@ def test_dry_run_flags_per_profile():
     assert "--mem-fraction 0.85 --spec none" in out
 
 
+def test_draft_dtype_reaches_prefill_and_decode_alike():
+    """P and D hold the draft KV alike: DRAFT_DTYPE goes to both roles (empty: each resolves auto)."""
+    _, topo = config("pd-8node", DRAFT_DTYPE="bf16")
+    roles = {s.role for s in topo.services if "--draft-dtype bf16" in " ".join(s.args)}
+    assert roles == {"prefill", "decode"}
+    _, topo = config("pd-8node")
+    assert not any("--draft-dtype" in s.args for s in topo.services)
+
+
 def test_cpu_profile_uses_only_flags_the_services_have():
     from decode_svc.__main__ import parse_args as decode_args
     from prefill_svc.__main__ import parse_args as prefill_args

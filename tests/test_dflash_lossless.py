@@ -1,17 +1,16 @@
 """DFlash with the shipped drafter is lossless: greedy fp32 outputs with --spec dflash equal
 --spec none token for token, in-process (single and batched) and through the PD stack (under the
 soak's load: tests/test_soak.py), and the acceptance histogram's invariants hold for every request.
-The drafter runs in bf16 beside the fp32 target (as --draft-dtype auto runs it on CUDA and on CPUs
-with native bf16), and in fp32 in a test of its own."""
+In-process the drafter runs in bf16 beside the fp32 target (as --draft-dtype auto runs it on CUDA
+and on CPUs with native bf16), and in fp32 in a test of its own; the PD stack pins bf16 too."""
 from __future__ import annotations
 
 import itertools
 import uuid
 
 import pytest
-from conftest import once_per_run
-
 import torch
+from conftest import once_per_run
 
 from common.dflash.drafter import SHIPPED, Drafter
 from common.dflash.proposer import DFlashProposer

@@ -1,6 +1,7 @@
-"""--draft-dtype: which dtype the drafter runs in, and that the services' proposer runs it there
-(its draft KV and the LM head it drafts through; the pending features stay the target's).
-Losslessness with a bf16 drafter beside an fp32 target is tests/test_dflash_lossless.py's."""
+"""--draft-dtype: which dtype the drafter runs in, that the services' proposer runs it there (its
+draft KV, and the LM head it drafts through once a decoder reserves it; the pending features stay
+the target's), and that P and D holding the draft KV in different dtypes is refused with the flag
+named. Losslessness with a bf16 drafter beside an fp32 target is tests/test_dflash_lossless.py's."""
 from __future__ import annotations
 
 import argparse
@@ -11,9 +12,12 @@ from tiny_models import random_model, save_random_drafter
 
 from common.dflash import drafter as drafter_module
 from common.dflash.drafter import draft_dtype
+from common.kv.buffers import PagedKVBuffer, RankEndpoint, RoomBuffers
 from common.runner.model_runner import ModelRunner
 from common.service.loader import load_proposer
 from common.service.spec_args import add_spec_args, spec_flags
+from common.transfer.plan import TransferPlanError
+from prefill_svc.kv_sender import plan_writes
 
 
 def test_named_dtypes_are_taken_as_given():
@@ -60,8 +64,28 @@ def test_services_proposer_runs_in_the_chosen_dtype(tmp_path, choice, expected):
     args = p.parse_args(["--spec", "dflash", "--draft-model", folder, "--draft-dtype", choice])
     args.model = None
     proposer = load_proposer(args, runner)
-    assert proposer.dtype == proposer.kv.dtype == proposer.lm_head.dtype == expected
-    assert proposer.pending.dtype == torch.float32
+    assert proposer.dtype == proposer.kv.dtype == expected
     assert proposer.describe_buffers()[0].dtype == str(expected).removeprefix("torch.")
     if expected == torch.float32:  # the target's own LM head, not a copy
         assert proposer.lm_head.data_ptr() == runner.model.lm_head_weight.data_ptr()
+    else:  # a prefill instance never drafts: the copy waits for a decoder
+        assert proposer.lm_head is None
+        with pytest.raises(RuntimeError, match="reserve_pending"):
+            proposer.draft(torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                           torch.zeros(1, 4, dtype=torch.long), 4)
+    proposer.reserve_pending(8, 2)
+    assert proposer.lm_head.dtype == expected and proposer.pending.dtype == torch.float32
+
+
+def _room(dtype: str) -> list[RankEndpoint]:
+    kv = PagedKVBuffer("kv", 1 << 20, 2, 8, 8, 2, 0, 2, 16, "float32")
+    draft = PagedKVBuffer("draft_kv", 1 << 24, 1, 8, 8, 2, 0, 2, 16, dtype)
+    return [RankEndpoint(0, "session", [kv, draft])]
+
+
+def test_draft_kv_in_different_dtypes_is_refused_naming_the_flag():
+    pages = {"kv": [1, 2], "draft_kv": [1, 2]}
+    dst = [(0, "session", RoomBuffers(_room("float32")[0].buffers, pages))]
+    assert plan_writes("r", _room("float32"), 1, pages, dst, 1, 12)  # negative control: same dtype plans
+    with pytest.raises(TransferPlanError, match="--draft-dtype"):
+        plan_writes("r", _room("bfloat16"), 1, pages, dst, 1, 12)

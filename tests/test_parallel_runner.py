@@ -70,9 +70,12 @@ def close(got: torch.Tensor, want: torch.Tensor, tol: float) -> float:
 
 
 def check_parallel_equals_single(cfg, tensors, drafter_path: str, splits: list[tuple[int, int]],
-                                 dtype: str, tol: float, tp_tol: float | None = None, device: str = "cpu") -> None:
+                                 dtype: str, tol: float, tp_tol: float | None = None, device: str = "cpu",
+                                 drafter_dtype: torch.dtype | None = None) -> None:
+    """drafter_dtype: the drafter's (--draft-dtype), None for the target's; the draft KV is then
+    compared at bf16's tolerance when the drafter runs in bf16."""
     single = ModelRunner(cfg, tensors, dtype=dtype, device=device, num_pages=16, page_size=PAGE)
-    drafter = Drafter.load(drafter_path, device=device, dtype=single.dtype)
+    drafter = Drafter.load(drafter_path, device=device, dtype=drafter_dtype or single.dtype)
     want = run_prefill(single, DFlashProposer(drafter, single, 16))
     for tp, pp in splits:
         runner = ParallelRunner(cfg, tensors, tp=tp, pp=pp, dtype=dtype, device=device, num_pages=16, page_size=PAGE)
@@ -86,7 +89,8 @@ def check_parallel_equals_single(cfg, tensors, drafter_path: str, splits: list[t
         for g, w in zip(logits, want[0]):
             close(g, w, t)
         close(kv, want[1], t)
-        close(draft_kv, want[2], t)
+        assert draft_kv.dtype == drafter.dtype
+        close(draft_kv, want[2], BF16_TOL if drafter.dtype == torch.bfloat16 else t)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +104,15 @@ def test_random_model_pp_and_tp_fp32(random16, tmp_path) -> None:
     # PP 2/4/8; TP 2 (one KV head per rank), TP 4 (each KV head on two ranks); PP x TP.
     check_parallel_equals_single(cfg, tensors, drafter, [(1, 2), (1, 4), (1, 8), (2, 1), (4, 1), (2, 2)],
                                  "fp32", FP32_TOL, TP_FP32_TOL)
+
+
+def test_random_model_pp_and_tp_fp32_with_a_bf16_drafter(random16, tmp_path) -> None:
+    """--draft-dtype bf16 beside an fp32 target: every stage loads the drafter in the driver's
+    dtype (LoadDrafter), and the last stage's draft KV is bf16."""
+    cfg, tensors = random16
+    drafter = save_random_drafter(cfg, CAPTURE, str(tmp_path / "drafter"))
+    check_parallel_equals_single(cfg, tensors, drafter, [(1, 4), (2, 2)], "fp32", FP32_TOL, TP_FP32_TOL,
+                                 drafter_dtype=torch.bfloat16)
 
 
 def test_random_model_pp_bf16(random16, tmp_path) -> None:

@@ -140,8 +140,9 @@ def check(stack: Stack, case: Case, got: dict, want: Expected) -> None:
         # the target's layers and the drafter's.
         pages = -(-len(want.prompt_ids) // PAGE)
         assert got["meta"]["verified_pages"] == (LAYERS + DRAFT_LAYERS) * 2 * pages, case.name
-        page_bytes = PAGE * 3 * 64 * 4  # tokens x kv heads x head dim x fp32 (drafter: the same)
-        assert got["meta"]["transfer_bytes"] == (LAYERS + DRAFT_LAYERS) * 2 * pages * page_bytes, case.name
+        page_bytes = PAGE * 3 * 64  # tokens x kv heads x head dim (the drafter's: the same), x fp32 or bf16 bytes
+        layer_bytes = LAYERS * 4 + DRAFT_LAYERS * 2  # the stack's drafter runs in bf16 (--draft-dtype)
+        assert got["meta"]["transfer_bytes"] == layer_bytes * 2 * pages * page_bytes, case.name
 
 
 def test_one_at_a_time_equals_in_process(stack: Stack, expected: dict[Case, Expected]) -> None:

@@ -149,6 +149,10 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(mcfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
     # ---- context ---------------------------------------------------------------------------
     def fuse(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
         """Captured target hidden states (layer -> [T, H]) -> fused context [T, H]."""

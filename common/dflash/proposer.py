@@ -70,12 +70,13 @@ class DFlashProposer(DraftPages):
         self.target = target
         cfg = drafter.cfg
         page_size = target.page_size
-        # The drafter's dtype may be narrower than the target's (drafter.draft_dtype): its KV and
-        # the LM head it drafts through are kept in it; the pending features stay the target's.
-        self.dtype = drafter.fc.weight.dtype
+        # The drafter's dtype may be narrower than the target's (common.dflash.drafter.draft_dtype):
+        # its KV and the LM head it drafts through are kept in it; pending features stay the target's.
+        self.dtype = drafter.dtype
         self.kv = target.memory.zeros((cfg.num_layers, 2, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim),
                                       self.dtype, target.device)  # beside the target's KV: shareable alike
-        self.lm_head = target.model.lm_head_weight.to(self.dtype)  # the target's own tensor when dtypes agree
+        # In another dtype a copy, made by reserve_pending: only a decoder drafts (not a P instance).
+        self.lm_head = target.model.lm_head_weight if self.dtype == target.dtype else None
         self.scratch_slot = num_pages * page_size
         self.rope_cos, self.rope_sin = rope_cos_sin(cfg.as_model_config, target.device)
         self.name = f"dflash {cfg}" + ("" if self.dtype == target.dtype else f" in {self.dtype}")
@@ -134,7 +135,10 @@ class DFlashProposer(DraftPages):
 
     def reserve_pending(self, width: int, slots: int) -> None:
         """Room for `width` pending tokens per request and `slots` requests; a buffer as large
-        already stays as it is (one engine at a time decodes with a proposer)."""
+        already stays as it is (one engine at a time decodes with a proposer). A decoder calls it
+        first, so the LM head in the drafter's dtype is made here too."""
+        if self.lm_head is None:
+            self.lm_head = self.target.model.lm_head_weight.to(self.dtype)
         rows = self.pending.shape[0] - 1
         if width > self.pending_width or slots > rows:
             self._resize(max(slots, rows), max(width, self.pending_width))
@@ -191,6 +195,8 @@ class DFlashProposer(DraftPages):
         positions length[i] .. length[i]+B-1 (its K/V written there, past the context, where a
         later catch-up writes the committed tokens' context); pages [rows, W] is its draft page table."""
         cfg = self.drafter.cfg
+        if self.lm_head is None:
+            raise RuntimeError("DFlashProposer.draft before reserve_pending: no LM head in the drafter's dtype yet")
         rows = last.shape[0]
         positions = length[:, None] + torch.arange(B, device=last.device)[None, :]
         ids = torch.full((rows, B), cfg.mask_token_id, dtype=torch.long, device=last.device)

@@ -168,7 +168,7 @@ class ParallelRunner(ModelRunner):
     # ---- DFlash under pipeline parallelism ------------------------------------------------------
     def load_pipeline_drafter(self, path: str, drafter: Drafter, num_pages: int) -> None:
         self.drafter = drafter
-        for f in self._call_all(lambda r: ("drafter", r), LoadDrafter(path, num_pages, drafter.fc.weight.dtype)):
+        for f in self._call_all(lambda r: ("drafter", r), LoadDrafter(path, num_pages, drafter.dtype)):
             f.result(STARTUP_TIMEOUT_S)
 
     def append_draft_context(self, rows: list[int], positions: list[int], slots: list[int]) -> None:

@@ -19,7 +19,6 @@ class PipelineProposer(DraftPages):
     def __init__(self, path: str, drafter: Drafter, runner: ParallelRunner, num_pages: int):
         super().__init__(drafter.cfg, runner.cfg, num_pages, runner.page_size)
         self.runner = runner
-        self.dtype = drafter.fc.weight.dtype
         runner.load_pipeline_drafter(path, drafter, num_pages)
 
     def describe_buffers(self) -> list:

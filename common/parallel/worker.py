@@ -102,7 +102,7 @@ class LoadDrafter:
     stage's TP rank 0 also holds the draft KV cache."""
     path: str
     num_pages: int
-    dtype: torch.dtype  # the driver's drafter's (drafter.draft_dtype): the draft KV must match what decode expects
+    dtype: torch.dtype  # the driver's drafter's (common.dflash.drafter.draft_dtype), resolved once for every stage
 
 
 @dataclass

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -130,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
     paths = args.draft_model or [shipped_drafter_path(args.model)]
     result = {"bench": "dflash-eval", "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
               "max_new_tokens": args.max_new_tokens, "provenance": report.provenance(args), "drafters": []}
-    for path, choice in ((path, choice) for path in paths for choice in dtypes):
-        dtype = draft_dtype(choice, runner.dtype, runner.device)
+    resolved = list(dict.fromkeys(draft_dtype(d, runner.dtype, runner.device) for d in dtypes))  # auto may repeat one
+    for path, dtype in itertools.product(paths, resolved):
         drafter = Drafter.load(path, device=runner.device, dtype=dtype)
         row = {"drafter": path, "draft_dtype": str(dtype).removeprefix("torch."), "sets": {}}
         info_path = os.path.join(path, "train_info.json")
@@ -144,14 +145,14 @@ def run(args: argparse.Namespace) -> int:
                                          concurrency=args.concurrency, plain=plain.get(name))
             r = row["sets"][name]
             same = f", identical {r['identical']}/{r['prompts']}" if "identical" in r else ""
-            print(f"{path} ({row['draft_dtype']}): {name}: accept length {r['accept_length_weighted']:.2f} over {r['verify_steps']} "
-                  f"verify steps, {r['prompts']} prompts{same}", flush=True)
+            print(f"{path} ({row['draft_dtype']}): {name}: accept length {r['accept_length_weighted']:.2f} over "
+                  f"{r['verify_steps']} verify steps, {r['prompts']} prompts{same}", flush=True)
         result["drafters"].append(row)
     report.write_json(os.path.join(args.out, "eval.json"), result)
     print(f"saved {args.out}/eval.json")
     fp32 = runner.dtype == torch.float32
-    bad = [(row["drafter"], n) for row in result["drafters"] for n, r in row["sets"].items()
+    bad = [(row["drafter"], row["draft_dtype"], n) for row in result["drafters"] for n, r in row["sets"].items()
            if fp32 and "identical" in r and r["identical"] != r["prompts"]]
-    for path, name in bad:
-        print(f"error: {path}: {name}: outputs differ from plain decoding in fp32", file=sys.stderr)
+    for path, dtype, name in bad:
+        print(f"error: {path} ({dtype}): {name}: outputs differ from plain decoding in fp32", file=sys.stderr)
     return 1 if bad else 0

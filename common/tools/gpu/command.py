@@ -133,7 +133,8 @@ def _greedy(model: str | None) -> dict:
 
 
 def _speculative(model: str | None, num: int = 32) -> list[dict]:
-    """--spec dflash against plain decoding, both with CUDA graphs, fp32: identical outputs."""
+    """--spec dflash against plain decoding, both with CUDA graphs, fp32 (the drafter in bf16, as
+    --draft-dtype auto runs it): identical outputs."""
     from common.dflash.drafter import Drafter, draft_dtype, shipped_drafter_path
     from common.dflash.proposer import DFlashProposer
     from common.tools.bench.gsm8k_data import DEFAULT_TEST, load
@@ -171,7 +172,8 @@ def _speculative(model: str | None, num: int = 32) -> list[dict]:
 
 def _decoder(dtype: str, graphs: bool) -> Decoder:
     """The engine's decoder over the embedded shape with random weights and the shipped drafter's
-    shape (random weights too: only the time matters)."""
+    shape (random weights too: only the time matters), in the dtype --draft-dtype auto gives it
+    (bf16 beside fp32; step times from before --draft-dtype had it in fp32)."""
     from common.dflash.drafter import SHIPPED, Drafter, draft_dtype
     from common.dflash.proposer import DFlashProposer
 

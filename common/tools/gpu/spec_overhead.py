@@ -4,7 +4,8 @@ about 100 and 2000 tokens of context.
 
 Both go through the engine's decoder (`Decoder.step`: the policy's choice, the step's inputs, the
 graph replay, the one host read and the bookkeeping), over the embedded shape with random weights
-and the shipped drafter's shape, fp32. The speculative decoder's policy has seen its drafts miss
+and the shipped drafter's shape, fp32 (the drafter in bf16, as --draft-dtype auto runs it on CUDA;
+numbers from before that option had it in fp32). The speculative decoder's policy has seen its drafts miss
 and prices a speculative step a little above a plain one, so it takes every step plainly while
 weighing the choice at every step, as it does at long context when the choice is close. The two
 take turns step by step on their own requests, which advance as they would in service; the
