@@ -269,7 +269,7 @@ def markdown(result: dict) -> str:
              " ".join(f"{b}:{n}" for b, n in r["blocks"].items()) or "-",
              f"{r['identical_outputs']}/{r['requests']}", _device_cell(r.get("step_ms"))] for r in result["runs"]]
     head = (f"## DFlash vs plain decoding, {result['device']} {result['dtype']}, drafter block "
-            f"{result['drafter_block']} in {result.get('drafter_dtype', result['dtype'])}, block {'pinned to ' + str(result['pinned_block']) if result['pinned_block'] else 'chosen per step'}\n\n")
+            f"{result['drafter_block']} in {result['drafter_dtype']}, block {'pinned to ' + str(result['pinned_block']) if result['pinned_block'] else 'chosen per step'}\n\n")
     return head + report.md_table(
         ["prompt", "concurrency", "prompt tokens", "plain tok/s", "dflash tok/s", "speedup", "decode speedup",
          "prefill ms a request (plain / dflash)", "accept length (weighted)", "accept length (interface)",
