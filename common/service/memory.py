@@ -6,8 +6,9 @@ pages, so the fullest rank (the one whose weights leave the least room) decides.
 computed from the model's shapes and the split, not measured after loading: every node of a
 multi-node instance gets the same number without asking the others (the nodes check that they
 agree when they join), and what other processes hold on the GPU is not subtracted. The DFlash
-drafter and its draft KV (a few layers) and the activations come out of the remaining
-1 - fraction, as in SGLang.
+drafter and its draft KV (a few layers), on a decoding instance of an fp32 model its bf16 copy of
+the LM head (--draft-dtype), and the activations come out of the remaining 1 - fraction, as in
+SGLang.
 """
 from __future__ import annotations
 
