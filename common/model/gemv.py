@@ -312,11 +312,13 @@ if fused.HAS_TRITON:
                     acc_up += tl.sum(u.to(tl.float32)[None, :, :] * xs, axis=2)
             else:
                 wf = w.to(tl.float32)
+                if SILU_MUL:
+                    uf = u.to(tl.float32)
                 for m in tl.static_range(M):
                     xm = tl.load(x_ptr + m * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
                     acc += tl.where(rows == m, tl.sum(wf * xm, axis=1)[None, :], 0.0)
                     if SILU_MUL:
-                        acc_up += tl.where(rows == m, tl.sum(u.to(tl.float32) * xm, axis=1)[None, :], 0.0)
+                        acc_up += tl.where(rows == m, tl.sum(uf * xm, axis=1)[None, :], 0.0)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         dtype = out_ptr.dtype.element_ty
