@@ -203,9 +203,10 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     key = (silu_mul, x.shape[0], weight.shape[0], weight.shape[1], x.dtype, bias is not None)
     if key not in _chosen:
         path, name = _kept_path(x.device.index), gemv_cache.key_name(*key)
-        kept = _BY_NAME.get(_kept_choices(path).get(name, ""), "none kept")
-        if kept is None or (isinstance(kept, Blocks) and kept.runs(x.dtype)):  # else timed again
-            _chosen[key] = kept
+        kept = _kept_choices(path).get(name)
+        # A kept name this code no longer offers, or blocks that cannot take this dtype: timed again.
+        if kept in _BY_NAME and (_BY_NAME[kept] is None or _BY_NAME[kept].runs(x.dtype)):
+            _chosen[key] = _BY_NAME[kept]
         elif torch.cuda.is_current_stream_capturing():  # never timed (no warm-up ran): nothing can be timed now
             return None
         else:
