@@ -5,6 +5,7 @@ drafter, a resumed run equal to an uninterrupted one, and `dflash eval`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -30,6 +31,7 @@ from common.tools.drafter.objective import (
     block_soft_labels,
     draft_hidden,
     make_batch,
+    refine_prefix,
     sample_anchors,
 )
 from common.tools.drafter.train import GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, repeated, train
@@ -291,9 +293,44 @@ def test_fewshot_and_self_written_sources(target, tmp_path, monkeypatch, capsys)
     assert stages[0] == "self-math-q" and stages[-1] == "fewshot+self-math" and all(" tok/s" in n for n in notes)
 
 
-def test_batched_blocks_match_one_block_at_a_time(target, dataset):
+def test_refine_flags_set_how_the_saved_drafter_drafts(target):
+    from common.tools.drafter.evaluate import refine_settings
+    from common.tools.drafter.train import _check_args
+
+    runner, _ = target
+    assert drafter_config(parse(), runner).refine_passes == 0
+    cfg = drafter_config(parse("--refine", "0.5"), runner)
+    assert (cfg.refine_passes, cfg.refine_threshold) == (2, 0.5)
+    cfg = drafter_config(parse("--refine", "0.5", "--refine-passes", "1", "--refine-threshold", "0.7"), runner)
+    assert (cfg.refine_passes, cfg.refine_threshold) == (1, 0.7)
+    for bad in (("--refine", "1.5"), ("--refine-passes", "-1"), ("--refine-threshold", "1")):
+        with pytest.raises(ValueError, match=bad[0]):
+            _check_args(parse(*bad))
+    assert refine_settings("saved,0,2@0.4") == [{}, {"refine_passes": 0}, {"refine_passes": 2, "refine_threshold": 0.4}]
+    with pytest.raises(ValueError, match="PASSES"):
+        refine_settings("two")
+
+
+def test_refine_prefix_gives_each_block_a_start_and_leaves_the_rest_scored():
+    labels = torch.arange(2 * 60 * 6).view(2, 60, 6) % 7
+    labels[0, :, 3:] = IGNORE  # past the end of a short sequence
+    g = torch.Generator().manual_seed(0)
+    assert not refine_prefix(labels, 0.0, g).any()
+    given = refine_prefix(labels, 1.0, g)
+    assert given[:, :, 1].all()  # every block, from its first draft position on
+    assert not given[:, :, 0].any() and not given[:, :, -1].any()  # the anchor is the anchor; one is always scored
+    assert not (given & (labels == IGNORE)).any()
+    assert (given[:, :, 1:].int().diff(dim=-1) <= 0).all()  # a start: nothing given after a position that is not
+    assert set(given[1].sum(-1).tolist()) == {1, 2, 3, 4}  # every start length of a block of 6
+    share = refine_prefix(labels, 0.5, g)[:, :, 1].float().mean().item()
+    assert 0.35 < share < 0.65
+
+
+@pytest.mark.parametrize("refine", [False, True])
+def test_batched_blocks_match_one_block_at_a_time(target, dataset, refine):
     """All anchors of a padded batch in one masked forward == each block alone over its own
-    context (what decoding does): the mask, positions and padding add nothing."""
+    context (what decoding does): the mask, positions and padding add nothing; with refine,
+    the given start of a block takes the place of its MASKs."""
     runner, _ = target
     seqs = dataset[0].sequences(dataset[1])
     args = parse("--layers", "2", "--block-size", "4")
@@ -303,15 +340,20 @@ def test_batched_blocks_match_one_block_at_a_time(target, dataset):
     batch = make_batch(seqs[:3])
     feats = trainer.capture(batch).feats
     anchors, ok = sample_anchors(batch, 3, torch.Generator().manual_seed(1))
+    labels = block_labels(batch, anchors, ok, 4)
+    start = refine_prefix(labels, 1.0 if refine else 0.0, torch.Generator().manual_seed(2))
+    given = labels.masked_fill(~start, IGNORE)
+    assert start.any() == refine
     cos, sin = trainer.rope
     with torch.no_grad():
-        hidden = draft_hidden(drafter, trainer.embed, feats, batch, anchors, trainer.rope)
+        hidden = draft_hidden(drafter, trainer.embed, feats, batch, anchors, trainer.rope, given)
         for s in range(batch.size):
             for j in range(3):
                 a = int(anchors[s, j])
                 ctx = drafter.fuse({layer: f[s, :a] for layer, f in feats.items()})
                 ctx_kv = drafter.context_kv(ctx, cos[:a], sin[:a])
-                x = trainer.embed[torch.tensor([int(batch.ids[s, a])] + [16] * 3)]
+                block = [int(t) if t != IGNORE else 16 for t in given[s, j, 1:]]
+                x = trainer.embed[torch.tensor([int(batch.ids[s, a])] + block)]
 
                 def attend(i: int, h: torch.Tensor) -> torch.Tensor:
                     q, k, v = drafter.layers[i].self_attn.qkv(h, cos[a:a + 4], sin[a:a + 4])
@@ -348,6 +390,78 @@ def test_loss_falls_on_fixed_batch(target, dataset):
     assert targets.next_token is not None
     losses = losses_on_one_batch(trainer, batch, targets)
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_refine_training_scores_only_what_follows_the_given_start(target, dataset):
+    runner, _ = target
+    seqs = dataset[0].sequences(dataset[1])
+    torch.manual_seed(0)
+    trainer = Trainer(runner, Drafter(drafter_config(parse("--layers", "1", "--block-size", "4"), runner)), lr=2e-3,
+                      total_steps=100, warmup=0, anchors=4, refine=1.0)
+    batch = make_batch(seqs[:4])
+    targets = trainer.capture(batch)
+    _, metrics = trainer.loss(batch, targets, torch.Generator().manual_seed(0))
+    assert metrics["blocks"] == 0  # each block was given a start: none is an accept length
+    trainer.refine = 0.0
+    assert trainer.loss(batch, targets, torch.Generator().manual_seed(0))[1]["blocks"] > 0  # negative control
+    trainer.refine = 1.0
+    losses = losses_on_one_batch(trainer, batch, targets)
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_refine_pass_drafts_what_training_teaches(target, dataset):
+    """DFlashProposer.draft with a refine pass == the training objective's blocks: the drafts the
+    drafter is sure of are the first pass's, the rest the argmax of the block with those drafts
+    given in place of its first MASKs (draft_hidden with `given`)."""
+    from common.dflash.proposer import DFlashProposer, confidence
+
+    runner, _ = target
+    seq = dataset[0].sequences(dataset[1])[0]
+    B = 6
+    torch.manual_seed(0)
+    drafter = Drafter(drafter_config(parse("--layers", "2", "--block-size", str(B)), runner)).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():  # drafts less alike than the init's
+            p.mul_(3.0)
+    trainer = Trainer(runner, drafter, lr=1e-3, total_steps=1)
+    batch = make_batch([seq])
+    feats = trainer.capture(batch).feats
+    lm_head = runner.model.lm_head_weight
+    with torch.no_grad():
+        def training_blocks(given: torch.Tensor) -> torch.Tensor:  # logits [anchors, B-1, V]
+            hidden = draft_hidden(drafter, trainer.embed, feats, batch, anchors, trainer.rope, given)
+            return hidden[0, :, 1:] @ lm_head.T
+
+        anchors = torch.arange(seq.prompt_len, len(seq.ids) - 1)[None, :]
+        first = training_blocks(None)
+        sure = confidence(first)
+        given = torch.full((1, anchors.shape[1], B), IGNORE)
+        given[0, :, 1] = first[:, 0].argmax(-1)  # every block given its first draft
+        refined = training_blocks(given).argmax(-1)
+        # An anchor where the drafter is surer of its first draft than of its second (a threshold
+        # between the two gives a refine pass a start of one draft), and where that start changes
+        # what follows (else the test could not fail).
+        fits = (sure[:, 0] > sure[:, 1]) & (refined[:, 1:] != first[:, 1:].argmax(-1)).any(-1)
+        assert fits.any()
+        a = int(fits.nonzero()[0])
+        threshold = float(torch.exp((sure[a, 0] + sure[a, 1]) / 2))
+        expected = [int(first[a, 0].argmax())] + refined[a, 1:].tolist()
+
+        drafted = {}
+        for passes in (0, 1):
+            drafter.cfg = dataclasses.replace(drafter.cfg, refine_passes=passes, refine_threshold=threshold)
+            proposer = DFlashProposer(drafter, runner, runner.pool.num_pages)
+            anchor = int(anchors[0, a])
+            cache = SeqCache()
+            proposer.reserve(cache, anchor + B)
+            proposer.append_context([cache], {k: f[0, :anchor] for k, f in feats.items()}, [torch.arange(anchor)])
+            table = torch.full((1, runner.max_pages + 1), proposer.scratch_slot // runner.page_size, dtype=torch.long)
+            table[0, :len(cache.pages)] = torch.tensor(cache.pages)
+            drafted[passes] = proposer.draft(torch.tensor([int(seq.ids[anchor])]), torch.tensor([anchor]), table,
+                                             B)[0].tolist()
+            proposer.release(cache)
+    assert drafted[0] == first[a].argmax(-1).tolist()
+    assert drafted[1] == expected
 
 
 def test_soft_labels_are_the_targets_renormalised_top_k(target, dataset, monkeypatch):
@@ -523,17 +637,18 @@ def test_train_save_and_resume(target, dataset, tmp_path):
 
 def test_eval_command(target, tmp_path):
     """`pdflash dflash eval` through the CLI on the users' few-shot format (stop strings), the
-    shipped drafter in both dtypes (--draft-dtype fp32,bf16) against plain decoding: identical
-    outputs, accept lengths."""
+    shipped drafter in both dtypes (--draft-dtype fp32,bf16), each as saved and with two refine
+    passes (--refine), against plain decoding: identical outputs, accept lengths."""
     from common.tools.cli import main
 
     out = str(tmp_path / "eval")
     # One exemplar: the format and its stop strings are what is tested, not five exemplars' prefill.
     assert main(["dflash", "eval", "--device", "cpu", "--sets", "fewshot", "--shots", "1", "--num", "2",
                  "--max-new-tokens", "10", "--concurrency", "2", "--page-size", "16", "--draft-dtype", "fp32,bf16",
-                 "--out", out]) == 0
+                 "--refine", "saved,2@0.4", "--out", out]) == 0
     result = json.load(open(os.path.join(out, "eval.json")))
-    assert [row["draft_dtype"] for row in result["drafters"]] == ["float32", "bfloat16"]
+    assert [(row["draft_dtype"], row["refine_passes"]) for row in result["drafters"]] == [
+        ("float32", 0), ("float32", 2), ("bfloat16", 0), ("bfloat16", 2)]
     for row in result["drafters"]:
         r = row["sets"]["fewshot"]
         assert r["prompts"] == 2 and r["identical"] == 2 and r["verify_steps"] > 0

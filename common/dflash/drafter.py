@@ -7,6 +7,11 @@ tokens, conditioned on the target's hidden states.
   block          = [last committed token, MASK x (B-1)], embedded with the target's embedding
   each layer     : Q from the block; K/V from context + block; bidirectional inside the block
   draft tokens   = argmax of the target's LM head over the final-normed block positions 1..B-1
+  refine passes  = (drafters trained with --refine) the block again, its positions 1..j now the
+                   drafts of the last pass, where j is how many leading drafts the drafter is
+                   at least refine_threshold sure of; positions past j are drafted again. The
+                   drafts are independent guesses in one pass; a refine pass conditions the
+                   rest of the block on its confident start.
 
 The drafter owns neither the embedding nor the LM head: both are the target's.
 """
@@ -79,6 +84,13 @@ class DrafterConfig:
     sliding_window: int | None = None  # draft context window in tokens (None = all)
     max_position: int = 8192
     target_hidden_size: int = 0  # 0 = hidden_size
+    refine_passes: int = 0  # passes after the first (a drafter trained for them: dflash train --refine)
+    refine_threshold: float = 0.5  # a draft is kept, and given to the next pass, from this probability
+
+    def __post_init__(self) -> None:
+        if self.refine_passes < 0 or not 0.0 < self.refine_threshold < 1.0:
+            raise ValueError(f"drafter refine passes {self.refine_passes} (>= 0) and threshold "
+                             f"{self.refine_threshold} (between 0 and 1, exclusive)")
 
     @classmethod
     def for_target(cls, target: ModelConfig, num_layers: int = 2, **overrides) -> "DrafterConfig":

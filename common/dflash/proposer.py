@@ -6,6 +6,7 @@
   catch_up()        decode: the pending features -> fused context -> draft KV, for every row
                     at once, before a step drafts (or when a row's pending features are full)
   draft()           decode: one block [last token, MASK x (B-1)] per row -> B-1 draft tokens
+                    (and the drafter's refine passes, if it was trained for them)
 
 keep(), catch_up() and draft() take static tensors (fixed shapes, no host reads), so they run
 inside the CUDA graph of a decode or speculative step. The draft KV has its own page pool and
@@ -15,6 +16,8 @@ whose features are pending: draft_cache.length counts the tokens written, and it
 is its row of pending features (0: none yet).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +32,12 @@ from common.model.config import ModelConfig
 from common.model.static_attention import StaticAttn
 from common.model.transformer import apply_rope, linear, rope_cos_sin
 from common.runner.model_runner import ModelRunner
+
+
+def confidence(logits: torch.Tensor) -> torch.Tensor:
+    """The log-probability of each row's most likely token, in fp32."""
+    logits = logits.float()
+    return logits.amax(-1) - logits.logsumexp(-1)
 
 
 class DraftPages:
@@ -217,9 +226,24 @@ class DFlashProposer(DraftPages):
                 return attn.attend(q, self.kv[i])
             return paged_attention(*a.qkv(h, cos, sin), self.kv[i], meta)
 
-        hidden = self.drafter.blocks(x, attend)
-        drafted = hidden.view(rows, B, -1)[:, 1:].reshape(rows * (B - 1), -1)
-        return fused.argmax(linear(drafted, self.lm_head)).view(rows, B - 1)
+        def drafts(x: torch.Tensor) -> torch.Tensor:  # logits of block positions 1..B-1 [rows, B-1, V]
+            hidden = self.drafter.blocks(x, attend).view(rows, B, -1)[:, 1:]
+            return linear(hidden.reshape(rows * (B - 1), -1), self.lm_head).view(rows, B - 1, -1)
+
+        logits = drafts(x)
+        tokens = fused.argmax(logits.flatten(0, 1)).view(rows, B - 1)
+        if not cfg.refine_passes:
+            return tokens
+        least = math.log(cfg.refine_threshold)
+        sure = confidence(logits) >= least
+        for _ in range(cfg.refine_passes):
+            given = sure.long().cumprod(-1).bool()  # each row's confident leading drafts
+            block = torch.where(given, tokens, ids[:, 1:])
+            x = self.target.model.embed_tokens(torch.cat([ids[:, :1], block], 1).flatten()).to(self.dtype)
+            logits = drafts(x)
+            tokens = torch.where(given, tokens, fused.argmax(logits.flatten(0, 1)).view(rows, B - 1))
+            sure = given | (confidence(logits) >= least)
+        return tokens
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Positions past the table belong to tokens past a request's budget, never committed.

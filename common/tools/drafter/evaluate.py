@@ -49,6 +49,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-dtype", default="auto",
                    help=f"comma-separated, of {', '.join(DRAFT_DTYPES)}: each drafter is measured in each (as "
                         f"--draft-dtype of the services)")
+    p.add_argument("--refine", default="saved",
+                   help="comma-separated refine settings, each drafter measured with each: saved (its own), or "
+                        "PASSES[@THRESHOLD] (0: one pass; see dflash train --refine)")
     p.add_argument("--sets", default="gsm8k,fewshot,chat", help=f"comma-separated, of {', '.join(SETS)}")
     p.add_argument("--num", type=int, default=64, help="prompts per set (chat has 16)")
     p.add_argument("--offset", type=int, default=0, help="first GSM8K test question")
@@ -58,6 +61,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compare", action="store_true", help="skip the plain run (no identical-output check)")
     p.add_argument("--out", default=os.path.join("bench-out", "dflash-eval"), help="output folder (eval.json)")
     add_model_args(p, kv_pages=0)
+
+
+def refine_settings(spec: str) -> list[dict]:
+    """--refine: [{}] for the drafter's own settings, or {refine_passes, refine_threshold} overrides."""
+    out = []
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        if item == "saved":
+            out.append({})
+            continue
+        passes, _, threshold = item.partition("@")
+        try:
+            out.append({"refine_passes": int(passes)} | ({"refine_threshold": float(threshold)} if threshold else {}))
+        except ValueError:
+            raise ValueError(f"--refine {spec!r}: expected saved or PASSES[@THRESHOLD], e.g. 0,2@0.5") from None
+    if not out:
+        raise ValueError(f"--refine {spec!r}: no settings")
+    return out
 
 
 def eval_prompts(tok: Tokenizer, name: str, num: int, offset: int = 0, shots: int = 5
@@ -118,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
     dtypes = [d.strip() for d in args.draft_dtype.split(",") if d.strip()]
     if not dtypes or set(dtypes) - set(DRAFT_DTYPES):
         raise ValueError(f"--draft-dtype {args.draft_dtype!r}: expected a comma-separated list of {', '.join(DRAFT_DTYPES)}")
+    refines = refine_settings(args.refine)
     if min(args.num, args.max_new_tokens, args.concurrency) < 1:
         raise ValueError("--num, --max-new-tokens and --concurrency must be at least 1")
     opts = ModelOptions.from_args(args)
@@ -132,9 +153,13 @@ def run(args: argparse.Namespace) -> int:
     result = {"bench": "dflash-eval", "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
               "max_new_tokens": args.max_new_tokens, "provenance": report.provenance(args), "drafters": []}
     resolved = list(dict.fromkeys(draft_dtype(d, runner.dtype, runner.device) for d in dtypes))  # auto may repeat one
-    for path, dtype in itertools.product(paths, resolved):
+    for path, dtype, refine in itertools.product(paths, resolved, refines):
         drafter = Drafter.load(path, device=runner.device, dtype=dtype)
-        row = {"drafter": path, "draft_dtype": str(dtype).removeprefix("torch."), "sets": {}}
+        drafter.cfg = dataclasses.replace(drafter.cfg, **refine)
+        cfg = drafter.cfg
+        row = {"drafter": path, "draft_dtype": str(dtype).removeprefix("torch."), "refine_passes": cfg.refine_passes,
+               "refine_threshold": cfg.refine_threshold, "sets": {}}
+        label = row["draft_dtype"] + (f", refine {cfg.refine_passes}@{cfg.refine_threshold}" if cfg.refine_passes else "")
         info_path = os.path.join(path, "train_info.json")
         if os.path.isfile(info_path):  # what it was trained on, for the scaling curve
             with open(info_path) as f:
@@ -145,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
                                          concurrency=args.concurrency, plain=plain.get(name))
             r = row["sets"][name]
             same = f", identical {r['identical']}/{r['prompts']}" if "identical" in r else ""
-            print(f"{path} ({row['draft_dtype']}): {name}: accept length {r['accept_length_weighted']:.2f} over "
+            print(f"{path} ({label}): {name}: accept length {r['accept_length_weighted']:.2f} over "
                   f"{r['verify_steps']} verify steps, {r['prompts']} prompts{same}", flush=True)
         result["drafters"].append(row)
     report.write_json(os.path.join(args.out, "eval.json"), result)

@@ -8,6 +8,9 @@ For every sequence s and anchor a (a random position in the response):
              positions past the end of the sequence are ignored. With soft labels, part of
              each label's mass is the target's own next-token distribution there (its
              SOFT_TOP_K most likely tokens), not only its greedy token.
+  refine   : (a share of the blocks) positions 1..j hold their labels instead of MASK, j drawn
+             from 1..B-2, and only the positions after them are scored: what a refine pass
+             sees when the drafts it is given are right (common.dflash.drafter).
 
 Shapes: S sequences padded to L tokens, A anchors per sequence, B block size, N = S*A*B.
 The target is frozen: its captured hidden states, embedding and LM head are constants here.
@@ -180,9 +183,21 @@ def block_labels(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, block_si
     return labels.masked_fill(~keep, IGNORE)
 
 
+def refine_prefix(labels: torch.Tensor, share: float, generator: torch.Generator) -> torch.Tensor:
+    """given [S, A, B]: for about `share` of the blocks, positions 1..j (j uniform in 1..B-2) where
+    a label is, given to the drafter as tokens; no position of the other blocks."""
+    S, A, B = labels.shape
+    j = torch.randint(1, B - 1, (S, A), generator=generator) * (torch.rand(S, A, generator=generator) < share)
+    k = torch.arange(B)[None, None, :]
+    given = (k >= 1) & (k <= j[:, :, None])
+    return given.to(labels.device) & (labels != IGNORE)
+
+
 def draft_hidden(drafter: Drafter, embed: torch.Tensor, feats: dict[int, torch.Tensor], batch: Batch,
-                 anchors: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Final-normed drafter hidden states of every block position, [S, A, B, H]."""
+                 anchors: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 given: torch.Tensor | None = None) -> torch.Tensor:
+    """Final-normed drafter hidden states of every block position, [S, A, B, H]. given [S, A, B]:
+    token ids at the block positions a refine pass is given them (IGNORE elsewhere: MASK)."""
     cfg = drafter.cfg
     S, L = batch.ids.shape
     A, B = anchors.shape[1], cfg.block_size
@@ -191,6 +206,8 @@ def draft_hidden(drafter: Drafter, embed: torch.Tensor, feats: dict[int, torch.T
     ctx_kv = drafter.context_kv(ctx, cos[:L].repeat(S, 1), sin[:L].repeat(S, 1))
     first = torch.gather(batch.ids, 1, anchors)  # [S, A] the anchor tokens
     block_ids = torch.full((S, A, B), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
+    if given is not None:
+        block_ids = torch.where(given != IGNORE, given, block_ids)
     block_ids[:, :, 0] = first
     pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).clamp(max=cos.shape[0] - 1).flatten()
     mask = block_attention_mask(anchors, L, B, cfg.sliding_window)
@@ -227,7 +244,7 @@ def block_soft_labels(targets: Targets, anchors: torch.Tensor, block_size: int) 
 
 def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, gamma: float,
                soft: tuple[torch.Tensor, torch.Tensor] | None = None, soft_weight: float = 0.0,
-               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               scored: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted cross-entropy over labelled block positions, through the target's LM head. With
     soft = block_soft_labels(...) and soft_weight w, a position's label is (1 - w) x its hard
     label + w x the target's renormalised top-K distribution there: the loss is then, up to a
@@ -235,7 +252,8 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     Metrics (detached): acc1 = accuracy of the first draft position; accepted = mean length of
     the correct draft prefix per block (what a greedy verify would accept). An ignored position
     ends the prefix, so with greedy-path labels a sampled answer's blocks count only up to where
-    the answer leaves the greedy path: not comparable with runs that label every position."""
+    the answer leaves the greedy path: not comparable with runs that label every position.
+    scored [S, A]: the blocks the metrics count (default all; refine blocks, given a start, are not)."""
     S, A, B, H = hidden.shape
     lab = labels[:, :, 1:]
     valid = lab != IGNORE
@@ -251,7 +269,7 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     with torch.no_grad():
         correct = torch.zeros_like(valid)
         correct[valid] = logits.argmax(-1) == lab[valid]
-        used = valid[:, :, 0]
+        used = valid[:, :, 0] if scored is None else valid[:, :, 0] & scored
         accepted = correct.long().cumprod(-1).sum(-1)[used].float()
         metrics = {"loss": loss.detach(),
                    "acc1": correct[:, :, 0][used].float().mean() if used.any() else loss.new_zeros(()),

@@ -92,6 +92,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--mask-token-id", type=int, default=16, help="MASK token (16 = <empty_output> in SmolLM2, unused in chat)")
     m.add_argument("--capture-layers", default=None, help="comma-separated target layers (default: the DFlash rule, 5 layers)")
     m.add_argument("--sliding-window", type=int, default=None, help="draft context window in tokens (default: all)")
+    m.add_argument("--refine", type=float, default=0.0, metavar="SHARE",
+                   help="train this share of the blocks (0-1) as a refine pass sees them: their first tokens given, "
+                        "the rest scored (0: none; the drafter then drafts in one pass)")
+    m.add_argument("--refine-passes", type=int, default=None,
+                   help="refine passes the saved drafter runs after its first (default: 2 with --refine, else 0)")
+    m.add_argument("--refine-threshold", type=float, default=0.5,
+                   help="the probability from which a draft is kept and given to the next refine pass")
     t = p.add_argument_group("training")
     t.add_argument("--out", default=os.path.join("results", "dflash-train"), help="output folder")
     t.add_argument("--epochs", type=float, default=5.0)
@@ -211,7 +218,8 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
     trainer = Trainer(runner, drafter, lr=args.lr, total_steps=total, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
                       weight_decay=args.weight_decay, gamma=args.gamma, anchors=args.anchors,
                       grad_clip=args.grad_clip, amp=amp, seed=args.seed,
-                      greedy_path=args.sampled_labels == "greedy-path", soft_weight=args.soft_labels)
+                      greedy_path=args.sampled_labels == "greedy-path", soft_weight=args.soft_labels,
+                      refine=args.refine)
     ckpt_path = os.path.join(args.out, "checkpoint.pt")
     start, prev_seconds = 0, 0.0
     if args.resume and os.path.isfile(ckpt_path):
@@ -331,16 +339,18 @@ def init_from(drafter: Drafter, folder: str) -> tuple[int, tuple[int, ...]]:
     run may be deeper or read more of the target's layers, and the loaded drafter first drafts
     exactly what it did: the layers it adds go after the loaded ones and start as the identity
     (their output projections zero); the capture layers it adds get zero columns in fc, so their
-    features add nothing until training moves them. Returns the layers and the capture layers
-    added."""
+    features add nothing until training moves them. Its refine settings (how it drafts, not
+    what it holds) become this run's. Returns the layers and the capture layers added."""
     start = Drafter.load(folder)
     ours, theirs = drafter.cfg, start.cfg
     deeper = theirs.num_layers <= ours.num_layers
     wider = set(theirs.capture_layers) <= set(ours.capture_layers)
-    if replace(theirs, num_layers=ours.num_layers, capture_layers=ours.capture_layers) != ours or not deeper \
-            or not wider:
+    free = ("refine_passes", "refine_threshold")  # how it drafts, not its weights
+    if replace(theirs, num_layers=ours.num_layers, capture_layers=ours.capture_layers,
+               **{k: getattr(ours, k) for k in free}) != ours or not deeper or not wider:
         diff = {k: (v, getattr(ours, k)) for k, v in asdict(theirs).items()
-                if getattr(ours, k) != v and not (k == "num_layers" and deeper) and not (k == "capture_layers" and wider)}
+                if getattr(ours, k) != v and k not in free and not (k == "num_layers" and deeper)
+                and not (k == "capture_layers" and wider)}
         raise ValueError(f"--init {folder}: that drafter differs from this run's (theirs, ours): {diff}; "
                          f"only more layers or more capture layers may be added")
     state = start.state_dict()
@@ -374,8 +384,10 @@ def drafter_config(args, runner: ModelRunner) -> DrafterConfig:
         if any(not 0 <= x < target.num_layers for x in layers):
             raise ValueError(f"--capture-layers {layers}: the target has layers 0..{target.num_layers - 1}")
         extra["capture_layers"] = layers
+    passes = args.refine_passes if args.refine_passes is not None else 2 if args.refine else 0
     return DrafterConfig.for_target(target, num_layers=args.layers, block_size=args.block_size,
-                                    mask_token_id=args.mask_token_id, sliding_window=args.sliding_window, **extra)
+                                    mask_token_id=args.mask_token_id, sliding_window=args.sliding_window,
+                                    refine_passes=passes, refine_threshold=args.refine_threshold, **extra)
 
 
 def reproduce_command(args: argparse.Namespace) -> str:
@@ -476,6 +488,12 @@ def _check_args(args) -> None:
         raise ValueError("--samples-per-prompt and --eval-prompts must be >= 0")
     if not 0.0 <= args.soft_labels <= 1.0:
         raise ValueError(f"--soft-labels must be between 0 and 1 (got {args.soft_labels})")
+    if not 0.0 <= args.refine <= 1.0:
+        raise ValueError(f"--refine must be between 0 and 1 (got {args.refine})")
+    if args.refine_passes is not None and args.refine_passes < 0:
+        raise ValueError(f"--refine-passes must be >= 0 (got {args.refine_passes})")
+    if not 0.0 < args.refine_threshold < 1.0:
+        raise ValueError(f"--refine-threshold must be between 0 and 1, exclusive (got {args.refine_threshold})")
 
 
 def _fmt(m: dict) -> str:

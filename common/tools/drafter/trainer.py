@@ -14,8 +14,8 @@ from common.dflash.drafter import Drafter, DrafterConfig
 from common.model.transformer import rope_cos_sin
 from common.runner.model_runner import ModelRunner
 from common.tools.drafter.data import Sequence
-from common.tools.drafter.objective import (SOFT_TOP_K, Batch, Targets, block_labels, block_loss, block_soft_labels,
-                                            capture, draft_hidden, sample_anchors)
+from common.tools.drafter.objective import (IGNORE, SOFT_TOP_K, Batch, Targets, block_labels, block_loss,
+                                            block_soft_labels, capture, draft_hidden, refine_prefix, sample_anchors)
 
 MAX_DRAFTER_BYTES = 40_000_000  # the issue's limit, in decimal MB
 
@@ -26,7 +26,7 @@ class Trainer:
     def __init__(self, runner: ModelRunner, drafter: Drafter, *, lr: float, total_steps: int, warmup: float = 0.04,
                  min_lr_ratio: float = 0.0, weight_decay: float = 0.01, gamma: float = 7.0, anchors: int = 32,
                  grad_clip: float = 1.0, amp: bool = False, seed: int = 0,
-                 greedy_path: bool = False, soft_weight: float = 0.0):
+                 greedy_path: bool = False, soft_weight: float = 0.0, refine: float = 0.0):
         self.runner, self.drafter = runner, drafter
         self.device = runner.device
         self.amp = amp
@@ -38,6 +38,7 @@ class Trainer:
         self.warmup_steps = int(warmup if warmup >= 1 else round(warmup * total_steps))
         self.gamma, self.anchors, self.grad_clip, self.seed = gamma, anchors, grad_clip, seed
         self.greedy_path, self.soft_weight = greedy_path, soft_weight
+        self.refine = refine  # the share of blocks trained as a refine pass sees them
         self.opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                                      fused=self.device.type == "cuda")
 
@@ -63,9 +64,14 @@ class Trainer:
         anchors, ok = sample_anchors(batch, self.anchors, generator)
         labels = block_labels(batch, anchors, ok, cfg.block_size, targets.next_token, self.greedy_path)
         soft = block_soft_labels(targets, anchors, cfg.block_size) if self.soft_weight else None
+        given, scored = None, None
+        if self.refine:
+            start = refine_prefix(labels, self.refine, generator)
+            given, labels = labels.masked_fill(~start, IGNORE), labels.masked_fill(start, IGNORE)
+            scored = ~start.any(-1)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            hidden = draft_hidden(self.drafter, self.embed, targets.feats, batch, anchors, self.rope)
-            return block_loss(hidden, labels, self.lm_head, self.gamma, soft, self.soft_weight)
+            hidden = draft_hidden(self.drafter, self.embed, targets.feats, batch, anchors, self.rope, given)
+            return block_loss(hidden, labels, self.lm_head, self.gamma, soft, self.soft_weight, scored)
 
     def step(self, batch: Batch, step: int) -> dict[str, torch.Tensor]:
         """One optimizer step; anchors depend only on (seed, step), so a resumed run repeats them."""
@@ -137,7 +143,7 @@ def save_checkpoint(path: str, trainer: Trainer, step: int, seconds: float) -> N
 
 def load_checkpoint(path: str, trainer: Trainer, cfg: DrafterConfig, total: int) -> tuple[int, float]:
     state = torch.load(path, map_location=trainer.device, weights_only=True)
-    saved = state["drafter_config"]
+    saved = asdict(DrafterConfig(**state["drafter_config"]))  # fields added since it was saved: their defaults
     if saved != asdict(cfg):
         diff = {k: (saved.get(k), v) for k, v in asdict(cfg).items() if saved.get(k) != v}
         raise ValueError(f"{path} holds a drafter with another config (checkpoint vs now: {diff})")
