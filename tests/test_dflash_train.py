@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -29,6 +30,7 @@ from common.tools.drafter.objective import (
     block_labels,
     block_loss,
     block_soft_labels,
+    block_tokens,
     draft_hidden,
     make_batch,
     refine_prefix,
@@ -303,7 +305,8 @@ def test_refine_flags_set_how_the_saved_drafter_drafts(target):
     assert (cfg.refine_passes, cfg.refine_threshold) == (2, 0.5)
     cfg = drafter_config(parse("--refine", "0.5", "--refine-passes", "1", "--refine-threshold", "0.7"), runner)
     assert (cfg.refine_passes, cfg.refine_threshold) == (1, 0.7)
-    for bad in (("--refine", "1.5"), ("--refine-passes", "-1"), ("--refine-threshold", "1")):
+    for bad in (("--refine", "1.5"), ("--refine-passes", "-1"), ("--refine-threshold", "1"),
+                ("--refine", "0.5", "--block-size", "2")):
         with pytest.raises(ValueError, match=bad[0]):
             _check_args(parse(*bad))
     assert refine_settings("saved,0,2@0.4") == [{}, {"refine_passes": 0}, {"refine_passes": 2, "refine_threshold": 0.4}]
@@ -311,19 +314,38 @@ def test_refine_flags_set_how_the_saved_drafter_drafts(target):
         refine_settings("two")
 
 
+def test_resume_checks_the_refine_share_not_how_the_drafter_drafts(target, tmp_path):
+    from common.tools.drafter.trainer import load_checkpoint, save_checkpoint
+
+    runner, _ = target
+    cfg = drafter_config(parse("--layers", "1", "--block-size", "4", "--refine", "0.5"), runner)
+    path = str(tmp_path / "checkpoint.pt")
+    save_checkpoint(path, Trainer(runner, Drafter(cfg), lr=1e-3, total_steps=10, refine=0.5), 3, 1.0)
+    other = dataclasses.replace(cfg, refine_passes=1, refine_threshold=0.7)
+    assert load_checkpoint(path, Trainer(runner, Drafter(other), lr=1e-3, total_steps=10, refine=0.5), other, 10)[0] == 3
+    with pytest.raises(ValueError, match="--refine 0.5"):
+        load_checkpoint(path, Trainer(runner, Drafter(cfg), lr=1e-3, total_steps=10), cfg, 10)
+
+
 def test_refine_prefix_gives_each_block_a_start_and_leaves_the_rest_scored():
     labels = torch.arange(2 * 60 * 6).view(2, 60, 6) % 7
     labels[0, :, 3:] = IGNORE  # past the end of a short sequence
     g = torch.Generator().manual_seed(0)
-    assert not refine_prefix(labels, 0.0, g).any()
-    given = refine_prefix(labels, 1.0, g)
+    own = labels.clone()
+    assert not refine_prefix(labels, 0.0, g, own).any()
+    given = refine_prefix(labels, 1.0, g, own)
     assert given[:, :, 1].all()  # every block, from its first draft position on
     assert not given[:, :, 0].any() and not given[:, :, -1].any()  # the anchor is the anchor; one is always scored
     assert not (given & (labels == IGNORE)).any()
     assert (given[:, :, 1:].int().diff(dim=-1) <= 0).all()  # a start: nothing given after a position that is not
     assert set(given[1].sum(-1).tolist()) == {1, 2, 3, 4}  # every start length of a block of 6
-    share = refine_prefix(labels, 0.5, g)[:, :, 1].float().mean().item()
+    share = refine_prefix(labels, 0.5, g, own)[:, :, 1].float().mean().item()
     assert 0.35 < share < 0.65
+    # A sampled answer whose token at position 3 is not the target's greedy choice (its label):
+    # the labels after it follow the sampled token, so no start reaches past position 2.
+    own[1, :, 3] += 1
+    given = refine_prefix(labels, 1.0, g, own)
+    assert set(given[1].sum(-1).tolist()) == {1, 2} and not given[1, :, 3:].any()
 
 
 @pytest.mark.parametrize("refine", [False, True])
@@ -341,7 +363,7 @@ def test_batched_blocks_match_one_block_at_a_time(target, dataset, refine):
     feats = trainer.capture(batch).feats
     anchors, ok = sample_anchors(batch, 3, torch.Generator().manual_seed(1))
     labels = block_labels(batch, anchors, ok, 4)
-    start = refine_prefix(labels, 1.0 if refine else 0.0, torch.Generator().manual_seed(2))
+    start = refine_prefix(labels, 1.0 if refine else 0.0, torch.Generator().manual_seed(2), block_tokens(batch, anchors, 4))
     given = labels.masked_fill(~start, IGNORE)
     assert start.any() == refine
     cos, sin = trainer.rope
@@ -401,18 +423,23 @@ def test_refine_training_scores_only_what_follows_the_given_start(target, datase
     batch = make_batch(seqs[:4])
     targets = trainer.capture(batch)
     _, metrics = trainer.loss(batch, targets, torch.Generator().manual_seed(0))
-    assert metrics["blocks"] == 0  # each block was given a start: none is an accept length
+    # Each block was given a start, and is no accept length, except where a sampled answer's first
+    # token is not the target's greedy choice (no start can be given there).
+    anchors, ok = sample_anchors(batch, 4, torch.Generator().manual_seed(0))  # the loss's anchors
+    labels = block_labels(batch, anchors, ok, 4, targets.next_token)
+    first, own = labels[:, :, 1], block_tokens(batch, anchors, 4)[:, :, 1]
+    assert metrics["blocks"] == ((first != IGNORE) & (first != own)).sum()
     trainer.refine = 0.0
-    assert trainer.loss(batch, targets, torch.Generator().manual_seed(0))[1]["blocks"] > 0  # negative control
+    assert trainer.loss(batch, targets, torch.Generator().manual_seed(0))[1]["blocks"] > metrics["blocks"]
     trainer.refine = 1.0
     losses = losses_on_one_batch(trainer, batch, targets)
     assert losses[-1] < 0.5 * losses[0], losses
 
 
 def test_refine_pass_drafts_what_training_teaches(target, dataset):
-    """DFlashProposer.draft with a refine pass == the training objective's blocks: the drafts the
-    drafter is sure of are the first pass's, the rest the argmax of the block with those drafts
-    given in place of its first MASKs (draft_hidden with `given`)."""
+    """DFlashProposer.draft with refine passes == the training objective's blocks: the drafts the
+    drafter is sure of are kept, the rest the argmax of the block with those drafts given in
+    place of its first MASKs (draft_hidden with `given`), pass after pass."""
     from common.dflash.proposer import DFlashProposer, confidence
 
     runner, _ = target
@@ -445,10 +472,18 @@ def test_refine_pass_drafts_what_training_teaches(target, dataset):
         assert fits.any()
         a = int(fits.nonzero()[0])
         threshold = float(torch.exp((sure[a, 0] + sure[a, 1]) / 2))
-        expected = [int(first[a, 0].argmax())] + refined[a, 1:].tolist()
+        expected = {0: first[a].argmax(-1).tolist(), 1: [int(first[a, 0].argmax())] + refined[a, 1:].tolist()}
+        # A second pass, through the training path: its start is the leading drafts sure in the
+        # pass that drafted them (position 1 in the first, the others in the second).
+        second = training_blocks(given)[a]
+        sure_now = [True] + (confidence(second[1:]) >= math.log(threshold)).tolist()
+        start = next((k for k, ok in enumerate(sure_now) if not ok), B - 1)
+        again = torch.full((1, anchors.shape[1], B), IGNORE)
+        again[0, a, 1:1 + start] = torch.tensor(expected[1][:start])
+        expected[2] = expected[1][:start] + training_blocks(again)[a, start:].argmax(-1).tolist()
 
         drafted = {}
-        for passes in (0, 1):
+        for passes in (0, 1, 2):
             drafter.cfg = dataclasses.replace(drafter.cfg, refine_passes=passes, refine_threshold=threshold)
             proposer = DFlashProposer(drafter, runner, runner.pool.num_pages)
             anchor = int(anchors[0, a])
@@ -460,8 +495,8 @@ def test_refine_pass_drafts_what_training_teaches(target, dataset):
             drafted[passes] = proposer.draft(torch.tensor([int(seq.ids[anchor])]), torch.tensor([anchor]), table,
                                              B)[0].tolist()
             proposer.release(cache)
-    assert drafted[0] == first[a].argmax(-1).tolist()
-    assert drafted[1] == expected
+    assert drafted == expected
+    assert drafted[1] != drafted[0]
 
 
 def test_soft_labels_are_the_targets_renormalised_top_k(target, dataset, monkeypatch):

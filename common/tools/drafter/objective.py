@@ -183,14 +183,25 @@ def block_labels(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, block_si
     return labels.masked_fill(~keep, IGNORE)
 
 
-def refine_prefix(labels: torch.Tensor, share: float, generator: torch.Generator) -> torch.Tensor:
-    """given [S, A, B]: for about `share` of the blocks, positions 1..j (j uniform in 1..B-2) where
-    a label is, given to the drafter as tokens; no position of the other blocks."""
+def block_tokens(batch: Batch, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The sequence's own tokens at every block position [S, A, B] (clamped at its last column)."""
+    pos = (anchors[:, :, None] + torch.arange(block_size, device=anchors.device)).clamp(max=batch.ids.shape[1] - 1)
+    return torch.gather(batch.ids, 1, pos.flatten(1)).view_as(pos)
+
+
+def refine_prefix(labels: torch.Tensor, share: float, generator: torch.Generator, own: torch.Tensor) -> torch.Tensor:
+    """given [S, A, B]: for about `share` of the blocks, positions 1..j (j uniform in 1..B-2) given
+    to the drafter as their labels; no position of the other blocks. A start ends early where a
+    label is missing or is not the sequence's own token `own` (a sampled answer labelled with the
+    target's greedy choices, once it leaves them): every label after it follows the sequence's own
+    tokens, so the start must be them too, as the drafts a refine pass is given are."""
     S, A, B = labels.shape
     j = torch.randint(1, B - 1, (S, A), generator=generator) * (torch.rand(S, A, generator=generator) < share)
     k = torch.arange(B)[None, None, :]
-    given = (k >= 1) & (k <= j[:, :, None])
-    return given.to(labels.device) & (labels != IGNORE)
+    given = ((k >= 1) & (k <= j[:, :, None])).to(labels.device)
+    same = (labels == own) & (labels != IGNORE)
+    same[:, :, 0] = True
+    return given & same.long().cumprod(-1).bool()
 
 
 def draft_hidden(drafter: Drafter, embed: torch.Tensor, feats: dict[int, torch.Tensor], batch: Batch,

@@ -37,7 +37,8 @@ from common.tools.drafter import sources
 from common.tools.drafter.data import (DataStore, GenSettings, Sequence, check_pool, data_stats, file_sha256,
                                        generate, pooled_sequences, read_prompts)
 from common.tools.drafter.objective import SOFT_TOP_K, Batch, make_batch
-from common.tools.drafter.trainer import EpochOrder, Trainer, load_checkpoint, rounded, save_checkpoint, save_drafter
+from common.tools.drafter.trainer import (DRAFTING_ONLY, EpochOrder, Trainer, load_checkpoint, rounded, save_checkpoint,
+                                          save_drafter)
 
 # Flags that steer one invocation but not what it produces: left out of the reproduce command.
 RUN_CONTROL = {"resume", "stop_at", "time_limit", "no_progress", "log_every", "save_every", "stage", "gen_time_limit"}
@@ -96,7 +97,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="train this share of the blocks (0-1) as a refine pass sees them: their first tokens given, "
                         "the rest scored (0: none; the drafter then drafts in one pass)")
     m.add_argument("--refine-passes", type=int, default=None,
-                   help="refine passes the saved drafter runs after its first (default: 2 with --refine, else 0)")
+                   help="refine passes the saved drafter runs after its first (default: 2 with --refine, else 0, also "
+                        "when --init loads a drafter with passes)")
     m.add_argument("--refine-threshold", type=float, default=0.5,
                    help="the probability from which a draft is kept and given to the next refine pass")
     t = p.add_argument_group("training")
@@ -339,13 +341,13 @@ def init_from(drafter: Drafter, folder: str) -> tuple[int, tuple[int, ...]]:
     run may be deeper or read more of the target's layers, and the loaded drafter first drafts
     exactly what it did: the layers it adds go after the loaded ones and start as the identity
     (their output projections zero); the capture layers it adds get zero columns in fc, so their
-    features add nothing until training moves them. Its refine settings (how it drafts, not
-    what it holds) become this run's. Returns the layers and the capture layers added."""
+    features add nothing until training moves them. This run's refine settings (how it drafts,
+    not what it holds) replace its own. Returns the layers and the capture layers added."""
     start = Drafter.load(folder)
     ours, theirs = drafter.cfg, start.cfg
     deeper = theirs.num_layers <= ours.num_layers
     wider = set(theirs.capture_layers) <= set(ours.capture_layers)
-    free = ("refine_passes", "refine_threshold")  # how it drafts, not its weights
+    free = DRAFTING_ONLY
     if replace(theirs, num_layers=ours.num_layers, capture_layers=ours.capture_layers,
                **{k: getattr(ours, k) for k in free}) != ours or not deeper or not wider:
         diff = {k: (v, getattr(ours, k)) for k, v in asdict(theirs).items()
@@ -490,6 +492,8 @@ def _check_args(args) -> None:
         raise ValueError(f"--soft-labels must be between 0 and 1 (got {args.soft_labels})")
     if not 0.0 <= args.refine <= 1.0:
         raise ValueError(f"--refine must be between 0 and 1 (got {args.refine})")
+    if args.refine and args.block_size < 3:
+        raise ValueError("--refine needs --block-size 3 or more (a given start and a position after it)")
     if args.refine_passes is not None and args.refine_passes < 0:
         raise ValueError(f"--refine-passes must be >= 0 (got {args.refine_passes})")
     if not 0.0 < args.refine_threshold < 1.0:

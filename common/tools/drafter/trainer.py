@@ -15,9 +15,13 @@ from common.model.transformer import rope_cos_sin
 from common.runner.model_runner import ModelRunner
 from common.tools.drafter.data import Sequence
 from common.tools.drafter.objective import (IGNORE, SOFT_TOP_K, Batch, Targets, block_labels, block_loss,
-                                            block_soft_labels, capture, draft_hidden, refine_prefix, sample_anchors)
+                                            block_soft_labels, block_tokens, capture, draft_hidden, refine_prefix,
+                                            sample_anchors)
 
 MAX_DRAFTER_BYTES = 40_000_000  # the limit, in decimal MB
+# Config fields that say how a drafter drafts, not what its weights are: a resumed or continued
+# run may change them.
+DRAFTING_ONLY = ("refine_passes", "refine_threshold")
 
 
 class Trainer:
@@ -66,7 +70,7 @@ class Trainer:
         soft = block_soft_labels(targets, anchors, cfg.block_size) if self.soft_weight else None
         given, scored = None, None
         if self.refine:
-            start = refine_prefix(labels, self.refine, generator)
+            start = refine_prefix(labels, self.refine, generator, block_tokens(batch, anchors, cfg.block_size))
             given, labels = labels.masked_fill(~start, IGNORE), labels.masked_fill(start, IGNORE)
             scored = ~start.any(-1)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
@@ -136,7 +140,7 @@ class EpochOrder:
 def save_checkpoint(path: str, trainer: Trainer, step: int, seconds: float) -> None:
     state = {"step": step, "seconds": seconds, "total_steps": trainer.total_steps,
              "drafter_config": asdict(trainer.drafter.cfg), "model": trainer.drafter.state_dict(),
-             "optim": trainer.opt.state_dict()}
+             "optim": trainer.opt.state_dict(), "refine": trainer.refine}
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # a kill mid-write leaves the previous checkpoint intact
 
@@ -144,9 +148,11 @@ def save_checkpoint(path: str, trainer: Trainer, step: int, seconds: float) -> N
 def load_checkpoint(path: str, trainer: Trainer, cfg: DrafterConfig, total: int) -> tuple[int, float]:
     state = torch.load(path, map_location=trainer.device, weights_only=True)
     saved = asdict(DrafterConfig(**state["drafter_config"]))  # fields added since it was saved: their defaults
-    if saved != asdict(cfg):
-        diff = {k: (saved.get(k), v) for k, v in asdict(cfg).items() if saved.get(k) != v}
+    diff = {k: (saved[k], v) for k, v in asdict(cfg).items() if saved[k] != v and k not in DRAFTING_ONLY}
+    if diff:
         raise ValueError(f"{path} holds a drafter with another config (checkpoint vs now: {diff})")
+    if state.get("refine", 0.0) != trainer.refine:
+        raise ValueError(f"{path} was trained with --refine {state.get('refine', 0.0)}, this run asks {trainer.refine}")
     if state["total_steps"] != total:
         print(f"note: the checkpoint planned {state['total_steps']} steps, now {total}: the lr schedule changes",
               flush=True)
