@@ -155,6 +155,12 @@ def _groups_that_fit(runner: ModelRunner, tokens: list[list[int]]) -> list[list[
     return groups + [cur] if cur else groups
 
 
+def at_blocks(x: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """x [S, L] at every block position [S, A, B] (positions past L read its last column)."""
+    pos = (anchors[:, :, None] + torch.arange(block_size, device=anchors.device)).clamp(max=x.shape[1] - 1)
+    return torch.gather(x, 1, pos.flatten(1)).view_as(pos)
+
+
 def block_labels(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, block_size: int,
                  target_next: torch.Tensor | None = None, greedy_path: bool = False) -> torch.Tensor:
     """labels [S, A, B]: position k of the block of anchor a predicts the token at a+k (k >= 1);
@@ -164,10 +170,9 @@ def block_labels(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, block_si
     position k counts only while the sampled tokens a+1..a+k-1 are the target's greedy choices:
     after the first that is not, the label is the greedy choice after a prefix that greedy
     decoding never writes, and the drafter, which sees only MASKs there, cannot tell."""
-    S, L = batch.ids.shape
     src = batch.ids
     pos = anchors[:, :, None] + torch.arange(block_size, device=anchors.device)  # [S, A, B]
-    at = lambda x: torch.gather(x, 1, pos.clamp(max=L - 1).flatten(1)).view_as(pos)
+    at = lambda x: at_blocks(x, anchors, block_size)
     keep = (pos < batch.lengths[:, None, None]) & ok[:, :, None]
     if target_next is not None and bool(batch.sampled.any()):
         # target_next[s, t] predicts position t+1; shift it so that src[s, t] labels position t.
@@ -184,9 +189,8 @@ def block_labels(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, block_si
 
 
 def block_tokens(batch: Batch, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The sequence's own tokens at every block position [S, A, B] (clamped at its last column)."""
-    pos = (anchors[:, :, None] + torch.arange(block_size, device=anchors.device)).clamp(max=batch.ids.shape[1] - 1)
-    return torch.gather(batch.ids, 1, pos.flatten(1)).view_as(pos)
+    """The sequence's own tokens at every block position [S, A, B]."""
+    return at_blocks(batch.ids, anchors, block_size)
 
 
 def refine_prefix(labels: torch.Tensor, share: float, generator: torch.Generator, own: torch.Tensor) -> torch.Tensor:

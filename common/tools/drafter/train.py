@@ -347,11 +347,10 @@ def init_from(drafter: Drafter, folder: str) -> tuple[int, tuple[int, ...]]:
     ours, theirs = drafter.cfg, start.cfg
     deeper = theirs.num_layers <= ours.num_layers
     wider = set(theirs.capture_layers) <= set(ours.capture_layers)
-    free = DRAFTING_ONLY
     if replace(theirs, num_layers=ours.num_layers, capture_layers=ours.capture_layers,
-               **{k: getattr(ours, k) for k in free}) != ours or not deeper or not wider:
+               **{k: getattr(ours, k) for k in DRAFTING_ONLY}) != ours or not deeper or not wider:
         diff = {k: (v, getattr(ours, k)) for k, v in asdict(theirs).items()
-                if getattr(ours, k) != v and k not in free and not (k == "num_layers" and deeper)
+                if getattr(ours, k) != v and k not in DRAFTING_ONLY and not (k == "num_layers" and deeper)
                 and not (k == "capture_layers" and wider)}
         raise ValueError(f"--init {folder}: that drafter differs from this run's (theirs, ours): {diff}; "
                          f"only more layers or more capture layers may be added")
