@@ -67,6 +67,7 @@ runs on random weights in the model's shape. A few minutes on one H200.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -134,7 +135,8 @@ def _greedy(model: str | None) -> dict:
 
 def _speculative(model: str | None, num: int = 32) -> list[dict]:
     """--spec dflash against plain decoding, both with CUDA graphs, fp32 (the drafter in bf16, as
-    --draft-dtype auto runs it): identical outputs."""
+    --draft-dtype auto runs it): identical outputs, with the drafter as saved and with two refine
+    passes (static steps of their own: graph-captured like the first)."""
     from common.dflash.drafter import Drafter, draft_dtype, shipped_drafter_path
     from common.dflash.proposer import DFlashProposer
     from common.tools.bench.gsm8k_data import DEFAULT_TEST, load
@@ -143,30 +145,38 @@ def _speculative(model: str | None, num: int = 32) -> list[dict]:
     questions = [it.question for it in load(DEFAULT_TEST)[200:200 + num]]
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
     runner = ModelRunner(cfg, tensors, dtype="fp32", device="cuda", num_pages=2048, page_size=64)
-    drafter = Drafter.load(shipped_drafter_path(model), device="cuda", dtype=draft_dtype("auto", runner.dtype, "cuda"))
-    proposer = DFlashProposer(drafter, runner, runner.pool.num_pages)
     plain = Engine(runner, tok.eos_token_ids)
-    spec = Engine(runner, tok.eos_token_ids, proposer=proposer, spec=SpecConfig(block=16))
+    proposers, specs = {}, {}
+    for name, refine in {"": {}, ", 2 refine passes @0.5": {"refine_passes": 2, "refine_threshold": 0.5}}.items():
+        drafter = Drafter.load(shipped_drafter_path(model), device="cuda", dtype=draft_dtype("auto", runner.dtype, "cuda"))
+        drafter.cfg = dataclasses.replace(drafter.cfg, **refine)
+        proposers[name] = DFlashProposer(drafter, runner, runner.pool.num_pages)
+        specs[name] = Engine(runner, tok.eos_token_ids, proposer=proposers[name], spec=SpecConfig(block=16))
     period = tuple(tok.encode("."))
     cases = {
         "greedy": lambda i: SamplingParams(max_new_tokens=96),
         "seeded T0.8 top-p 0.95": lambda i: SamplingParams(max_new_tokens=96, temperature=0.8, top_p=0.95, seed=i),
         "stops inside blocks": lambda i: SamplingParams(max_new_tokens=7 + 3 * (i % 5), stop_token_ids=period),
     }
+
+    def run(engine: Engine, params, concurrency: int) -> list[Request]:
+        reqs = [Request(uuid.uuid4().hex, p, params(i)) for i, p in enumerate(prompts)]
+        engine.run_all(reqs, concurrency)
+        return reqs
+
     rows = []
-    for name, params in cases.items():
+    for case, params in cases.items():
         for concurrency in (1, 8):
-            outs = []
-            for engine in (plain, spec):
-                reqs = [Request(uuid.uuid4().hex, p, params(i)) for i, p in enumerate(prompts)]
-                engine.run_all(reqs, concurrency)
-                outs.append(reqs)
-            same = sum(a.output_ids == b.output_ids and a.finish_reason == b.finish_reason for a, b in zip(*outs))
-            verify = sum(r.spec.verify_ct for r in outs[1])
-            accepted = sum(r.spec.accepted_drafts for r in outs[1])
-            rows.append({"case": name, "concurrency": concurrency, "identical": same, "requests": len(prompts),
-                         "accept_length_weighted": 1 + accepted / max(verify, 1)})
-    assert runner.pool.num_free == runner.pool.num_pages and proposer.pool.num_free == proposer.pool.num_pages
+            want = run(plain, params, concurrency)
+            for name, spec in specs.items():
+                got = run(spec, params, concurrency)
+                same = sum(a.output_ids == b.output_ids and a.finish_reason == b.finish_reason for a, b in zip(want, got))
+                verify = sum(r.spec.verify_ct for r in got)
+                accepted = sum(r.spec.accepted_drafts for r in got)
+                rows.append({"case": case + name, "concurrency": concurrency, "identical": same, "requests": len(prompts),
+                             "accept_length_weighted": 1 + accepted / max(verify, 1)})
+    assert runner.pool.num_free == runner.pool.num_pages
+    assert all(p.pool.num_free == p.pool.num_pages for p in proposers.values())
     return rows
 
 
