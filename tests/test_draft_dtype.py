@@ -1,7 +1,7 @@
-"""--draft-dtype: which dtype the drafter runs in, that the services' proposer runs it there (its
+"""--draft-dtype and --draft-refine: which dtype the drafter runs in, that the services' proposer runs it there (its
 draft KV, and the LM head it drafts through once a decoder reserves it; the pending features stay
 the target's), and that P and D holding the draft KV in different dtypes is refused with the flag
-named. Losslessness with a bf16 drafter beside an fp32 target is tests/test_dflash_lossless.py's."""
+named; the refine passes a served drafter drafts with. Losslessness with a bf16 drafter beside an fp32 target is tests/test_dflash_lossless.py's."""
 from __future__ import annotations
 
 import argparse
@@ -75,6 +75,34 @@ def test_services_proposer_runs_in_the_chosen_dtype(tmp_path, choice, expected):
                            torch.zeros(1, 4, dtype=torch.long), 4)
     proposer.reserve_pending(8, 2)
     assert proposer.lm_head.dtype == expected and proposer.pending.dtype == torch.float32
+
+
+def test_draft_refine_overrides_the_saved_setting_and_travels(tmp_path):
+    """--draft-refine sets how the served drafter drafts (the weights are the same); absent, the
+    drafter's saved setting holds; a malformed value is refused by the parser and one out of
+    range by the drafter's config, each naming what was wrong."""
+    cfg, tensors = random_model(num_layers=2)
+    folder = save_random_drafter(cfg, (0, 1), str(tmp_path / "drafter"))
+    runner = ModelRunner(cfg, tensors, num_pages=16, page_size=8)
+    p = argparse.ArgumentParser()
+    add_spec_args(p)
+
+    def served(*flags: str):
+        args = p.parse_args(["--spec", "dflash", "--draft-model", folder, *flags])
+        args.model = None
+        return load_proposer(args, runner).drafter.cfg
+
+    assert served().refine_passes == 0
+    got = served("--draft-refine", "2@0.4")
+    assert (got.refine_passes, got.refine_threshold) == (2, 0.4)
+    assert served("--draft-refine", "1").refine_threshold == 0.5
+    flags = spec_flags(p.parse_args(["--spec", "dflash", "--draft-refine", "0"]))
+    assert flags[flags.index("--draft-refine") + 1] == "0"
+    assert "--draft-refine" not in spec_flags(p.parse_args(["--spec", "dflash"]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--draft-refine", "two"])
+    with pytest.raises(ValueError, match="threshold"):
+        served("--draft-refine", "2@1.5")
 
 
 def _room(dtype: str) -> list[RankEndpoint]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from common.parallel.node_agent import NodeAgent
 from common.runner.layout import ParallelConfigError, RankLayout, check_parallel
 from common.runner.model_runner import ModelRunner
 from common.service.memory import kv_pages_for_fraction
+from common.service.spec_args import refine_setting
 
 # Measurements kept between runs (the step costs the speculation policy weighs).
 CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdflash")
@@ -120,6 +122,8 @@ def load_proposer(args: argparse.Namespace, runner: ModelRunner):
 
     path = args.draft_model or shipped_drafter_path(args.model)
     drafter = Drafter.load(path, device=runner.device, dtype=draft_dtype(args.draft_dtype, runner.dtype, runner.device))
+    if args.draft_refine is not None:  # the drafting setting only: the weights and the draft KV are the same
+        drafter.cfg = dataclasses.replace(drafter.cfg, **refine_setting(args.draft_refine))
     if runner.layout.pp > 1:  # the draft KV is built on the last stage
         from common.parallel.pipeline_proposer import PipelineProposer
 

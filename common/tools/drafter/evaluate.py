@@ -36,7 +36,7 @@ from common.engine.spec_policy import SpecConfig
 from common.model.tokenizer import IncrementalDecoder, Tokenizer
 from common.runner.model_runner import ModelRunner
 from common.service.loader import ModelOptions, add_model_args, load_model
-from common.service.spec_args import DRAFT_DTYPES
+from common.service.spec_args import DRAFT_DTYPES, refine_setting
 from common.tools.bench import gsm8k_data, report
 
 CHAT_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "chat_eval.jsonl")
@@ -67,12 +67,8 @@ def refine_settings(spec: str) -> list[dict]:
     """--refine: [{}] for the drafter's own settings, or {refine_passes, refine_threshold} overrides."""
     out = []
     for item in (x.strip() for x in spec.split(",") if x.strip()):
-        if item == "saved":
-            out.append({})
-            continue
-        passes, _, threshold = item.partition("@")
         try:
-            out.append({"refine_passes": int(passes)} | ({"refine_threshold": float(threshold)} if threshold else {}))
+            out.append({} if item == "saved" else refine_setting(item))
         except ValueError:
             raise ValueError(f"--refine {spec!r}: expected saved or PASSES[@THRESHOLD], e.g. 0,2@0.5") from None
     if not out:
