@@ -109,7 +109,9 @@ def test_draft_dtype_reaches_prefill_and_decode_alike():
     roles = {s.role for s in topo.services if "--draft-dtype bf16" in " ".join(s.args)}
     assert roles == {"prefill", "decode"}
     _, topo = config("pd-8node")
-    assert not any("--draft-dtype" in s.args for s in topo.services)
+    assert not any("--draft-dtype" in s.args or "--draft-refine" in s.args for s in topo.services)
+    _, topo = config("pd-8node", DRAFT_REFINE="0")
+    assert {s.role for s in topo.services if "--draft-refine 0" in " ".join(s.args)} == {"prefill", "decode"}
 
 
 def test_cpu_profile_uses_only_flags_the_services_have():

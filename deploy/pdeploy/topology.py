@@ -180,7 +180,7 @@ def _worker_services(cfg: Config, role: str, container: bool, metadata_url: str,
         common += ["--spec", cfg["SPEC"]]
         if cfg["SPEC"] != "none":
             common += _model_flag(cfg, container, "DRAFT_MODEL_NAME", "--draft-model") + _opt("--spec-block", cfg["SPEC_BLOCK"]) \
-                + _opt("--draft-dtype", cfg["DRAFT_DTYPE"])
+                + _opt("--draft-dtype", cfg["DRAFT_DTYPE"]) + _opt("--draft-refine", cfg["DRAFT_REFINE"])
     extra = cfg[f"{key}_EXTRA_ARGS"].split()
     services = []
     base_port = cfg.get_int(f"{key}_PORT")
