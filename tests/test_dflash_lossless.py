@@ -5,7 +5,6 @@ In-process the drafter runs in bf16 beside the fp32 target (as --draft-dtype aut
 and on CPUs with native bf16), and in fp32 in a test of its own; the PD stack pins bf16 too."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import uuid
 
@@ -165,7 +164,7 @@ def test_fp32_drafter_lossless(runner, embedded_tokenizer, prompts, plain_output
 def test_refining_drafter_lossless(runner, embedded_tokenizer, prompts, plain_outputs):
     """Refine passes (common.dflash.drafter) change what is drafted, never what is output."""
     drafter = Drafter.load(SHIPPED, dtype=torch.bfloat16)
-    drafter.cfg = dataclasses.replace(drafter.cfg, refine_passes=2, refine_threshold=0.5)
+    drafter.set_refine({"refine_passes": 2, "refine_threshold": 0.5})
     proposer = DFlashProposer(drafter, runner, runner.pool.num_pages)
     engine = Engine(runner, embedded_tokenizer.eos_token_ids, proposer=proposer, spec=SpecConfig(block=16))
     reqs = run_all(engine, prompts[:8], 4)

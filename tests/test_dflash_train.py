@@ -312,6 +312,8 @@ def test_refine_flags_set_how_the_saved_drafter_drafts(target):
     assert refine_settings("saved,0,2@0.4") == [{}, {"refine_passes": 0}, {"refine_passes": 2, "refine_threshold": 0.4}]
     with pytest.raises(ValueError, match="PASSES"):
         refine_settings("two")
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        refine_settings("0,2@1.5")
 
 
 def test_resume_checks_the_refine_share_not_how_the_drafter_drafts(target, tmp_path):
@@ -484,7 +486,7 @@ def test_refine_pass_drafts_what_training_teaches(target, dataset):
 
         drafted = {}
         for passes in (0, 1, 2):
-            drafter.cfg = dataclasses.replace(drafter.cfg, refine_passes=passes, refine_threshold=threshold)
+            drafter.set_refine({"refine_passes": passes, "refine_threshold": threshold})
             proposer = DFlashProposer(drafter, runner, runner.pool.num_pages)
             anchor = int(anchors[0, a])
             cache = SeqCache()

@@ -1,17 +1,19 @@
-"""--draft-dtype and --draft-refine: which dtype the drafter runs in, that the services' proposer runs it there (its
+"""--draft-dtype: which dtype the drafter runs in, that the services' proposer runs it there (its
 draft KV, and the LM head it drafts through once a decoder reserves it; the pending features stay
 the target's), and that P and D holding the draft KV in different dtypes is refused with the flag
-named; the refine passes a served drafter drafts with. Losslessness with a bf16 drafter beside an fp32 target is tests/test_dflash_lossless.py's."""
+named. --draft-refine: the refine passes a served drafter drafts with. Losslessness with a bf16
+drafter beside an fp32 target is tests/test_dflash_lossless.py's."""
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 import torch
 from tiny_models import random_model, save_random_drafter
 
 from common.dflash import drafter as drafter_module
-from common.dflash.drafter import draft_dtype
+from common.dflash.drafter import Drafter, DrafterConfig, draft_dtype
 from common.kv.buffers import PagedKVBuffer, RankEndpoint, RoomBuffers
 from common.runner.model_runner import ModelRunner
 from common.service.loader import load_proposer
@@ -77,32 +79,36 @@ def test_services_proposer_runs_in_the_chosen_dtype(tmp_path, choice, expected):
     assert proposer.lm_head.dtype == expected and proposer.pending.dtype == torch.float32
 
 
-def test_draft_refine_overrides_the_saved_setting_and_travels(tmp_path):
+def test_draft_refine_overrides_the_saved_setting_and_travels(tmp_path, capsys):
     """--draft-refine sets how the served drafter drafts (the weights are the same); absent, the
-    drafter's saved setting holds; a malformed value is refused by the parser and one out of
-    range by the drafter's config, each naming what was wrong."""
+    drafter's saved setting holds, and a setting without a threshold keeps the saved one; a
+    malformed or out-of-range value is refused by the parser, naming what was wrong."""
     cfg, tensors = random_model(num_layers=2)
-    folder = save_random_drafter(cfg, (0, 1), str(tmp_path / "drafter"))
+    folder = str(tmp_path / "drafter")
+    Drafter(DrafterConfig.for_target(cfg, num_layers=1, capture_layers=(0, 1), block_size=4, refine_passes=1,
+                                     refine_threshold=0.7)).save(folder)
     runner = ModelRunner(cfg, tensors, num_pages=16, page_size=8)
     p = argparse.ArgumentParser()
     add_spec_args(p)
 
-    def served(*flags: str):
+    def served(*flags: str) -> tuple[int, float]:
         args = p.parse_args(["--spec", "dflash", "--draft-model", folder, *flags])
         args.model = None
-        return load_proposer(args, runner).drafter.cfg
+        got = load_proposer(args, runner).drafter.cfg
+        return got.refine_passes, got.refine_threshold
 
-    assert served().refine_passes == 0
-    got = served("--draft-refine", "2@0.4")
-    assert (got.refine_passes, got.refine_threshold) == (2, 0.4)
-    assert served("--draft-refine", "1").refine_threshold == 0.5
+    assert served() == (1, 0.7)
+    assert served("--draft-refine", "2@0.4") == (2, 0.4)
+    assert served("--draft-refine", "2") == (2, 0.7)
+    assert served("--draft-refine", "0") == (0, 0.7)
     flags = spec_flags(p.parse_args(["--spec", "dflash", "--draft-refine", "0"]))
     assert flags[flags.index("--draft-refine") + 1] == "0"
     assert "--draft-refine" not in spec_flags(p.parse_args(["--spec", "dflash"]))
-    with pytest.raises(SystemExit):
-        p.parse_args(["--draft-refine", "two"])
-    with pytest.raises(ValueError, match="threshold"):
-        served("--draft-refine", "2@1.5")
+    for bad, why in (("two", "PASSES\\[@THRESHOLD\\]"), ("2@", "PASSES\\[@THRESHOLD\\]"), ("-1", "at least 0"),
+                     ("2@1.5", "between 0 and 1"), ("2@nan", "between 0 and 1")):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--draft-refine", bad])
+        assert re.search(f"--draft-refine: refine setting '{re.escape(bad)}': .*{why}", capsys.readouterr().err), bad
 
 
 def _room(dtype: str) -> list[RankEndpoint]:

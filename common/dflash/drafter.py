@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -207,6 +207,11 @@ class Drafter(nn.Module):
                                                                          layer.self_attn.o_proj.weight))
             delta = layer.mlp(h)
         return self.norm.add_forward(x, delta)[1]
+
+    def set_refine(self, setting: dict) -> None:
+        """How this drafter drafts from now on: {refine_passes, refine_threshold} or a part of it
+        (common.service.spec_args.refine_setting). The weights stay; proposers built later follow."""
+        self.cfg = replace(self.cfg, **setting)
 
     # ---- files -----------------------------------------------------------------------------
     def save(self, folder: str) -> None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -122,8 +121,10 @@ def load_proposer(args: argparse.Namespace, runner: ModelRunner):
 
     path = args.draft_model or shipped_drafter_path(args.model)
     drafter = Drafter.load(path, device=runner.device, dtype=draft_dtype(args.draft_dtype, runner.dtype, runner.device))
-    if args.draft_refine is not None:  # the drafting setting only: the weights and the draft KV are the same
-        drafter.cfg = dataclasses.replace(drafter.cfg, **refine_setting(args.draft_refine))
+    # How the drafter drafts, not what it holds: the weights and the draft KV are the same, so a
+    # prefill instance (and a pipeline's last stage, which loads the drafter from `path`) need not agree.
+    if args.draft_refine is not None:
+        drafter.set_refine(refine_setting(args.draft_refine))
     if runner.layout.pp > 1:  # the draft KV is built on the last stage
         from common.parallel.pipeline_proposer import PipelineProposer
 

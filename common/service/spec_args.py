@@ -10,12 +10,16 @@ DRAFT_DTYPES = ("auto", "fp32", "bf16")  # what common.dflash.drafter.draft_dtyp
 
 
 def refine_setting(text: str) -> dict:
-    """PASSES[@THRESHOLD] as the drafter config's refine fields (DrafterConfig checks their ranges)."""
-    passes, _, threshold = text.strip().partition("@")
+    """PASSES[@THRESHOLD] as the drafter config's refine fields: passes >= 0, a threshold strictly
+    between 0 and 1 (absent: the drafter's own threshold)."""
+    passes, at, threshold = text.strip().partition("@")
     try:
-        return {"refine_passes": int(passes)} | ({"refine_threshold": float(threshold)} if threshold else {})
+        out = {"refine_passes": int(passes)} | ({"refine_threshold": float(threshold)} if at else {})
     except ValueError:
         raise ValueError(f"refine setting {text!r}: expected PASSES[@THRESHOLD], e.g. 0 or 2@0.5") from None
+    if out["refine_passes"] < 0 or not 0.0 < out.get("refine_threshold", 0.5) < 1.0:
+        raise ValueError(f"refine setting {text!r}: PASSES must be at least 0 and THRESHOLD between 0 and 1 (exclusive)")
+    return out
 
 
 def _refine_arg(text: str) -> str:

@@ -69,8 +69,8 @@ def refine_settings(spec: str) -> list[dict]:
     for item in (x.strip() for x in spec.split(",") if x.strip()):
         try:
             out.append({} if item == "saved" else refine_setting(item))
-        except ValueError:
-            raise ValueError(f"--refine {spec!r}: expected saved or PASSES[@THRESHOLD], e.g. 0,2@0.5") from None
+        except ValueError as e:
+            raise ValueError(f"--refine {spec!r}: each item saved or PASSES[@THRESHOLD], e.g. 0,2@0.5; {e}") from None
     if not out:
         raise ValueError(f"--refine {spec!r}: no settings")
     return out
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     resolved = list(dict.fromkeys(draft_dtype(d, runner.dtype, runner.device) for d in dtypes))  # auto may repeat one
     for path, dtype, refine in itertools.product(paths, resolved, refines):
         drafter = Drafter.load(path, device=runner.device, dtype=dtype)
-        drafter.cfg = dataclasses.replace(drafter.cfg, **refine)
+        drafter.set_refine(refine)
         cfg = drafter.cfg
         row = {"drafter": path, "draft_dtype": str(dtype).removeprefix("torch."), "refine_passes": cfg.refine_passes,
                "refine_threshold": cfg.refine_threshold, "sets": {}}

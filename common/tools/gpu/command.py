@@ -19,7 +19,8 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
              GPU fp32 graphs, fp32 eager, bf16 graphs, bf16 eager; the first divergence of each
   speculative  --spec dflash (block pinned to 16, CUDA graphs) against plain decoding (graphs)
              on 32 GSM8K chat prompts, fp32: one at a time and 8 at once, greedy and seeded
-             sampling (T 0.8, top-p 0.95), and requests that stop inside a block; must be identical
+             sampling (T 0.8, top-p 0.95), and requests that stop inside a block; the drafter as
+             saved, then with two refine passes at 0.5; must be identical
   gemv       the decode GEMV kernels (common.model.gemv) against cuBLAS at the embedded and 8B
              shapes, M 1, 4, 8 and 16, fp32 and bf16: results, and microseconds per product in CUDA graphs
              and in plain launches (common/tools/gpu/gemv_check.py; several minutes: 226 s on the
@@ -67,7 +68,6 @@ runs on random weights in the model's shape. A few minutes on one H200.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -149,7 +149,7 @@ def _speculative(model: str | None, num: int = 32) -> list[dict]:
     proposers, specs = {}, {}
     for name, refine in {"": {}, ", 2 refine passes @0.5": {"refine_passes": 2, "refine_threshold": 0.5}}.items():
         drafter = Drafter.load(shipped_drafter_path(model), device="cuda", dtype=draft_dtype("auto", runner.dtype, "cuda"))
-        drafter.cfg = dataclasses.replace(drafter.cfg, **refine)
+        drafter.set_refine(refine)
         proposers[name] = DFlashProposer(drafter, runner, runner.pool.num_pages)
         specs[name] = Engine(runner, tok.eos_token_ids, proposer=proposers[name], spec=SpecConfig(block=16))
     period = tuple(tok.encode("."))

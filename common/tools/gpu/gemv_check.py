@@ -93,6 +93,8 @@ def _case(shape: str, name: str, silu_mul: bool, xs: list[torch.Tensor], ws: lis
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
+    if not rows:  # the part did not run
+        return []
     lines = [f"gemv     {'shape':9} {'product':12} {'dtype':8} M   {'N x K':>11}  check     graph us: cuBLAS Triton"
              f"   plain us: cuBLAS Triton  auto"]
     for r in rows:
