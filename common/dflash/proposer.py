@@ -236,13 +236,14 @@ class DFlashProposer(DraftPages):
             return tokens
         least = math.log(cfg.refine_threshold)
         sure = confidence(logits) >= least
-        for _ in range(cfg.refine_passes):
+        for n in range(cfg.refine_passes):
             given = sure.long().cumprod(-1).bool()  # each row's confident leading drafts
             block = torch.where(given, tokens, ids[:, 1:])
             x = self.target.model.embed_tokens(torch.cat([ids[:, :1], block], 1).flatten()).to(self.dtype)
             logits = drafts(x)
             tokens = torch.where(given, tokens, fused.argmax(logits.flatten(0, 1)).view(rows, B - 1))
-            sure = given | (confidence(logits) >= least)
+            if n + 1 < cfg.refine_passes:  # after the last pass nothing reads it
+                sure = given | (confidence(logits) >= least)
         return tokens
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
