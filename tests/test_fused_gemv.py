@@ -29,7 +29,10 @@ SHAPES = [(1, 37, 45, gemv.DEFAULT), (3, 70, 300, gemv.Blocks(4, 512, 4)), (5, 2
           (3, 6, 33, gemv.Blocks(2, 512, 4, tile=True)), (16, 29, 600, gemv.Blocks(2, 1024, 1)),
           (12, 18, 130, gemv.Blocks(4, 256, 4, tile=True)), (16, 11, 1030, gemv.Blocks(1, 1024, 4, tile=True)),
           (1, 37, 45, gemv.Blocks(16, 64, 4, dot="mma")), (16, 70, 300, gemv.Blocks(32, 128, 4, dot="mma")),
-          (9, 45, 513, gemv.Blocks(16, 256, 4, dot="tf32x3")), (15, 130, 600, gemv.Blocks(64, 64, 4, dot="tf32x3"))]
+          (9, 45, 513, gemv.Blocks(16, 256, 4, dot="tf32x3")), (15, 130, 600, gemv.Blocks(64, 64, 4, dot="tf32x3")),
+          # split-K: 9, 3, 18 and 1 (no split) programs along K
+          (8, 45, 513, gemv.Blocks(16, 64, 4, dot="tf32x3", span=1)), (16, 70, 300, gemv.Blocks(16, 64, 4, dot="mma", span=2)),
+          (3, 130, 1100, gemv.Blocks(32, 64, 4, dot="tf32x3", span=1)), (5, 37, 45, gemv.Blocks(16, 64, 2, dot="mma", span=1))]
 
 
 def _inputs(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,6 +149,33 @@ def test_dot_blocks_are_checked():
         x, w, _ = _inputs(2, 16, 64, dtype)
         with pytest.raises(ValueError, match="must share a dtype these blocks take"):
             gemv.gemv(x, w, None, blocks)
+
+
+def test_spans_are_checked_and_cut_k():
+    """A span is for dot blocks and positive; it cuts K into ranges of span x k steps."""
+    for bad in (dict(span=1), dict(span=-1, dot="mma")):
+        with pytest.raises(ValueError, match="a span is a positive number of steps, for dot blocks only"):
+            gemv.Blocks(**{"n": 16, "k": 64, "warps": 4} | bad)
+    split = gemv.Blocks(16, 64, 4, dot="tf32x3", span=2)
+    assert str(split) == "n16/k64/w4/tf32x3/s2" and gemv._BY_NAME[str(gemv.CANDIDATES[-1])] == gemv.CANDIDATES[-1]
+    assert [split.splits(k) for k in (1, 128, 129, 576, 1536, 14336)] == [1, 1, 2, 5, 12, 32]
+    assert split.split_span(14336) == 7 * 64 and split.split_span(576) == 128
+    assert gemv.Blocks(16, 64, 4, dot="tf32x3").splits(1536) == 1
+
+
+@KERNELS_RUN
+def test_split_products_repeat_and_leave_their_counters_at_zero():
+    """The last program of a column block resets its counter: a second product (and every later
+    one) sums all of its partials again, to the same bits, and the counters are zero between them.
+    A counter left behind would keep the next product's last program from ever finishing it."""
+    blocks = gemv.Blocks(16, 64, 4, dot="tf32x3", span=1)
+    x, w, _ = _inputs(4, 100, 700, torch.float32)
+    assert blocks.splits(700) == 11
+    first = gemv.gemv_silu_mul(x, w, blocks)
+    assert not gemv._counters[x.device].any()
+    assert torch.equal(gemv.gemv_silu_mul(x, w, blocks), first)
+    assert torch.equal(gemv.gemv(x, w, None, blocks), gemv.gemv(x, w, None, blocks))
+    assert not gemv._counters[x.device].any()
 
 
 def test_rows_past_the_limit_are_refused():

@@ -12,6 +12,15 @@ order of error as merely reordering the fp32 sum, and within 1e-6 of cuBLAS on t
 shapes). With SILU_MUL a program computes output column j of gate and of up (rows j and I + j of
 the fused gate/up weight) and rounds where common.model.fused.silu_mul's plain path rounds.
 
+With a span, tl.dot blocks also cut K across programs (split-K): a column block of a small
+product (N 576, K 1536) is otherwise one program's serial walk over K, and a few dozen programs
+leave most of the GPU idle. Each program writes its partial product to a workspace, and the last
+of a column block's programs to arrive (a counter per column block, an atomic increment) sums
+all the partials in one fixed order and finishes the product: the result does not depend on
+which program came last. The counters live per device, zero between products, reset by that
+last program; products run in stream order on a device (as a decode step runs them), and a
+split product is first run outside CUDA-graph capture, which creates them.
+
 Which kernel runs is chosen per (rows, N, K, dtype, bias, fused SiLU): PDFLASH_GEMV=cublas keeps
 cuBLAS, =triton takes the Triton kernel with its DEFAULT blocks, and =auto (the default) times
 cuBLAS and each of the CANDIDATES inside a CUDA graph (timings) on first use outside CUDA-graph
@@ -53,6 +62,7 @@ REPLAYS = 5
 
 DOTS = ("", "mma", "tf32x3")
 DOT_MIN = 16  # tl.dot's smallest tile side; rows are padded to it
+MAX_SPLITS = 32
 
 
 @dataclass(frozen=True)
@@ -68,14 +78,29 @@ class Blocks:
     # tl.dot on [16, k] x [k, n] tiles (DOTS; "" is none): at 8 to 16 rows the multiplies
     # outgrow one row's; in fp32 the shapes above cost 2-3x a row's time at 16 rows.
     dot: str = ""
+    # Reduction steps per program (dot only): 0 walks all of K in one program; n > 0 cuts K into
+    # ranges of n * k, one program each, summed by the last to finish (split-K).
+    span: int = 0
 
     def __post_init__(self) -> None:
         if self.dot not in DOTS or (self.dot and (self.tile or self.n < DOT_MIN or self.k < DOT_MIN)):
             raise ValueError(f"gemv blocks {self}: dot is one of {DOTS}, without tile, n and k >= {DOT_MIN}")
+        if self.span < 0 or (self.span and not self.dot):
+            raise ValueError(f"gemv blocks {self}: a span is a positive number of steps, for dot blocks only")
 
     def __str__(self) -> str:
         return f"n{self.n}/k{self.k}/w{self.warps}" + ("/tile" if self.tile else "") + \
-            (f"/{self.dot}" if self.dot else "")
+            (f"/{self.dot}" if self.dot else "") + (f"/s{self.span}" if self.span else "")
+
+    def split_span(self, k: int) -> int:
+        """The reduction length one program takes of a reduction of length k: span steps, or more
+        where k would take more than MAX_SPLITS programs (the last sums that many partials at once)."""
+        steps = -(-k // self.k)
+        return (max(self.span, -(-steps // MAX_SPLITS)) if self.span else steps) * self.k
+
+    def splits(self, k: int) -> int:
+        """Programs along a reduction of length k."""
+        return -(-k // self.split_span(k))
 
     def runs(self, dtype: torch.dtype) -> bool:
         """Whether these blocks take inputs of this dtype: tf32x3 fp32 only, mma bf16 and fp16 only."""
@@ -99,11 +124,16 @@ DEFAULT = Blocks(2, 1024, 4)
 # as fast as one row, and a layer's small products at 16 rows from 39.6 to 36.5; mma beat cuBLAS by
 # a little for bf16 from 8 rows and on the one-row LM head. tl.dot on fp32 in full precision (FMA
 # units) lost everywhere, 13-135 us.
+# The split (span) dot shapes are for 4 to 16 rows at the layers' shapes, where the dot shapes
+# without a span took 7-17 us in fp32 whatever the rows, one program walking all of K per column
+# block (36 programs for 576 columns).
 CANDIDATES = (Blocks(1, 1024, 1), Blocks(1, 1024, 4), Blocks(1, 2048, 8), Blocks(2, 1024, 1), Blocks(2, 1024, 2),
               DEFAULT, Blocks(4, 1024, 2), Blocks(4, 256, 4), Blocks(4, 512, 4), Blocks(8, 256, 4),
               Blocks(1, 1024, 4, tile=True), Blocks(1, 2048, 8, tile=True), Blocks(2, 512, 4, tile=True),
               Blocks(4, 256, 4, tile=True),
-              *(Blocks(n, k, 4, dot=dot) for dot in DOTS[1:] for n, k in ((16, 64), (16, 256), (32, 128), (64, 64))))
+              *(Blocks(n, k, 4, dot=dot) for dot in DOTS[1:] for n, k in ((16, 64), (16, 256), (32, 128), (64, 64))),
+              *(Blocks(n, k, w, dot=dot, span=span) for dot in DOTS[1:]
+                for n, k, w, span in ((16, 64, 4, 1), (16, 64, 2, 1), (16, 64, 4, 2), (16, 128, 4, 1), (32, 64, 4, 1))))
 
 
 def _mode_from_env() -> str:
@@ -205,9 +235,12 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
         path, name = _kept_path(x.device.index), gemv_cache.key_name(*key)
         kept = _kept_choices(path).get(name)
         # A kept name this code no longer offers, or blocks that cannot take this dtype: timed again.
+        capturing = torch.cuda.is_current_stream_capturing()
         if kept in _BY_NAME and (_BY_NAME[kept] is None or _BY_NAME[kept].runs(x.dtype)):
+            if capturing and _BY_NAME[kept] is not None and _BY_NAME[kept].span and x.device not in _counters:
+                return None  # its counters cannot be made inside a capture
             _chosen[key] = _BY_NAME[kept]
-        elif torch.cuda.is_current_stream_capturing():  # never timed (no warm-up ran): nothing can be timed now
+        elif capturing:  # never timed (no warm-up ran): nothing can be timed now
             return None
         else:
             _chosen[key] = _timed_choice(x, weight, bias, silu_mul, path, name)
@@ -264,12 +297,36 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         raise ValueError(f"gemv blocks {blocks}: x {x.dtype} and weight {weight.dtype} must share a dtype these "
                          f"blocks take")
     out = torch.empty(M, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, blocks.n),)](
-        x, weight, weight if bias is None else bias, out, n, K, x.stride(0), weight.stride(0), out.stride(0),
-        M=M, BLOCK_M=max(DOT_MIN, triton.next_power_of_2(M)) if blocks.dot else triton.next_power_of_2(M),
+    block_m = max(DOT_MIN, triton.next_power_of_2(M)) if blocks.dot else triton.next_power_of_2(M)
+    columns, splits = triton.cdiv(n, blocks.n), blocks.splits(K)
+    if splits > 1:  # partial products, gate's and up's apart with SILU_MUL
+        work = torch.empty(splits * (2 if silu_mul else 1) * block_m * n, dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device, columns)
+    else:
+        work = counters = out
+    _gemv_kernel[(columns, splits)](
+        x, weight, weight if bias is None else bias, out, work, counters, n, K, x.stride(0), weight.stride(0),
+        out.stride(0), blocks.split_span(K), splits, M=M, BLOCK_M=block_m,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=blocks.n, BLOCK_K=blocks.k, TILE=blocks.tile,
-        DOT=bool(blocks.dot), PRECISION="tf32x3" if blocks.dot == "tf32x3" else "tf32", num_warps=blocks.warps)
+        DOT=bool(blocks.dot), PRECISION="tf32x3" if blocks.dot == "tf32x3" else "tf32", SPLIT=splits > 1,
+        SPLITS_POW2=triton.next_power_of_2(splits), num_warps=blocks.warps)
     return out
+
+
+COUNTERS = 1 << 16  # column blocks a split product may have: N up to a million at 16 columns a block
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, columns: int) -> torch.Tensor:
+    """The device's arrival counters of split products, zero between products."""
+    if columns > COUNTERS:
+        raise ValueError(f"gemv: {columns} column blocks, more than the {COUNTERS} split counters")
+    if device not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("gemv: a split product's first run must come before CUDA-graph capture (its "
+                               "counters are made then)")
+        _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]
 
 
 if fused.HAS_TRITON:
@@ -277,23 +334,28 @@ if fused.HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_x, stride_w, stride_out, M: tl.constexpr,
-                     BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr,
-                     PRECISION: tl.constexpr):
-        # One program: output columns [j, j + BLOCK_N) for all M rows. Each block of weight rows is
-        # loaded once. With DOT the rows of x, as loaded, meet it in tl.dot; without TILE each row
-        # of x is multiplied with it in turn (a static loop: M <= MAX_ROWS), so the registers held
-        # do not grow with M; with TILE every row is loaded at once and the [BLOCK_M, BLOCK_N,
-        # BLOCK_K] products are summed over K in one reduction.
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, work_ptr, count_ptr, N, K, stride_x, stride_w, stride_out,
+                     SPAN, SPLITS, M: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr,
+                     DOT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+                     SPLITS_POW2: tl.constexpr):
+        # One program: output columns [j, j + BLOCK_N) for all M rows, over the K range [s SPAN,
+        # (s + 1) SPAN) (s = 0 and SPAN = K without SPLIT). Each block of weight rows is loaded
+        # once. With DOT the rows of x, as loaded, meet it in tl.dot; without TILE each row of x is
+        # multiplied with it in turn (a static loop: M <= MAX_ROWS), so the registers held do not
+        # grow with M; with TILE every row is loaded at once and the [BLOCK_M, BLOCK_N, BLOCK_K]
+        # products are summed over K in one reduction.
+        column = tl.program_id(0)
+        part = tl.program_id(1)
+        cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
         u_rows = w_rows + N * stride_w  # SILU_MUL: the up half, rows N + j
         rows = tl.arange(0, BLOCK_M)[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_start = part * SPAN
+        for k0 in range(k_start, k_start + SPAN, BLOCK_K):  # past K: masked
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             w_ok = col_ok[:, None] & k_ok[None, :]
@@ -320,6 +382,35 @@ if fused.HAS_TRITON:
                     acc += tl.where(rows == m, tl.sum(wf * xm, axis=1)[None, :], 0.0)
                     if SILU_MUL:
                         acc_up += tl.where(rows == m, tl.sum(uf * xm, axis=1)[None, :], 0.0)
+        out_ok = (rows < M) & col_ok[None, :]
+        if SPLIT:
+            # Partials: [SPLITS, 2 with SILU_MUL else 1, BLOCK_M, N]. All of this program's stores
+            # come before its arrival (the barrier, then the release of the one atomic); the last
+            # to arrive acquires them all and reads them past L1 (written by other SMs).
+            halves: tl.constexpr = 2 if SILU_MUL else 1
+            slab = BLOCK_M * N
+            mine = work_ptr + rows * N + cols[None, :]
+            tl.store(mine + part * halves * slab, acc, mask=out_ok)
+            if SILU_MUL:
+                tl.store(mine + (part * halves + 1) * slab, acc_up, mask=out_ok)
+            tl.debug_barrier()
+            if tl.atomic_add(count_ptr + column, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                parts = tl.arange(0, SPLITS_POW2)[:, None, None]
+                parts_ok = (parts < SPLITS) & out_ok[None, :, :]
+                acc = tl.sum(tl.load(mine[None, :, :] + parts * halves * slab, mask=parts_ok, other=0.0,
+                                     cache_modifier=".cg"), axis=0)
+                if SILU_MUL:
+                    acc_up = tl.sum(tl.load(mine[None, :, :] + (parts * halves + 1) * slab, mask=parts_ok,
+                                            other=0.0, cache_modifier=".cg"), axis=0)
+                tl.store(count_ptr + column, 0)
+                _finish(acc, acc_up, b_ptr, out_ptr, rows, cols, col_ok, out_ok, stride_out, HAS_BIAS, SILU_MUL)
+        else:
+            _finish(acc, acc_up, b_ptr, out_ptr, rows, cols, col_ok, out_ok, stride_out, HAS_BIAS, SILU_MUL)
+
+    @triton.jit
+    def _finish(acc, acc_up, b_ptr, out_ptr, rows, cols, col_ok, out_ok, stride_out, HAS_BIAS: tl.constexpr,
+                SILU_MUL: tl.constexpr):
+        """Bias, SiLU x up, rounding and the store of a finished [BLOCK_M, BLOCK_N] product."""
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         dtype = out_ptr.dtype.element_ty
@@ -327,4 +418,4 @@ if fused.HAS_TRITON:
             gate = acc.to(dtype).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             acc = act * acc_up.to(dtype).to(tl.float32)
-        tl.store(out_ptr + rows * stride_out + cols[None, :], acc.to(dtype), mask=(rows < M) & col_ok[None, :])
+        tl.store(out_ptr + rows * stride_out + cols[None, :], acc.to(dtype), mask=out_ok)
