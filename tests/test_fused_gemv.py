@@ -32,7 +32,9 @@ SHAPES = [(1, 37, 45, gemv.DEFAULT), (3, 70, 300, gemv.Blocks(4, 512, 4)), (5, 2
           (9, 45, 513, gemv.Blocks(16, 256, 4, dot="tf32x3")), (15, 130, 600, gemv.Blocks(64, 64, 4, dot="tf32x3")),
           # split-K: 9, 3, 18 and 1 (no split) programs along K
           (8, 45, 513, gemv.Blocks(16, 64, 4, dot="tf32x3", span=1)), (16, 70, 300, gemv.Blocks(16, 64, 4, dot="mma", span=2)),
-          (3, 130, 1100, gemv.Blocks(32, 64, 4, dot="tf32x3", span=1)), (5, 37, 45, gemv.Blocks(16, 64, 2, dot="mma", span=1))]
+          (3, 130, 1100, gemv.Blocks(32, 64, 4, dot="tf32x3", span=1)), (5, 37, 45, gemv.Blocks(16, 64, 2, dot="mma", span=1)),
+          # 33 steps of 64 in at most 32 programs: 17 programs of 2 steps
+          (6, 20, 2100, gemv.Blocks(16, 64, 4, dot="tf32x3", span=1))]
 
 
 def _inputs(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -160,6 +162,7 @@ def test_spans_are_checked_and_cut_k():
     assert str(split) == "n16/k64/w4/tf32x3/s2" and gemv._BY_NAME[str(gemv.CANDIDATES[-1])] == gemv.CANDIDATES[-1]
     assert [split.splits(k) for k in (1, 128, 129, 576, 1536, 14336)] == [1, 1, 2, 5, 12, 32]
     assert split.split_span(14336) == 7 * 64 and split.split_span(576) == 128
+    assert gemv.Blocks(16, 64, 4, dot="tf32x3", span=1).splits(2100) == 17
     assert gemv.Blocks(16, 64, 4, dot="tf32x3").splits(1536) == 1
 
 
@@ -176,6 +179,29 @@ def test_split_products_repeat_and_leave_their_counters_at_zero():
     assert torch.equal(gemv.gemv_silu_mul(x, w, blocks), first)
     assert torch.equal(gemv.gemv(x, w, None, blocks), gemv.gemv(x, w, None, blocks))
     assert not gemv._counters[x.device].any()
+    # auto's check before timing a shape: within the tolerance here, and 0 (not NaN) on zero weights
+    assert gemv.error(x, w, None, False, blocks) <= gemv.tolerance(torch.float32)
+    assert gemv.error(x, torch.zeros_like(w), None, True, blocks) == 0.0
+
+
+def test_a_kept_split_choice_met_in_a_capture_without_counters_runs_on_cublas(monkeypatch):
+    """Counters cannot be made inside a CUDA-graph capture: a split shape kept on disk, first met
+    there, runs on cuBLAS; with the counters made (an eager run before), or where K takes one
+    program, the kept shape runs."""
+    from common.model import gemv_cache
+
+    split = gemv.Blocks(16, 64, 4, dot="tf32x3", span=1)
+    x = torch.zeros(8, 700)
+    kept_names = [gemv_cache.key_name(False, 8, 50, k, torch.float32, False) for k in (700, 64)]
+    for name, value in (("_fits", lambda *a: True), ("_kept_path", lambda index: "kept.json"),
+                        ("_kept_choices", lambda path: {n: str(split) for n in kept_names}),
+                        ("_counters", {}), ("_chosen", {}), ("_mode", "auto")):
+        monkeypatch.setattr(gemv, name, value)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert gemv._choice(x, torch.zeros(50, 700), None, False) is None
+    assert gemv._choice(x[:, :64], torch.zeros(50, 64), None, False) == split  # one program along K
+    gemv._counters[x.device] = torch.zeros(gemv.COUNTERS, dtype=torch.int32)
+    assert gemv._choice(x, torch.zeros(50, 700), None, False) == split
 
 
 def test_rows_past_the_limit_are_refused():

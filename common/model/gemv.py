@@ -202,17 +202,38 @@ def timings(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     def products(blocks: Blocks | None) -> Callable[[], None]:
         return lambda: [run(x, weights[i % copies], bias, silu_mul, blocks) for i in range(n)]
 
+    probe = torch.randn(x.shape, generator=torch.Generator(x.device).manual_seed(0), device=x.device).to(x.dtype)
     times = {}
     for blocks in (None, *(b for b in CANDIDATES if b.runs(x.dtype))):
         if blocks is not None:
-            try:  # built and launched once first: a shape this GPU cannot build or fit is left out
-                run(x, weight, bias, silu_mul, blocks)
+            # Built, launched and checked against cuBLAS once first: a shape this GPU cannot build
+            # or fit, or whose products are wrong here, is left out.
+            try:
+                err = error(probe, weight, bias, silu_mul, blocks)
             except Exception as e:  # Triton's compile, ptxas and resource errors share no base class
                 logger.warning("gemv: %s cannot run %s rows x %s here (%s); left out", blocks, x.shape[0],
                                tuple(weight.shape), e)
                 continue
+            if not err <= tolerance(x.dtype):
+                logger.warning("gemv: %s is %.1e from cuBLAS at %s rows x %s (at most %.0e); left out", blocks, err,
+                               x.shape[0], tuple(weight.shape), tolerance(x.dtype))
+                continue
         times[blocks] = us_per_op(products(blocks), n, replays=REPLAYS)
     return times
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """How far a product may be from cuBLAS's, relative to its largest output: fp32 to the order
+    of the sum, 16-bit dtypes to one rounding step (2^-7)."""
+    return 1e-5 if dtype == torch.float32 else 2.0 ** -7
+
+
+def error(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
+          blocks: Blocks) -> float:
+    """max |kernel - cuBLAS| / max |cuBLAS| for one product (0 where both are all zeros)."""
+    ref = run(x, weight, bias, silu_mul, None).float()
+    diff = (run(x, weight, bias, silu_mul, blocks).float() - ref).abs().max()
+    return (diff / ref.abs().max().clamp(min=torch.finfo(torch.float32).tiny)).item()
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
@@ -237,9 +258,10 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
         # A kept name this code no longer offers, or blocks that cannot take this dtype: timed again.
         capturing = torch.cuda.is_current_stream_capturing()
         if kept in _BY_NAME and (_BY_NAME[kept] is None or _BY_NAME[kept].runs(x.dtype)):
-            if capturing and _BY_NAME[kept] is not None and _BY_NAME[kept].span and x.device not in _counters:
+            blocks = _BY_NAME[kept]
+            if capturing and blocks is not None and blocks.splits(weight.shape[1]) > 1 and x.device not in _counters:
                 return None  # its counters cannot be made inside a capture
-            _chosen[key] = _BY_NAME[kept]
+            _chosen[key] = blocks
         elif capturing:  # never timed (no warm-up ran): nothing can be timed now
             return None
         else:
@@ -299,8 +321,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
     out = torch.empty(M, n, dtype=x.dtype, device=x.device)
     block_m = max(DOT_MIN, triton.next_power_of_2(M)) if blocks.dot else triton.next_power_of_2(M)
     columns, splits = triton.cdiv(n, blocks.n), blocks.splits(K)
-    if splits > 1:  # partial products, gate's and up's apart with SILU_MUL
-        work = torch.empty(splits * (2 if silu_mul else 1) * block_m * n, dtype=torch.float32, device=x.device)
+    if splits > 1:  # partial products of the M rows, gate's and up's apart with SILU_MUL
+        work = torch.empty(splits * (2 if silu_mul else 1) * M * n, dtype=torch.float32, device=x.device)
         counters = _split_counters(x.device, columns)
     else:
         work = counters = out
@@ -384,18 +406,19 @@ if fused.HAS_TRITON:
                         acc_up += tl.where(rows == m, tl.sum(uf * xm, axis=1)[None, :], 0.0)
         out_ok = (rows < M) & col_ok[None, :]
         if SPLIT:
-            # Partials: [SPLITS, 2 with SILU_MUL else 1, BLOCK_M, N]. All of this program's stores
+            # Partials: [SPLITS, 2 with SILU_MUL else 1, M, N]. All of this program's stores
             # come before its arrival (the barrier, then the release of the one atomic); the last
             # to arrive acquires them all and reads them past L1 (written by other SMs).
             halves: tl.constexpr = 2 if SILU_MUL else 1
-            slab = BLOCK_M * N
+            slab = M * N
             mine = work_ptr + rows * N + cols[None, :]
-            tl.store(mine + part * halves * slab, acc, mask=out_ok)
+            first = part.to(tl.int64) * halves  # offsets in int64: SPLITS x 2 x M x N passes 2^31 at N of 2^21
+            tl.store(mine + first * slab, acc, mask=out_ok)
             if SILU_MUL:
-                tl.store(mine + (part * halves + 1) * slab, acc_up, mask=out_ok)
+                tl.store(mine + (first + 1) * slab, acc_up, mask=out_ok)
             tl.debug_barrier()
             if tl.atomic_add(count_ptr + column, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                parts = tl.arange(0, SPLITS_POW2)[:, None, None]
+                parts = tl.arange(0, SPLITS_POW2).to(tl.int64)[:, None, None]
                 parts_ok = (parts < SPLITS) & out_ok[None, :, :]
                 acc = tl.sum(tl.load(mine[None, :, :] + parts * halves * slab, mask=parts_ok, other=0.0,
                                      cache_modifier=".cg"), axis=0)

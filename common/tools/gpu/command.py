@@ -25,6 +25,9 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
              shapes, M 1, 4, 8 and 16, fp32 and bf16: results, and microseconds per product in CUDA graphs
              and in plain launches (common/tools/gpu/gemv_check.py; several minutes: 226 s on the
              H200 before the tl.dot blocks joined the candidates)
+  gemv-split the split-K GEMV shapes at the embedded layer's products, 8 and 16 rows, fp32 and
+             bf16: 200 products one after another and 200 CUDA-graph replays, each equal to the
+             first bit for bit, and the arrival counters zero after them
   flashinfer flashinfer's fused add-RMSNorm, SiLU x up, RoPE + paged-KV append and graph decode
              attention against ours (common.model.fused, Triton attention), embedded and 8B shapes,
              bf16, batch 1, 8, 32: results, and microseconds per op in CUDA graphs
@@ -305,6 +308,7 @@ def _summary(results: dict) -> list[str]:
         lines.append(f"spec     {r['case']}, concurrency {r['concurrency']}: {r['identical']}/{r['requests']} identical "
                      f"to plain decoding (accept length {r['accept_length_weighted']:.2f})")
     lines += gemv_check.summary_lines(_rows(results, "gemv"))
+    lines += gemv_check.split_summary_lines(_rows(results, "gemv-split"))
     if isinstance(results.get("flashinfer"), dict):
         lines += flashinfer_check.summary_lines(results["flashinfer"])
     for r in _rows(results, "replay"):
@@ -386,6 +390,7 @@ def run(args: argparse.Namespace) -> int:
         "greedy": lambda: _greedy(args.model),
         "speculative": lambda: _speculative(args.model),
         "gemv": gemv_check.gemv_check,
+        "gemv-split": gemv_check.split_repeats,
         "flashinfer": flashinfer_check.flashinfer_check,
         "replay": _replay,
         "profile": lambda: _profile(args.out_dir),

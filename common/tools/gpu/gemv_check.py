@@ -4,6 +4,7 @@ For each projection of a decoder layer (qkv, o, gate/up with SiLU x up, down; an
 model's LM head) at the embedded and the Llama-3-8B shapes, M = 1, 4, 8 and 16 rows, fp32 and bf16:
   check   every Triton block shape (tl.dot's included) against cuBLAS's F.linear (and fused.silu_mul after it):
           fp32 within 1e-5 of the largest output, bf16 within 2^-7 (a rounding step) of it
+          (auto checks the same before it times a shape, and leaves out one that fails)
   graph   microseconds per product inside a CUDA graph of at least 50 products (no launch
           costs), the weight read from enough copies to stream past the L2 cache, as a decode
           step streams its layers' weights (gemv.timings): cuBLAS, and the fastest Triton block
@@ -36,10 +37,12 @@ def _products(shape: str) -> dict[str, tuple[int, int, bool]]:
     return products
 
 
-def _err(x: torch.Tensor, w: torch.Tensor, silu_mul: bool, blocks: gemv.Blocks) -> float:
-    """max |Triton - cuBLAS| / max |cuBLAS|."""
-    ref = gemv.run(x, w, None, silu_mul, None).float()
-    return ((gemv.run(x, w, None, silu_mul, blocks).float() - ref).abs().max() / ref.abs().max()).item()
+def _builds(x: torch.Tensor, w: torch.Tensor, silu_mul: bool, blocks: gemv.Blocks) -> bool:
+    try:
+        gemv.run(x, w, None, silu_mul, blocks)
+    except Exception:  # as gemv.timings: compile, ptxas and resource errors share no base class
+        return False
+    return True
 
 
 def _plain_us_per_product(xs: list[torch.Tensor], ws: list[torch.Tensor], silu_mul: bool,
@@ -74,9 +77,11 @@ def gemv_check() -> list[dict]:
 def _case(shape: str, name: str, silu_mul: bool, xs: list[torch.Tensor], ws: list[torch.Tensor],
           dtype: torch.dtype) -> dict:
     M, (N, K) = xs[0].shape[0], ws[0].shape
-    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -7
+    tol = gemv.tolerance(dtype)
     graph = gemv.timings(xs[0], ws[0], None, silu_mul)  # leaves out the blocks this GPU cannot build
-    errs = {str(b): _err(xs[0], ws[0], silu_mul, b) for b in graph if b is not None}
+    # Every shape that builds here, those auto left out for their errors too.
+    errs = {str(b): gemv.error(xs[0], ws[0], None, silu_mul, b) for b in gemv.CANDIDATES
+            if b.runs(dtype) and (b in graph or _builds(xs[0], ws[0], silu_mul, b))}
     best = min((b for b in graph if b is not None), key=graph.__getitem__, default=None)
     if best is None:
         raise RuntimeError(f"gemv: no Triton block shape builds on this GPU for {name} (see the warnings above)")
@@ -90,6 +95,60 @@ def _case(shape: str, name: str, silu_mul: bool, xs: list[torch.Tensor], ws: lis
             "graph_us_per_blocks": {str(b): t for b, t in graph.items()},
             "auto_us": {str(b): t for b, t in drawn.items()}, "auto": "cublas" if auto is None else str(auto),
             "auto_loss_us": graph[auto] - min(graph.values())}
+
+
+SPLIT_REPEATS = 200
+
+
+def split_repeats() -> list[dict]:
+    """gpu-check part `gemv-split`: each split-K block shape (gemv.Blocks with a span) at the
+    embedded layer's products, 8 and 16 rows, fp32 and bf16, run SPLIT_REPEATS times one after
+    another and as many CUDA-graph replays: every result must equal the first bit for bit
+    (whichever program of a column block arrives last, it sums the partials in one order), and
+    the arrival counters must be back at zero."""
+    rows = []
+    with torch.inference_mode():
+        for name, (N, K, silu_mul) in _products("embedded").items():
+            if name == "lm_head":
+                continue
+            for dtype in (torch.float32, torch.bfloat16):
+                g = torch.Generator(device="cuda").manual_seed(N + K)
+                w = torch.randn(N, K, device="cuda", generator=g).div_(K ** 0.5).to(dtype)
+                for M in (8, 16):
+                    x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+                    for blocks in gemv.CANDIDATES:
+                        if blocks.span and blocks.runs(dtype) and blocks.splits(K) > 1:
+                            rows.append(_repeats(name, silu_mul, x, w, blocks))
+    return rows
+
+
+def _repeats(name: str, silu_mul: bool, x: torch.Tensor, w: torch.Tensor, blocks: gemv.Blocks) -> dict:
+    first = gemv.run(x, w, None, silu_mul, blocks).clone()
+    eager = sum(torch.equal(gemv.run(x, w, None, silu_mul, blocks), first) for _ in range(SPLIT_REPEATS))
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gemv.run(x, w, None, silu_mul, blocks)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = gemv.run(x, w, None, silu_mul, blocks)
+    replayed = 0
+    for _ in range(SPLIT_REPEATS):
+        out.zero_()
+        graph.replay()
+        replayed += torch.equal(out, first)
+    zero = not gemv._counters[x.device].any().item()
+    return {"product": name, "dtype": str(x.dtype).removeprefix("torch."), "M": x.shape[0], "blocks": str(blocks),
+            "splits": blocks.splits(x.shape[1]), "eager_same": eager, "graph_same": replayed,
+            "repeats": SPLIT_REPEATS, "counters_zero": zero,
+            "ok": eager == replayed == SPLIT_REPEATS and zero}
+
+
+def split_summary_lines(rows: list[dict]) -> list[str]:
+    return [f"gemv-split {r['product']:12} {r['dtype']:8} M={r['M']:<2} {r['blocks']:22} {r['splits']:2} splits: "
+            f"same as the first {r['eager_same']}/{r['repeats']} eager, {r['graph_same']}/{r['repeats']} graph "
+            f"replays; counters zero {r['counters_zero']}  {'ok' if r['ok'] else 'FAIL'}" for r in rows]
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
