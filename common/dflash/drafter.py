@@ -14,7 +14,7 @@ tokens, conditioned on the target's hidden states.
                    rest of the block on its confident start. A light refine pass
                    (refine_layers N) runs only the last N layers again: the layers below see the
                    MASK block once, and the given drafts enter the residual stream above them
-                   as the difference of their embeddings and the MASK's.
+                   as the difference of their embeddings and the MASK's, scaled to the residual.
 
 The drafter owns neither the embedding nor the LM head: both are the target's.
 """
@@ -225,6 +225,15 @@ class Drafter(nn.Module):
         if stop is not None:
             return x if delta is None else x + delta
         return self.norm.add_forward(x, delta)[1]
+
+    def light_refine_input(self, mid: torch.Tensor, given: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """The residual stream a light refine pass starts from: the first pass's `mid` [N, H] (entering
+        layer refine_from) plus, where the block now holds a draft, that draft's embedding less the
+        MASK's (given and masked: the embedded blocks with and without them), scaled to the size of
+        the residual there. Unscaled it would be lost: an embedding is about a twentieth of the
+        shipped drafter's residual at its last layer (norm 3 against 66)."""
+        size = lambda t: t.float().pow(2).mean(-1, keepdim=True).sqrt()
+        return mid + (given - masked) * (size(mid) / size(masked)).detach().to(mid.dtype)
 
     def set_refine(self, setting: dict) -> None:
         """How this drafter drafts from now on: some of refine_passes, refine_threshold and

@@ -244,7 +244,7 @@ class DFlashProposer(DraftPages):
             given = sure.long().cumprod(-1).bool()  # each row's confident leading drafts
             block = torch.where(given, tokens, ids[:, 1:])
             embedded = self.target.model.embed_tokens(torch.cat([ids[:, :1], block], 1).flatten()).to(self.dtype)
-            logits = drafts(mid + (embedded - x) if split else embedded, split)
+            logits = drafts(self.drafter.light_refine_input(mid, embedded, x) if split else embedded, split)
             tokens = torch.where(given, tokens, fused.argmax(logits.flatten(0, 1)).view(rows, B - 1))
             if n + 1 < cfg.refine_passes:  # after the last pass nothing reads it
                 sure = given | (confidence(logits) >= least)

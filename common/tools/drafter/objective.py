@@ -248,10 +248,10 @@ def draft_hidden(drafter: Drafter, embed: torch.Tensor, feats: dict[int, torch.T
     if given is None or not cfg.refine_from:
         return drafter.blocks(x, attend).view(S, A, B, -1)
     # A light refine pass: the layers below refine_from see the MASK block, the layers from it on
-    # the given tokens too, as the difference of their embeddings and the MASK's (zero elsewhere).
+    # the given tokens too (Drafter.light_refine_input; nothing changes where none is given).
     masked = F.embedding(masks.flatten(), embed)
     mid = drafter.blocks(masked, attend, stop=cfg.refine_from)
-    return drafter.blocks(mid + (x - masked), attend, cfg.refine_from).view(S, A, B, -1)
+    return drafter.blocks(drafter.light_refine_input(mid, x, masked), attend, cfg.refine_from).view(S, A, B, -1)
 
 
 def block_soft_labels(targets: Targets, anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
