@@ -305,13 +305,8 @@ def test_refine_flags_set_how_the_saved_drafter_drafts(target):
     assert (cfg.refine_passes, cfg.refine_threshold) == (2, 0.5)
     cfg = drafter_config(parse("--refine", "0.5", "--refine-passes", "1", "--refine-threshold", "0.7"), runner)
     assert (cfg.refine_passes, cfg.refine_threshold) == (1, 0.7)
-    assert (cfg.refine_layers, cfg.refine_from) == (0, 0)
-    cfg = drafter_config(parse("--refine", "0.5", "--layers", "4", "--refine-layers", "1"), runner)
-    assert (cfg.refine_layers, cfg.refine_from) == (1, 3)
-    assert drafter_config(parse("--layers", "4", "--refine-layers", "4"), runner).refine_from == 0
     for bad in (("--refine", "1.5"), ("--refine-passes", "-1"), ("--refine-threshold", "1"),
-                ("--refine", "0.5", "--block-size", "2"), ("--refine-layers", "3", "--layers", "2"),
-                ("--refine-layers", "-1")):
+                ("--refine", "0.5", "--block-size", "2")):
         with pytest.raises(ValueError, match=bad[0]):
             _check_args(parse(*bad))
     assert refine_settings("saved,0,2@0.4") == [{}, {"refine_passes": 0}, {"refine_passes": 2, "refine_threshold": 0.4}]
@@ -355,15 +350,14 @@ def test_refine_prefix_gives_each_block_a_start_and_leaves_the_rest_scored():
     assert set(given[1].sum(-1).tolist()) == {1, 2} and not given[1, :, 3:].any()
 
 
-@pytest.mark.parametrize("refine,refine_layers", [(False, 0), (True, 0), (True, 1)])
-def test_batched_blocks_match_one_block_at_a_time(target, dataset, refine, refine_layers):
+@pytest.mark.parametrize("refine", [False, True])
+def test_batched_blocks_match_one_block_at_a_time(target, dataset, refine):
     """All anchors of a padded batch in one masked forward == each block alone over its own
     context (what decoding does): the mask, positions and padding add nothing; with refine,
-    the given start of a block takes the place of its MASKs (with light passes, from the
-    second layer on: the first sees the MASKs)."""
+    the given start of a block takes the place of its MASKs."""
     runner, _ = target
     seqs = dataset[0].sequences(dataset[1])
-    args = parse("--layers", "2", "--block-size", "4", "--refine-layers", str(refine_layers))
+    args = parse("--layers", "2", "--block-size", "4")
     torch.manual_seed(0)
     drafter = Drafter(drafter_config(args, runner)).eval()
     trainer = Trainer(runner, drafter, lr=1e-3, total_steps=1)
@@ -384,7 +378,6 @@ def test_batched_blocks_match_one_block_at_a_time(target, dataset, refine, refin
                 ctx_kv = drafter.context_kv(ctx, cos[:a], sin[:a])
                 block = [int(t) if t != IGNORE else 16 for t in given[s, j, 1:]]
                 x = trainer.embed[torch.tensor([int(batch.ids[s, a])] + block)]
-                masked = trainer.embed[torch.tensor([int(batch.ids[s, a])] + [16] * 3)]
 
                 def attend(i: int, h: torch.Tensor) -> torch.Tensor:
                     q, k, v = drafter.layers[i].self_attn.qkv(h, cos[a:a + 4], sin[a:a + 4])
@@ -393,11 +386,7 @@ def test_batched_blocks_match_one_block_at_a_time(target, dataset, refine, refin
                         q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), enable_gqa=True)
                     return out.transpose(0, 1)
 
-                if refine_layers:
-                    alone = drafter.blocks(drafter.light_refine_input(drafter.blocks(masked, attend, stop=1), x, masked),
-                                           attend, 1)
-                else:
-                    alone = drafter.blocks(x, attend)
+                alone = drafter.blocks(x, attend)
                 torch.testing.assert_close(hidden[s, j], alone, atol=1e-4, rtol=1e-4)
 
 
@@ -449,34 +438,17 @@ def test_refine_training_scores_only_what_follows_the_given_start(target, datase
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-def test_light_refine_input_scales_the_given_drafts_to_the_residual(target):
-    runner, _ = target
-    drafter = Drafter(drafter_config(parse("--layers", "2", "--refine-layers", "1"), runner))
-    embed = runner.model.embed_tokens.weight.detach()
-    masked = embed[torch.tensor([5, 16, 16, 16])]
-    given = embed[torch.tensor([5, 1000, 16, 16])]  # position 1 given a draft
-    mid = torch.randn(4, embed.shape[1]) * 20.0
-    out = drafter.light_refine_input(mid, given, masked)
-    assert torch.equal(out[[0, 2, 3]], mid[[0, 2, 3]])  # nothing given: the first pass's residual
-    rms = lambda t: t.pow(2).mean().sqrt()
-    torch.testing.assert_close(out[1] - mid[1], (given[1] - masked[1]) * rms(mid[1]) / rms(masked[1]))
-    assert rms(out[1] - mid[1]) > 0.5 * rms(mid[1])  # as large as the residual, not a twentieth of it
-
-
-@pytest.mark.parametrize("layers,refine_layers", [(2, 0), (2, 1)])
-def test_refine_pass_drafts_what_training_teaches(target, dataset, layers, refine_layers):
+def test_refine_pass_drafts_what_training_teaches(target, dataset):
     """DFlashProposer.draft with refine passes == the training objective's blocks: the drafts the
     drafter is sure of are kept, the rest the argmax of the block with those drafts given in
-    place of its first MASKs (draft_hidden with `given`), pass after pass; with light passes
-    (--refine-layers 1 of 2), given above the first layer."""
+    place of its first MASKs (draft_hidden with `given`), pass after pass."""
     from common.dflash.proposer import DFlashProposer, confidence
 
     runner, _ = target
     seq = dataset[0].sequences(dataset[1])[0]
     B = 6
     torch.manual_seed(0)
-    drafter = Drafter(drafter_config(parse("--layers", str(layers), "--block-size", str(B), "--refine-layers",
-                                           str(refine_layers)), runner)).eval()
+    drafter = Drafter(drafter_config(parse("--layers", "2", "--block-size", str(B)), runner)).eval()
     with torch.no_grad():
         for p in drafter.parameters():  # drafts less alike than the init's
             p.mul_(3.0)
@@ -489,7 +461,7 @@ def test_refine_pass_drafts_what_training_teaches(target, dataset, layers, refin
             hidden = draft_hidden(drafter, trainer.embed, feats, batch, anchors, trainer.rope, given)
             return hidden[0, :, 1:] @ lm_head.T
 
-        anchors = torch.arange(1, len(seq.ids) - 1)[None, :]  # prompt positions too: more blocks to choose from
+        anchors = torch.arange(seq.prompt_len, len(seq.ids) - 1)[None, :]
         first = training_blocks(None)
         sure = confidence(first)
         given = torch.full((1, anchors.shape[1], B), IGNORE)
@@ -641,11 +613,6 @@ def test_train_save_and_resume(target, dataset, tmp_path):
                  runner, tok) == 0
     for name, w in Drafter.load(os.path.join(tuned, "drafter")).state_dict().items():
         assert torch.equal(w, whole.state_dict()[name]), name
-    # ... also one that trains light refine passes (its first pass is the loaded drafter's).
-    light = str(tmp_path / "light")
-    assert train(parse(*common, "--out", light, "--init", os.path.join(straight, "drafter"), "--lr", "0",
-                       "--refine", "0.5", "--refine-layers", "1"), runner, tok) == 0
-    assert Drafter.load(os.path.join(light, "drafter")).cfg.refine_layers == 1
 
     # A deeper run grows it: its own layers first, then new ones that start as the identity, so
     # that the grown drafter scores every block exactly as the loaded one does.

@@ -11,10 +11,7 @@ tokens, conditioned on the target's hidden states.
                    drafts of the last pass, where j is how many leading drafts the drafter is
                    at least refine_threshold sure of; positions past j are drafted again. The
                    drafts are independent guesses in one pass; a refine pass conditions the
-                   rest of the block on its confident start. A light refine pass
-                   (refine_layers N) runs only the last N layers again: the layers below see the
-                   MASK block once, and the given drafts enter the residual stream above them
-                   as the difference of their embeddings and the MASK's, scaled to the residual.
+                   rest of the block on its confident start.
 
 The drafter owns neither the embedding nor the LM head: both are the target's.
 """
@@ -89,20 +86,11 @@ class DrafterConfig:
     target_hidden_size: int = 0  # 0 = hidden_size
     refine_passes: int = 0  # passes after the first (a drafter trained for them: dflash train --refine)
     refine_threshold: float = 0.5  # a draft is kept, and given to the next pass, from this probability
-    refine_layers: int = 0  # the last N draft layers a refine pass runs again (0: all, from the embedding)
 
     def __post_init__(self) -> None:
         if self.refine_passes < 0 or not 0.0 < self.refine_threshold < 1.0:
             raise ValueError(f"drafter refine passes {self.refine_passes} (>= 0) and threshold "
                              f"{self.refine_threshold} (between 0 and 1, exclusive)")
-        if not 0 <= self.refine_layers <= self.num_layers:
-            raise ValueError(f"drafter refine layers {self.refine_layers}: between 0 (all) and its "
-                             f"{self.num_layers} layers")
-
-    @property
-    def refine_from(self) -> int:
-        """The first draft layer a refine pass runs (0: the whole drafter, from the embedding)."""
-        return self.num_layers - self.refine_layers if self.refine_layers else 0
 
     @classmethod
     def for_target(cls, target: ModelConfig, num_layers: int = 2, **overrides) -> "DrafterConfig":
@@ -206,39 +194,23 @@ class Drafter(nn.Module):
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     # ---- one pass over blocks --------------------------------------------------------------
-    def blocks(self, x: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor], start: int = 0,
-               stop: int | None = None) -> torch.Tensor:
-        """x [N, H]: the residual stream of the block tokens (all blocks flattened) entering layer
-        `start`: at 0, the embedded tokens. attend(layer_idx, h) runs that layer's attention for
-        the block's normed hidden states h [N, H] over context + block (DraftAttention.qkv gives
-        its Q, K and V) and returns [N, Hq, d]. Runs layers start..stop-1 and returns the residual
-        stream after them; with stop None, the layers from start on and the final norm: the
-        hidden states [N, H] the target's LM head reads."""
+    def blocks(self, x: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """x [N, H]: embedded block tokens (all blocks flattened). attend(layer_idx, h) runs that
+        layer's attention for the block's normed hidden states h [N, H] over context + block
+        (DraftAttention.qkv gives its Q, K and V) and returns [N, Hq, d]. Returns the
+        final-normed hidden states [N, H] (logits via the target's LM head)."""
         delta = None  # the feed-forward output, added in the next norm's kernel (as the target does)
-        for i in range(start, len(self.layers) if stop is None else stop):
-            layer = self.layers[i]
+        for i, layer in enumerate(self.layers):
             x, h = layer.input_layernorm.add_forward(x, delta)
             out = attend(i, h)
             x, h = layer.post_attention_layernorm.add_forward(x, linear(out.reshape(x.shape[0], -1),
                                                                          layer.self_attn.o_proj.weight))
             delta = layer.mlp(h)
-        if stop is not None:
-            return x if delta is None else x + delta
         return self.norm.add_forward(x, delta)[1]
 
-    def light_refine_input(self, mid: torch.Tensor, given: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-        """The residual stream a light refine pass starts from: the first pass's `mid` [N, H] (entering
-        layer refine_from) plus, where the block now holds a draft, that draft's embedding less the
-        MASK's (given and masked: the embedded blocks with and without them), scaled to the size of
-        the residual there. Unscaled it would be lost: an embedding is about a twentieth of the
-        shipped drafter's residual at its last layer (norm 3 against 66)."""
-        size = lambda t: t.float().pow(2).mean(-1, keepdim=True).sqrt()
-        return mid + (given - masked) * (size(mid) / size(masked)).detach().to(mid.dtype)
-
     def set_refine(self, setting: dict) -> None:
-        """How this drafter drafts from now on: some of refine_passes, refine_threshold and
-        refine_layers (common.service.spec_args.refine_setting gives the first two). The weights
-        stay; proposers built later follow."""
+        """How this drafter drafts from now on: {refine_passes, refine_threshold} or a part of it
+        (common.service.spec_args.refine_setting). The weights stay; proposers built later follow."""
         self.cfg = replace(self.cfg, **setting)
 
     # ---- files -----------------------------------------------------------------------------

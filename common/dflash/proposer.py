@@ -226,15 +226,11 @@ class DFlashProposer(DraftPages):
                 return attn.attend(q, self.kv[i])
             return paged_attention(*a.qkv(h, cos, sin), self.kv[i], meta)
 
-        def drafts(x: torch.Tensor, start: int) -> torch.Tensor:  # logits of block positions 1..B-1 [rows, B-1, V]
-            hidden = self.drafter.blocks(x, attend, start).view(rows, B, -1)[:, 1:]
+        def drafts(x: torch.Tensor) -> torch.Tensor:  # logits of block positions 1..B-1 [rows, B-1, V]
+            hidden = self.drafter.blocks(x, attend).view(rows, B, -1)[:, 1:]
             return linear(hidden.reshape(rows * (B - 1), -1), self.lm_head).view(rows, B - 1, -1)
 
-        # A light refine pass runs the layers from `split` on again, over the residual stream the
-        # first pass left there; the layers below it run once, over the MASK block.
-        split = cfg.refine_from if cfg.refine_passes else 0
-        mid = self.drafter.blocks(x, attend, stop=split) if split else x
-        logits = drafts(mid, split)
+        logits = drafts(x)
         tokens = fused.argmax(logits.flatten(0, 1)).view(rows, B - 1)
         if not cfg.refine_passes:
             return tokens
@@ -243,8 +239,8 @@ class DFlashProposer(DraftPages):
         for n in range(cfg.refine_passes):
             given = sure.long().cumprod(-1).bool()  # each row's confident leading drafts
             block = torch.where(given, tokens, ids[:, 1:])
-            embedded = self.target.model.embed_tokens(torch.cat([ids[:, :1], block], 1).flatten()).to(self.dtype)
-            logits = drafts(self.drafter.light_refine_input(mid, embedded, x) if split else embedded, split)
+            x = self.target.model.embed_tokens(torch.cat([ids[:, :1], block], 1).flatten()).to(self.dtype)
+            logits = drafts(x)
             tokens = torch.where(given, tokens, fused.argmax(logits.flatten(0, 1)).view(rows, B - 1))
             if n + 1 < cfg.refine_passes:  # after the last pass nothing reads it
                 sure = given | (confidence(logits) >= least)

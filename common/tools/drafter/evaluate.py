@@ -154,10 +154,8 @@ def run(args: argparse.Namespace) -> int:
         drafter.set_refine(refine)
         cfg = drafter.cfg
         row = {"drafter": path, "draft_dtype": str(dtype).removeprefix("torch."), "refine_passes": cfg.refine_passes,
-               "refine_threshold": cfg.refine_threshold, "refine_layers": cfg.refine_layers, "sets": {}}
-        light = f" over the last {cfg.refine_layers} layer{'s' * (cfg.refine_layers > 1)}" if cfg.refine_layers else ""
-        label = row["draft_dtype"] + (f", refine {cfg.refine_passes}@{cfg.refine_threshold}{light}"
-                                      if cfg.refine_passes else "")
+               "refine_threshold": cfg.refine_threshold, "sets": {}}
+        label = row["draft_dtype"] + (f", refine {cfg.refine_passes}@{cfg.refine_threshold}" if cfg.refine_passes else "")
         info_path = os.path.join(path, "train_info.json")
         if os.path.isfile(info_path):  # what it was trained on, for the scaling curve
             with open(info_path) as f:

@@ -10,8 +10,7 @@ For every sequence s and anchor a (a random position in the response):
              SOFT_TOP_K most likely tokens), not only its greedy token.
   refine   : (a share of the blocks) positions 1..j hold their labels instead of MASK, j drawn
              from 1..B-2, and only the positions after them are scored: what a refine pass
-             sees when the drafts it is given are right (common.dflash.drafter); a light refine
-             pass's layers below refine_from see the MASK block, as they do when drafting.
+             sees when the drafts it is given are right (common.dflash.drafter).
 
 Shapes: S sequences padded to L tokens, A anchors per sequence, B block size, N = S*A*B.
 The target is frozen: its captured hidden states, embedding and LM head are constants here.
@@ -222,10 +221,9 @@ def draft_hidden(drafter: Drafter, embed: torch.Tensor, feats: dict[int, torch.T
     ctx_kv = drafter.context_kv(ctx, cos[:L].repeat(S, 1), sin[:L].repeat(S, 1))
     first = torch.gather(batch.ids, 1, anchors)  # [S, A] the anchor tokens
     block_ids = torch.full((S, A, B), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
-    block_ids[:, :, 0] = first
-    masks = block_ids
     if given is not None:
         block_ids = torch.where(given != IGNORE, given, block_ids)
+    block_ids[:, :, 0] = first
     pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).clamp(max=cos.shape[0] - 1).flatten()
     mask = block_attention_mask(anchors, L, B, cfg.sliding_window)
     rep = cfg.num_heads // cfg.num_kv_heads
@@ -245,13 +243,7 @@ def draft_hidden(drafter: Drafter, embed: torch.Tensor, feats: dict[int, torch.T
         return out.transpose(1, 2).reshape(S * A * B, *q.shape[1:])
 
     x = F.embedding(block_ids.flatten(), embed)
-    if given is None or not cfg.refine_from:
-        return drafter.blocks(x, attend).view(S, A, B, -1)
-    # A light refine pass: the layers below refine_from see the MASK block, the layers from it on
-    # the given tokens too (Drafter.light_refine_input; nothing changes where none is given).
-    masked = F.embedding(masks.flatten(), embed)
-    mid = drafter.blocks(masked, attend, stop=cfg.refine_from)
-    return drafter.blocks(drafter.light_refine_input(mid, x, masked), attend, cfg.refine_from).view(S, A, B, -1)
+    return drafter.blocks(x, attend).view(S, A, B, -1)
 
 
 def block_soft_labels(targets: Targets, anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,9 +101,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "when --init loads a drafter with passes)")
     m.add_argument("--refine-threshold", type=float, default=0.5,
                    help="the probability from which a draft is kept and given to the next refine pass")
-    m.add_argument("--refine-layers", type=int, default=0, metavar="N",
-                   help="a refine pass runs only the last N draft layers again, the given drafts entering above "
-                        "the others (a light pass; default 0: all layers, from the embedding)")
     t = p.add_argument_group("training")
     t.add_argument("--out", default=os.path.join("results", "dflash-train"), help="output folder")
     t.add_argument("--epochs", type=float, default=5.0)
@@ -345,17 +342,15 @@ def init_from(drafter: Drafter, folder: str) -> tuple[int, tuple[int, ...]]:
     exactly what it did: the layers it adds go after the loaded ones and start as the identity
     (their output projections zero); the capture layers it adds get zero columns in fc, so their
     features add nothing until training moves them. This run's refine settings (how it drafts,
-    not what it holds) and its refine layers (what its refine passes run; the first pass is the
-    same) replace its own. Returns the layers and the capture layers added."""
+    not what it holds) replace its own. Returns the layers and the capture layers added."""
     start = Drafter.load(folder)
     ours, theirs = drafter.cfg, start.cfg
     deeper = theirs.num_layers <= ours.num_layers
     wider = set(theirs.capture_layers) <= set(ours.capture_layers)
-    if replace(theirs, num_layers=ours.num_layers, capture_layers=ours.capture_layers, refine_layers=ours.refine_layers,
+    if replace(theirs, num_layers=ours.num_layers, capture_layers=ours.capture_layers,
                **{k: getattr(ours, k) for k in DRAFTING_ONLY}) != ours or not deeper or not wider:
         diff = {k: (v, getattr(ours, k)) for k, v in asdict(theirs).items()
-                if getattr(ours, k) != v and k not in DRAFTING_ONLY + ("refine_layers",)
-                and not (k == "num_layers" and deeper)
+                if getattr(ours, k) != v and k not in DRAFTING_ONLY and not (k == "num_layers" and deeper)
                 and not (k == "capture_layers" and wider)}
         raise ValueError(f"--init {folder}: that drafter differs from this run's (theirs, ours): {diff}; "
                          f"only more layers or more capture layers may be added")
@@ -393,8 +388,7 @@ def drafter_config(args, runner: ModelRunner) -> DrafterConfig:
     passes = args.refine_passes if args.refine_passes is not None else 2 if args.refine else 0
     return DrafterConfig.for_target(target, num_layers=args.layers, block_size=args.block_size,
                                     mask_token_id=args.mask_token_id, sliding_window=args.sliding_window,
-                                    refine_passes=passes, refine_threshold=args.refine_threshold,
-                                    refine_layers=args.refine_layers, **extra)
+                                    refine_passes=passes, refine_threshold=args.refine_threshold, **extra)
 
 
 def reproduce_command(args: argparse.Namespace) -> str:
@@ -503,8 +497,6 @@ def _check_args(args) -> None:
         raise ValueError(f"--refine-passes must be >= 0 (got {args.refine_passes})")
     if not 0.0 < args.refine_threshold < 1.0:
         raise ValueError(f"--refine-threshold must be between 0 and 1, exclusive (got {args.refine_threshold})")
-    if not 0 <= args.refine_layers <= args.layers:
-        raise ValueError(f"--refine-layers must be between 0 (all) and --layers {args.layers} (got {args.refine_layers})")
 
 
 def _fmt(m: dict) -> str:

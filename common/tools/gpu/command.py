@@ -139,7 +139,7 @@ def _greedy(model: str | None) -> dict:
 def _speculative(model: str | None, num: int = 32) -> list[dict]:
     """--spec dflash against plain decoding, both with CUDA graphs, fp32 (the drafter in bf16, as
     --draft-dtype auto runs it): identical outputs, with the drafter as saved and with two refine
-    passes, whole and light (static steps of their own: graph-captured like the first)."""
+    passes (static steps of their own: graph-captured like the first)."""
     from common.dflash.drafter import Drafter, draft_dtype, shipped_drafter_path
     from common.dflash.proposer import DFlashProposer
     from common.tools.bench.gsm8k_data import DEFAULT_TEST, load
@@ -150,9 +150,7 @@ def _speculative(model: str | None, num: int = 32) -> list[dict]:
     runner = ModelRunner(cfg, tensors, dtype="fp32", device="cuda", num_pages=2048, page_size=64)
     plain = Engine(runner, tok.eos_token_ids)
     proposers, specs = {}, {}
-    refines = {"": {}, ", 2 refine passes @0.5": {"refine_passes": 2, "refine_threshold": 0.5},
-               ", 2 light refine passes @0.5": {"refine_passes": 2, "refine_threshold": 0.5, "refine_layers": 1}}
-    for name, refine in refines.items():
+    for name, refine in {"": {}, ", 2 refine passes @0.5": {"refine_passes": 2, "refine_threshold": 0.5}}.items():
         drafter = Drafter.load(shipped_drafter_path(model), device="cuda", dtype=draft_dtype("auto", runner.dtype, "cuda"))
         drafter.set_refine(refine)
         proposers[name] = DFlashProposer(drafter, runner, runner.pool.num_pages)
