@@ -707,6 +707,39 @@ def test_profile_command(tmp_path, capsys):
     assert "SEQSxANCHORSxLxP" in capsys.readouterr().err
 
 
+def test_average_command(tmp_path, capsys):
+    """`pdflash dflash average`: the saved drafter holds the weighted mean of its sources' weights
+    and the first one's config; drafters of another shape, or weights that do not sum to 1, are
+    refused with a clear error and nothing written."""
+    from common.dflash.drafter import DrafterConfig
+    from common.model.shapes import SHAPES
+    from common.tools.cli import main
+
+    cfg = DrafterConfig.for_target(SHAPES["tiny"], num_layers=1)
+    folders = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        Drafter(cfg).save(str(tmp_path / f"d{seed}"))
+        folders.append(str(tmp_path / f"d{seed}"))
+    out = str(tmp_path / "mean")
+    assert main(["dflash", "average", *folders, "--weights", "0.25,0.75", "--dtype", "fp32", "--out", out]) == 0
+    a, b, mean = (Drafter.load(f) for f in (*folders, out))
+    assert mean.cfg == cfg
+    for name, w in mean.state_dict().items():
+        assert torch.allclose(w, 0.25 * a.state_dict()[name] + 0.75 * b.state_dict()[name], atol=1e-6), name
+    assert not torch.equal(mean.fc.weight, a.fc.weight)  # the sources differ: the test can fail
+    info = json.load(open(os.path.join(out, "average_info.json")))
+    assert [s["weight"] for s in info["sources"]] == [0.25, 0.75]
+
+    Drafter(dataclasses.replace(cfg, num_layers=2)).save(str(tmp_path / "deeper"))
+    for argv, message in (([folders[0], str(tmp_path / "deeper")], "only drafters of one shape"),
+                          ([*folders, "--weights", "0.5,0.6"], "summing to 1"),
+                          ([folders[0]], "at least two drafters")):
+        bad = str(tmp_path / "bad")
+        assert main(["dflash", "average", *argv, "--out", bad]) == 2
+        assert message in capsys.readouterr().err and not os.path.exists(bad)
+
+
 def test_eval_prompts_are_the_benchmarks():
     """The few-shot set is what `pdflash bench gsm8k` sends: the first exemplars, then the question."""
     class Chars:  # a tokenizer of characters: the prompt text is visible in the ids

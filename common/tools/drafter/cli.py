@@ -5,7 +5,7 @@ import argparse
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from common.tools.drafter import evaluate, profile, train
+    from common.tools.drafter import average, evaluate, profile, train
 
     sub = p.add_subparsers(dest="dflash_command", required=True)
     t = sub.add_parser("train", help="self-distil a DFlash drafter for a target model",
@@ -20,7 +20,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                        description=profile.__doc__.splitlines()[0])
     profile.add_args(f)
     f.set_defaults(_run=profile.run)
+    a = sub.add_parser("average", help="one drafter from the mean of the weights of drafters of one shape",
+                       description=average.__doc__.splitlines()[0])
+    average.add_args(a)
+    a.set_defaults(_run=average.run)
 
 
 def run(args: argparse.Namespace) -> int:  # replaced by the subcommand's run via set_defaults
-    raise SystemExit("pdflash dflash: choose a subcommand (train, eval, profile)")
+    raise SystemExit("pdflash dflash: choose a subcommand (train, eval, profile, average)")
