@@ -708,36 +708,54 @@ def test_profile_command(tmp_path, capsys):
 
 
 def test_average_command(tmp_path, capsys):
-    """`pdflash dflash average`: the saved drafter holds the weighted mean of its sources' weights
-    and the first one's config; drafters of another shape, or weights that do not sum to 1, are
-    refused with a clear error and nothing written."""
+    """`pdflash dflash average`: the saved drafter holds the weighted mean of its sources' weights,
+    in the dtype asked (bf16 for this shape by default, as dflash train saves), the first one's
+    config (refine settings included) and its sources' hashes; drafters of another shape, weights
+    that are not finite or do not sum to 1, one drafter, or an --out among the sources are refused
+    with a clear error and nothing written."""
+    from safetensors.torch import load_file
+
     from common.dflash.drafter import DrafterConfig
     from common.model.shapes import SHAPES
     from common.tools.cli import main
 
     cfg = DrafterConfig.for_target(SHAPES["tiny"], num_layers=1)
     folders = []
-    for seed in (1, 2):
+    for seed, passes in ((1, 0), (2, 2)):  # the second drafts with refine passes: the first's setting wins
         torch.manual_seed(seed)
-        Drafter(cfg).save(str(tmp_path / f"d{seed}"))
+        Drafter(dataclasses.replace(cfg, refine_passes=passes)).save(str(tmp_path / f"d{seed}"))
         folders.append(str(tmp_path / f"d{seed}"))
     out = str(tmp_path / "mean")
-    assert main(["dflash", "average", *folders, "--weights", "0.25,0.75", "--dtype", "fp32", "--out", out]) == 0
+    assert main(["dflash", "average", *folders, "--weights", "0.25,0.75", "--save-dtype", "fp32", "--out", out]) == 0
     a, b, mean = (Drafter.load(f) for f in (*folders, out))
     assert mean.cfg == cfg
     for name, w in mean.state_dict().items():
         assert torch.allclose(w, 0.25 * a.state_dict()[name] + 0.75 * b.state_dict()[name], atol=1e-6), name
     assert not torch.equal(mean.fc.weight, a.fc.weight)  # the sources differ: the test can fail
-    info = json.load(open(os.path.join(out, "average_info.json")))
-    assert [s["weight"] for s in info["sources"]] == [0.25, 0.75]
+    with open(os.path.join(out, "average_info.json")) as f:
+        info = json.load(f)
+    assert [(s["weight"], s["model_sha256"]) for s in info["sources"]] == [
+        (w, file_sha256(os.path.join(folder, "model.safetensors"))) for w, folder in zip((0.25, 0.75), folders)]
+    big = DrafterConfig.for_target(SHAPES["embedded"], num_layers=3)  # 49 MB in fp32: over the 40 MB
+    for n in (1, 2):
+        torch.manual_seed(n)
+        Drafter(big).save(str(tmp_path / f"big{n}"))
+    assert main(["dflash", "average", str(tmp_path / "big1"), str(tmp_path / "big2"), "--out",
+                 str(tmp_path / "big-mean")]) == 0
+    assert {t.dtype for t in load_file(str(tmp_path / "big-mean" / "model.safetensors")).values()} == {torch.bfloat16}
 
     Drafter(dataclasses.replace(cfg, num_layers=2)).save(str(tmp_path / "deeper"))
     for argv, message in (([folders[0], str(tmp_path / "deeper")], "only drafters of one shape"),
                           ([*folders, "--weights", "0.5,0.6"], "summing to 1"),
+                          ([*folders, "--weights", "nan,nan"], "summing to 1"),
                           ([folders[0]], "at least two drafters")):
         bad = str(tmp_path / "bad")
         assert main(["dflash", "average", *argv, "--out", bad]) == 2
         assert message in capsys.readouterr().err and not os.path.exists(bad)
+    before = file_sha256(os.path.join(folders[0], "model.safetensors"))
+    assert main(["dflash", "average", *folders, "--out", folders[0]]) == 2
+    assert "one of the drafters" in capsys.readouterr().err
+    assert file_sha256(os.path.join(folders[0], "model.safetensors")) == before
 
 
 def test_eval_prompts_are_the_benchmarks():

@@ -9,7 +9,7 @@ import sys
 COMMANDS = {
     "generate": ("common.tools.generate", "generate text in-process (no services)"),
     "up": ("common.tools.up", "start the local stack: prefill, decode and router"),
-    "dflash": ("common.tools.drafter.cli", "DFlash drafter: train, eval"),
+    "dflash": ("common.tools.drafter.cli", "DFlash drafter: train, eval, profile, average"),
     "gpu-check": ("common.tools.gpu.command", "on a GPU machine: the CUDA path checked against CPU and eager, then timed"),
 }
 BENCHES = {

@@ -24,6 +24,11 @@ MAX_DRAFTER_BYTES = 40_000_000  # the issue's limit, in decimal MB
 DRAFTING_ONLY = ("refine_passes", "refine_threshold")
 
 
+def weight_config_diff(a: DrafterConfig, b: DrafterConfig) -> dict:
+    """{field: (a's, b's)} over the config fields that describe the weights (not DRAFTING_ONLY)."""
+    return {k: (v, getattr(b, k)) for k, v in asdict(a).items() if k not in DRAFTING_ONLY and getattr(b, k) != v}
+
+
 class Trainer:
     """The drafter, its optimizer and one training step. The target stays frozen."""
 
@@ -147,8 +152,8 @@ def save_checkpoint(path: str, trainer: Trainer, step: int, seconds: float) -> N
 
 def load_checkpoint(path: str, trainer: Trainer, cfg: DrafterConfig, total: int) -> tuple[int, float]:
     state = torch.load(path, map_location=trainer.device, weights_only=True)
-    saved = asdict(DrafterConfig(**state["drafter_config"]))  # fields added since it was saved: their defaults
-    diff = {k: (saved[k], v) for k, v in asdict(cfg).items() if saved[k] != v and k not in DRAFTING_ONLY}
+    saved = DrafterConfig(**state["drafter_config"])  # fields added since it was saved: their defaults
+    diff = weight_config_diff(saved, cfg)
     if diff:
         raise ValueError(f"{path} holds a drafter with another config (checkpoint vs now: {diff})")
     if state.get("refine", 0.0) != trainer.refine:
