@@ -5,7 +5,9 @@ attention metadata are passed in explicitly (see common.model.attention.AttnMeta
 """
 from __future__ import annotations
 
+import functools
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -70,27 +72,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return (x * cos.unsqueeze(1) + x.roll(x.shape[-1] // 2, -1) * sin_signed.unsqueeze(1)).to(x.dtype)
 
 
-# Below this many rows (a verify block of 8 included), CPU fp32 products go through weight @ x.T (see linear).
+# Below this many rows (a verify block of 8 included), CPU products take the paths of linear().
 CPU_FEW_ROWS = 9
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except for a few rows (decode, verify and draft blocks): on CUDA the Triton GEMV
-    where it is faster than cuBLAS (common.model.gemv); on CPU, bf16, one row:
-    PyTorch's GEMM path is compute-bound and its GEMV kernel (torch.mv) reads the weights ~1.3x
-    faster. fp32, 1 to 8 rows: x @ W.T runs its one-row case on one thread and its few-row cases
-    2-5x slower than W @ x.T with at least two rows (measured on a 2-core x86 VM, the LM head
-    49152 x 576: 11 ms for one row either way, 25 ms / 4.6 ms for two rows), so one row is
-    computed as two."""
+    where it is faster than cuBLAS (common.model.gemv); on CPU, bf16, one row: PyTorch's GEMM path
+    is compute-bound and its GEMV kernel (torch.mv) reads the weights ~1.3x faster; on CPU, fp32,
+    1 to 8 rows: W @ x.T where this CPU's BLAS runs x @ W.T's few-row cases far slower
+    (cpu_fp32_transposed), with one row computed as two."""
     if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] < CPU_FEW_ROWS:
         if x.dtype == torch.bfloat16 and x.shape[0] == 1:
             y = torch.mv(weight, x[0]).unsqueeze(0)
             return y if bias is None else y + bias
-        if x.dtype == torch.float32:
+        if x.dtype == torch.float32 and cpu_fp32_transposed():
             rows = x if x.shape[0] > 1 else torch.cat([x, x])
             y = (weight @ rows.t()).t()[:x.shape[0]].contiguous()
             return y if bias is None else y + bias
     return gemv.linear(x, weight, bias)
+
+
+@functools.cache
+def cpu_fp32_transposed() -> bool:
+    """Whether this CPU computes fp32 products of a few rows much faster as W @ x.T than as x @ W.T
+    (F.linear). It depends on the BLAS and the CPU: on a 2-core AMD EPYC VM the LM head (49152 x
+    576) at two rows took 25 ms through F.linear and 4.6 ms as W @ x.T; on a 2-core Intel Xeon VM
+    with AMX 2.4 ms against 7.3 ms, and 2.3 against 7.3 ms at one row. Timed once per process on a
+    product of that kind (about 30 ms); only a clear win (1.5x) leaves F.linear, so that every
+    process on one machine chooses alike and their sums agree."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(16384, 576, generator=g), torch.randn(2, 576, generator=g)
+
+    def best(f: Callable[[], torch.Tensor]) -> float:
+        f()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best(lambda: torch.nn.functional.linear(x, w)) > 1.5 * best(lambda: (w @ x.t()).t().contiguous())
 
 
 class Attention(nn.Module):
