@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-import time
+import timeit
 from collections.abc import Callable
 
 import torch
@@ -99,19 +99,14 @@ def cpu_fp32_transposed() -> bool:
     (F.linear). It depends on the BLAS and the CPU: on a 2-core AMD EPYC VM the LM head (49152 x
     576) at two rows took 25 ms through F.linear and 4.6 ms as W @ x.T; on a 2-core Intel Xeon VM
     with AMX 2.4 ms against 7.3 ms, and 2.3 against 7.3 ms at one row. Timed once per process on a
-    product of that kind (about 30 ms); only a clear win (1.5x) leaves F.linear, so that every
+    product of that kind (about 70 ms); only a clear win (1.5x) leaves F.linear, so that every
     process on one machine chooses alike and their sums agree."""
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(16384, 576, generator=g), torch.randn(2, 576, generator=g)
 
     def best(f: Callable[[], torch.Tensor]) -> float:
-        f()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - start)
-        return min(times)
+        f()  # warm-up
+        return min(timeit.repeat(f, number=1, repeat=5))
 
     return best(lambda: torch.nn.functional.linear(x, w)) > 1.5 * best(lambda: (w @ x.t()).t().contiguous())
 
