@@ -351,6 +351,12 @@ def _split_counters(device: torch.device, columns: int) -> torch.Tensor:
     return _counters[device]
 
 
+def split_counters_at_zero(device: torch.device) -> bool:
+    """Whether every split product on this device left its arrival counters at zero, as the next
+    one needs them (true where no split product ran)."""
+    return device not in _counters or not _counters[device].any().item()
+
+
 if fused.HAS_TRITON:
     import triton
     import triton.language as tl

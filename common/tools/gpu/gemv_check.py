@@ -131,7 +131,7 @@ def _repeats(name: str, silu_mul: bool, x: torch.Tensor, w: torch.Tensor, blocks
         out = graphs.run("product", lambda: gemv.run(x, w, None, silu_mul, blocks))  # captured on the first
         replayed += torch.equal(out, first)
         out.zero_()  # the next replay must write it again
-    zero = not gemv._counters[x.device].any().item()
+    zero = gemv.split_counters_at_zero(x.device)
     return {"product": name, "dtype": str(x.dtype).removeprefix("torch."), "M": x.shape[0], "blocks": str(blocks),
             "splits": blocks.splits(x.shape[1]), "eager_same": eager, "graph_same": replayed,
             "repeats": SPLIT_REPEATS, "counters_zero": zero,
