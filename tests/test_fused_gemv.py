@@ -204,6 +204,14 @@ def test_a_kept_split_choice_met_in_a_capture_without_counters_runs_on_cublas(mo
     assert gemv._choice(x, torch.zeros(50, 700), None, False) == split
 
 
+def test_choices_name_each_product_and_its_kernel(monkeypatch):
+    split = gemv.Blocks(16, 64, 4, dot="tf32x3", span=1)
+    monkeypatch.setattr(gemv, "_chosen", {(True, 8, 3072, 576, torch.float32, False): split,
+                                          (False, 1, 576, 1536, torch.bfloat16, False): None})
+    assert gemv.choices() == {"linear rows=1 n=576 k=1536 bfloat16": "cublas",
+                              "silu_mul rows=8 n=3072 k=576 float32": str(split)}
+
+
 def test_rows_past_the_limit_are_refused():
     x, w, _ = _inputs(gemv.MAX_ROWS + 1, 8, 16, torch.float32)
     with pytest.raises(ValueError, match=f"at most {gemv.MAX_ROWS} rows"):

@@ -269,6 +269,13 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     return _chosen[key]
 
 
+def choices() -> dict[str, str]:
+    """What auto took in this process, per product (named as in the kept file): 'cublas' or the
+    block shape. Benchmarks record it, so that a run says which kernels its timings are of."""
+    return dict(sorted((gemv_cache.key_name(*key), "cublas" if blocks is None else str(blocks))
+                       for key, blocks in _chosen.items()))
+
+
 def _timed_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, path: str,
                   name: str) -> Blocks | None:
     try:

@@ -26,6 +26,7 @@ from common.engine.meta import meta_info
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.engine.step_clock import BlockTime, StepClock
+from common.model import gemv
 from common.model.tokenizer import Tokenizer
 from common.service.loader import ModelOptions, add_model_args, load_model, load_proposer, spec_config
 from common.service.spec_args import add_spec_args
@@ -110,6 +111,11 @@ def run(args: argparse.Namespace) -> int:
             row["round_speculated_shares"] = [_speculated_share(run["reqs"]) for run in runs["dflash"]]
             result["runs"].append(row)
             print(line(row), flush=True)
+    if runner.device.type == "cuda":
+        result["gemv_choices"] = gemv.choices()
+        triton = sum(v != "cublas" for v in result["gemv_choices"].values())
+        print(f"gemv auto: {triton} of {len(result['gemv_choices'])} products on Triton kernels (gemv_choices in "
+              f"dflash.json)", flush=True)
     bad = [r for r in result["runs"] if r["invariant_violations"]]
     report.write_json(os.path.join(args.out, "dflash.json"), result)
     report.write_text(os.path.join(args.out, "dflash.md"), markdown(result))
