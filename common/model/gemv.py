@@ -272,8 +272,7 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
 def choices() -> dict[str, str]:
     """What auto took in this process, per product (named as in the kept file): 'cublas' or the
     block shape. Benchmarks record it, so that a run says which kernels its timings are of."""
-    return dict(sorted((gemv_cache.key_name(*key), "cublas" if blocks is None else str(blocks))
-                       for key, blocks in _chosen.items()))
+    return dict(sorted((gemv_cache.key_name(*key), blocks_name(blocks)) for key, blocks in _chosen.items()))
 
 
 def _timed_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, path: str,
@@ -284,8 +283,13 @@ def _timed_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         logger.warning("gemv: timing %s failed (%s); it runs on cuBLAS", name, e)
         return None
     best = min(times, key=times.__getitem__)
-    gemv_cache.keep(path, name, "cublas" if best is None else str(best))
+    gemv_cache.keep(path, name, blocks_name(best))
     return best
+
+
+def blocks_name(blocks: Blocks | None) -> str:
+    """How a choice is named in the kept file and in reports: 'cublas' or the block shape (_BY_NAME's inverse)."""
+    return "cublas" if blocks is None else str(blocks)
 
 
 _BY_NAME: dict[str, Blocks | None] = {"cublas": None} | {str(b): b for b in CANDIDATES}

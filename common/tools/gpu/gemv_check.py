@@ -94,7 +94,7 @@ def _case(shape: str, name: str, silu_mul: bool, xs: list[torch.Tensor], ws: lis
             "cublas_plain_us": _plain_us_per_product(xs, ws, silu_mul, None),
             "triton_plain_us": _plain_us_per_product(xs, ws, silu_mul, best),
             "graph_us_per_blocks": {str(b): t for b, t in graph.items()},
-            "auto_us": {str(b): t for b, t in drawn.items()}, "auto": "cublas" if auto is None else str(auto),
+            "auto_us": {str(b): t for b, t in drawn.items()}, "auto": gemv.blocks_name(auto),
             "auto_loss_us": graph[auto] - min(graph.values())}
 
 
