@@ -74,7 +74,8 @@ def test_plain_steps_then_speculation_draft_as_if_written_at_once(engine, monkey
     if wide:
         width = engine.proposer.pending_width
         narrow = Decoder.catch_up
-        monkeypatch.setattr(Decoder, "catch_up", lambda self, reqs, block: width if narrow(self, reqs, block) else 0)
+        monkeypatch.setattr(Decoder, "catch_up",
+                            lambda self, reqs, block, ahead=0: width if narrow(self, reqs, block, ahead) else 0)
     engine.proposer.kv.zero_()  # no draft K/V left in these pages by an earlier request
     prompt = list(range(7, 20))
     lazy, lazy_drafts, (before, after) = speculate_after(engine, prompt, PLAIN)

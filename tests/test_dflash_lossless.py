@@ -201,3 +201,57 @@ def test_policy_turns_speculation_off_when_it_does_not_pay(runner, proposer, emb
     meta = meta_info(reqs[0])
     check_invariants(meta)
     assert meta["spec_plain_steps"] > 0 and meta["spec_verify_ct"] == 0
+
+
+@pytest.mark.parametrize("case", ["greedy", "seeded", "stops"])
+def test_draft_ahead_lossless(runner, proposer, embedded_tokenizer, prompts, plain_outputs, case):
+    """Draft-ahead (each speculative step drafts the next block at its end): steps that cycle
+    through plain decoding and blocks of 4, 16 and 8 — so that a step verifies drafts kept
+    ahead, drafts first after a plain step, or does both in a batch where requests joined since —
+    keep the outputs and the counters right, and leave the draft context where plain steps
+    expect it."""
+    engine = Engine(runner, embedded_tokenizer.eos_token_ids, proposer=proposer, spec=SpecConfig(block=16, ahead=True))
+    assert engine.decoder.ahead
+    choices = itertools.cycle([4, 16, 0, 8, 8, 4, 16])
+    engine.policy.choose = lambda reqs: next(choices)
+    verified_ahead = []
+    observe = engine.policy.observe_confident
+    engine.policy.observe_confident = lambda *a: verified_ahead.append(a) or observe(*a)
+    count = 16 if case == "greedy" else 12
+    reqs = run_all(engine, prompts[:count], 4, case, embedded_tokenizer)
+    assert [r.output_ids for r in reqs] == plain_outputs[case][:count]
+    for r in reqs:
+        check_invariants(meta_info(r))
+    assert verified_ahead and sum(drafted for _, drafted, _ in verified_ahead) > 0
+    assert all(len(confidence) == proposer.block_size - 1 and (confidence <= 0).all() for confidence, _, _ in verified_ahead)
+    assert runner.pool.num_free == runner.pool.num_pages and proposer.pool.num_free == proposer.pool.num_pages
+
+
+def test_draft_ahead_policy_chooses_blocks_by_confidence(runner, proposer, embedded_tokenizer, prompts, plain_outputs):
+    """With the policy choosing (costs given), a draft-ahead engine weighs blocks by the drafter's
+    confidence: outputs unchanged, its calibration learns from the steps, and more than one block
+    length is chosen."""
+    engine = Engine(runner, embedded_tokenizer.eos_token_ids, proposer=proposer, spec=SpecConfig(block=16, ahead=True))
+    engine.policy.pinned = None
+    engine.policy.timed_steps = False
+    engine.policy.costs = StepCosts(128, {(1, 0): 1.0, (1, 4): 1.5, (1, 8): 1.9, (1, 16): 2.8})
+    reqs = run_all(engine, prompts[:6], 1)
+    assert [r.output_ids for r in reqs] == plain_outputs["greedy"][:6]
+    assert engine.policy.calibration.tried.sum() > 0
+    blocks = [sum(r.spec.block_histogram[b] for r in reqs) for b in (4, 8, 16)]
+    assert sum(1 for n in blocks if n) >= 2, blocks
+
+
+def test_drafts_ahead_are_the_drafts(runner, proposer, embedded_tokenizer, prompts):
+    """A block drafted ahead, at the end of a step, is the block the next step would draft first:
+    one at a time with blocks of 16, every request accepts as many drafts at every step with
+    draft-ahead as without (a draft context caught up wrongly, or a block drafted after the wrong
+    token, drafts worse and would show here, not in the outputs)."""
+    def histograms(ahead: bool) -> list[list[int]]:
+        engine = Engine(runner, embedded_tokenizer.eos_token_ids, proposer=proposer,
+                        spec=SpecConfig(block=16, ahead=ahead))
+        return [r.spec.histogram for r in run_all(engine, prompts[:4], 1)]
+
+    fresh, ahead = histograms(False), histograms(True)
+    assert sum(k * n for h in fresh for k, n in enumerate(h)) > 0
+    assert ahead == fresh

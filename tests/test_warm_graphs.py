@@ -11,6 +11,8 @@ import uuid
 from common.engine.engine import Engine
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
+from common.engine.decoder import DRAFT_AHEAD, FROM_AHEAD, NO_AHEAD
+from common.engine.spec_policy import SpecConfig
 from common.engine.warm_graphs import steps, warm_graphs
 from common.runner.model_runner import ModelRunner
 from tiny_models import random_model, speculating_engine
@@ -78,10 +80,19 @@ def test_without_the_warm_up_decoding_captures_the_catch_ups_too(tmp_path):
     """The negative control: the same steps capture as they go, among them those that catch up a
     whole pending buffer."""
     later = decode_after(False, tmp_path)[1]
-    assert {(0, 16), (4, 16)} <= {(block, catch_up) for _, block, _, catch_up in later}, later
+    assert {(0, 16), (4, 16)} <= {(block, catch_up) for _, block, _, catch_up, _ in later}, later
+
+
+def test_draft_ahead_steps_are_captured_at_the_warm_up_too(tmp_path):
+    """With draft-ahead every block drafts ahead, first drafting or verifying the drafts kept
+    ahead; decoding with every kind of step in turn then captures nothing either."""
+    warmed, _, later = decode_after(True, tmp_path, spec=SpecConfig(ahead=True))
+    assert {ahead for *_, ahead in warmed} == {NO_AHEAD, DRAFT_AHEAD, FROM_AHEAD} and later == 0
+    assert len(warmed) == 3 * 8  # batch sizes 1, 2, 4 x (0, 0) (0, 16), and 4 and 8 each drafting ahead
+    # (after a catch-up of the block or of the whole buffer) and verifying drafts kept ahead
 
 
 def test_the_steps_of_each_kind_of_engine(tmp_path):
     cfg, tensors = random_model(num_layers=2)
     runner = ModelRunner(cfg, tensors, num_pages=64, page_size=16)
-    assert steps(Engine(runner, ()).decoder, []) == [(0, 0)]
+    assert steps(Engine(runner, ()).decoder, []) == [(0, 0, NO_AHEAD)]

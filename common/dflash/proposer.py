@@ -7,6 +7,9 @@
                     at once, before a step drafts (or when a row's pending features are full)
   draft()           decode: one block [last token, MASK x (B-1)] per row -> B-1 draft tokens
                     (and the drafter's refine passes, if it was trained for them)
+  draft_ahead()     decode: the same for the next step, at the end of a speculative one: a
+                    whole block's drafts kept in the request's row (ahead()), and the drafter's
+                    confidence in each, which the host reads with the committed tokens
 
 keep(), catch_up() and draft() take static tensors (fixed shapes, no host reads), so they run
 inside the CUDA graph of a decode or speculative step. The draft KV has its own page pool and
@@ -99,6 +102,8 @@ class DFlashProposer(DraftPages):
         # Pending features [slot, width, capture layers x H] (reserve_pending); slot 0 is scratch.
         features = len(self.capture_layers) * (cfg.target_hidden_size or cfg.hidden_size)
         self.pending = torch.zeros(1, 0, features, dtype=target.dtype, device=target.device)
+        # Drafts of the next block, drafted ahead [slot, block_size - 1], rows as pending's.
+        self.drafts_ahead = torch.zeros(1, self.block_size - 1, dtype=torch.long, device=target.device)
         self._free_slots: list[int] = []
 
     def describe_buffers(self) -> list[PagedKVBuffer]:
@@ -168,6 +173,9 @@ class DFlashProposer(DraftPages):
         old = self.pending
         self.pending = old.new_zeros(slots + 1, width, old.shape[2])
         self.pending[:old.shape[0], :old.shape[1]] = old
+        drafts = self.drafts_ahead
+        self.drafts_ahead = drafts.new_zeros(slots + 1, drafts.shape[1])
+        self.drafts_ahead[:drafts.shape[0]] = drafts
         self._free_slots[:0] = range(slots, old.shape[0] - 1, -1)  # popped from the end: lowest first
 
     def release(self, seq: SeqCache) -> None:
@@ -203,6 +211,26 @@ class DFlashProposer(DraftPages):
         """Greedy drafts [rows, B-1] after each row's last committed token. Row i's block sits at
         positions length[i] .. length[i]+B-1 (its K/V written there, past the context, where a
         later catch-up writes the committed tokens' context); pages [rows, W] is its draft page table."""
+        return self._draft(last, length, pages, B)[0]
+
+    def draft_ahead(self, last: torch.Tensor, length: torch.Tensor, pages: torch.Tensor, slot: torch.Tensor
+                    ) -> torch.Tensor:
+        """Static: draft() of a whole block, kept in row slot[i] for ahead(); returns the
+        drafter's log-probability of each draft [rows, block_size - 1] (fp32; of its first pass,
+        where it refines)."""
+        tokens, logits = self._draft(last, length, pages, self.block_size)
+        self.drafts_ahead[slot] = tokens
+        # In the logits' dtype: an fp32 copy of a batch's block logits would be ~100 MB at 32 rows,
+        # and the bands the policy reads them in are far wider than bf16's rounding.
+        return (logits.amax(-1) - logits.logsumexp(-1)).float()
+
+    def ahead(self, slot: torch.Tensor, B: int) -> torch.Tensor:
+        """Static: the first B-1 drafts that draft_ahead() kept in row slot[i] [rows, B-1]."""
+        return self.drafts_ahead[slot, :B - 1]
+
+    def _draft(self, last: torch.Tensor, length: torch.Tensor, pages: torch.Tensor, B: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft()'s drafts and the logits of its first pass."""
         cfg = self.drafter.cfg
         if self.lm_head is None:
             raise RuntimeError("DFlashProposer.draft before reserve_pending: no LM head in the drafter's dtype yet")
@@ -230,10 +258,10 @@ class DFlashProposer(DraftPages):
             hidden = self.drafter.blocks(x, attend).view(rows, B, -1)[:, 1:]
             return linear(hidden.reshape(rows * (B - 1), -1), self.lm_head).view(rows, B - 1, -1)
 
-        logits = drafts(x)
+        first = logits = drafts(x)
         tokens = fused.argmax(logits.flatten(0, 1)).view(rows, B - 1)
         if not cfg.refine_passes:
-            return tokens
+            return tokens, first
         least = math.log(cfg.refine_threshold)
         sure = confidence(logits) >= least
         for n in range(cfg.refine_passes):
@@ -244,7 +272,7 @@ class DFlashProposer(DraftPages):
             tokens = torch.where(given, tokens, fused.argmax(logits.flatten(0, 1)).view(rows, B - 1))
             if n + 1 < cfg.refine_passes:  # after the last pass nothing reads it
                 sure = given | (confidence(logits) >= least)
-        return tokens
+        return tokens, first
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Positions past the table belong to tokens past a request's budget, never committed.

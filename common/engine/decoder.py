@@ -19,9 +19,16 @@ A step is plain (one token per request) or speculative with a block of B:
                (commit_block). The captured states of all B tokens become the row's pending
                features; the first m of them count.
 
+With draft-ahead (`ahead`), a speculative step ends by drafting the next block (6. catch up
+the committed tokens' draft KV, then draft a whole block after the last of them), keeps those
+drafts on the device, and hands the drafter's confidence in each to the host with the committed
+tokens: the policy then chooses the next block from how sure the drafter is of the drafts it
+would verify (common.engine.confidence), and the next step, if every request in it has drafts
+ahead, verifies them without catching up or drafting first (1. and 0. skipped).
+
 All of it is tensor operations on the device (one CUDA graph per batch size, block, sampling
-mode and catch-up width); the host reads the committed tokens once per step and does the
-bookkeeping. A plain step in a speculative engine only keeps its token's captured states (one
+mode, catch-up width and draft-ahead kind); the host reads the committed tokens once per step
+and does the bookkeeping. A plain step in a speculative engine only keeps its token's captured states (one
 copy), so that it costs what a plain step without speculation costs; the draft KV of the tokens
 plain steps commit is written when the request next speculates, all of them at once, or when
 its pending features are full. Steps of more requests than the largest batch size run in
@@ -47,13 +54,17 @@ from common.runner.graphs import GraphCache
 from common.runner.model_runner import ModelRunner
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# A speculative step's draft-ahead kind: none; draft first and draft ahead; verify the drafts
+# kept ahead, and draft ahead.
+NO_AHEAD, DRAFT_AHEAD, FROM_AHEAD = 0, 1, 2
 
 
 class Decoder:
     def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], proposer: Proposer | None = None,
                  policy: SpecPolicy | None = None, batch_sizes: tuple[int, ...] = BATCH_SIZES,
-                 max_requests: int = 0):
+                 max_requests: int = 0, ahead: bool = False):
         self.runner = runner
+        self.ahead = ahead and proposer is not None
         self.eos_token_ids = eos_token_ids
         self.proposer = proposer
         self.policy = policy
@@ -97,15 +108,19 @@ class Decoder:
         for i in range(0, len(reqs), self.max_rows):
             chunk = reqs[i:i + self.max_rows]
             block = self.policy.choose(chunk) if self.policy is not None else 0
-            catch_up = self.catch_up(chunk, block)
+            ahead = self.ahead_kind(chunk, block)
+            catch_up = self.catch_up(chunk, block, ahead)
             if self.policy is None:
                 out = self.read(self.launch(chunk, block, catch_up), chunk)
             else:
                 context = sum(r.cache.length for r in chunk) / len(chunk)
                 captured, start = self.graphs.captures, time.perf_counter()
-                out = self.launch(chunk, block, catch_up)
-                if len(reqs) <= self.max_rows:  # the next step is of the same batch only when in one chunk
-                    self.policy.ahead(chunk)  # host work while the device runs the step
+                out = self.launch(chunk, block, catch_up, ahead)
+                # The next step of the same batch (only when in one chunk), weighed while the device
+                # runs this one; after a draft-ahead it is weighed on the drafter's confidence, which
+                # this step's output brings.
+                if len(reqs) <= self.max_rows and not ahead:
+                    self.policy.ahead(chunk)
                 out = self.read(out, chunk)
                 # A step's time prices its kind unless it captured a graph, or it is a speculative
                 # step catching up more than a step after one of its own does: the draft KV of
@@ -115,15 +130,21 @@ class Decoder:
                     self.policy.timed(len(chunk), block, context, time.perf_counter() - start)
                 else:
                     self.policy.untimed(block)
-            committed += self._commit(chunk, out, block, catch_up)
+            committed += self._commit(chunk, out, block, catch_up, ahead)
         return committed
 
-    def catch_up(self, reqs: list[Request], block: int) -> int:
+    def ahead_kind(self, reqs: list[Request], block: int) -> int:
+        """The draft-ahead kind of a step of `block` (0: plain) for these requests."""
+        if not self.ahead or not block or block > self.proposer.block_size:
+            return NO_AHEAD
+        return FROM_AHEAD if all(r.spec.ahead is not None for r in reqs) else DRAFT_AHEAD
+
+    def catch_up(self, reqs: list[Request], block: int, ahead: int = NO_AHEAD) -> int:
         """How many pending tokens per row the step writes into the draft KV first (0: none).
         A plain step keeps its token's features while every row has room for them; a
         speculative step drafts from the whole context, reading B per row where that covers
         every row's pending tokens (as after a step of B), else the whole buffer."""
-        if self.proposer is None:
+        if self.proposer is None or ahead == FROM_AHEAD:  # the step before caught up all it committed
             return 0
         pending = max(r.cache.length - r.draft_cache.length for r in reqs)
         width = self.proposer.pending_width
@@ -135,14 +156,16 @@ class Decoder:
 
     def run(self, reqs: list[Request], block: int) -> np.ndarray:
         """One step of at most max_rows requests (0 = plain); its output rows on the host:
-        plain: [token]; speculative: [c_0 .. c_(B-1), k, m]."""
-        return self.read(self.launch(reqs, block, self.catch_up(reqs, block)), reqs)
+        plain: [token]; speculative: [c_0 .. c_(B-1), k, m], then with a draft-ahead the
+        drafter's log-probability of each draft of the next block (float64 bits)."""
+        ahead = self.ahead_kind(reqs, block)
+        return self.read(self.launch(reqs, block, self.catch_up(reqs, block, ahead), ahead), reqs)
 
     @staticmethod
     def read(out: torch.Tensor, reqs: list[Request]) -> np.ndarray:
         return out[:len(reqs)].cpu().numpy()  # the step's one host synchronisation
 
-    def launch(self, reqs: list[Request], block: int, catch_up: int) -> torch.Tensor:
+    def launch(self, reqs: list[Request], block: int, catch_up: int, ahead: int = NO_AHEAD) -> torch.Tensor:
         """Start run()'s step, first catching up `catch_up` pending tokens per row; its output
         rows on the device (padding rows after them)."""
         stops = max(len(r.stop_ids(self.eos_token_ids)) for r in reqs)
@@ -155,8 +178,8 @@ class Decoder:
         mode = mode_of([r.params for r in reqs])
         # Without graphs shapes may vary: page tables only as wide as this step needs.
         width = None if graphs else self._width(reqs, max(block, 1))
-        key = (rows, block, mode, catch_up)
-        step = (lambda: self._speculative(rows, block, mode, width, catch_up)) if block else \
+        key = (rows, block, mode, catch_up, ahead)
+        step = (lambda: self._speculative(rows, block, mode, width, catch_up, ahead)) if block else \
             (lambda: self._plain(rows, mode, width, catch_up))
         if graphs and key not in self.graphs:
             # Capturing runs the step once eagerly first: on padding rows only (scratch pages, state
@@ -186,10 +209,14 @@ class Decoder:
         self._keep(v, captured, catch_up)
         return tokens[:, None]
 
-    def _speculative(self, rows: int, B: int, mode: Mode, width: int | None, catch_up: int) -> torch.Tensor:
+    def _speculative(self, rows: int, B: int, mode: Mode, width: int | None, catch_up: int, ahead: int
+                     ) -> torch.Tensor:
         v = self.inputs.view(rows, width)
-        self._catch_up(v, catch_up)                                                              # 0
-        drafts = self.proposer.draft(v.last, v.length, v.draft_pages, B)                       # 1
+        if ahead == FROM_AHEAD:
+            drafts = self.proposer.ahead(v.draft_slot, B)
+        else:
+            self._catch_up(v, catch_up)                                                          # 0
+            drafts = self.proposer.draft(v.last, v.length, v.draft_pages, B)                   # 1
         offsets = torch.arange(B, device=drafts.device)
         positions = v.length[:, None] + offsets[None, :]
         hidden, captured = self._target(v, torch.cat([v.last[:, None], drafts], 1).flatten(), positions)  # 2
@@ -198,7 +225,19 @@ class Decoder:
         out = verdict(drafts, choices, v.stop_ids, v.left)                                       # 3, 4
         self.runner.commit_block(v.state_slot, out[:, B + 1], B)                                 # 5
         self._keep(v, captured, catch_up)
+        if ahead:
+            out = torch.cat([out, self._draft_ahead(v, out, B)], 1)                             # 6
         return out
+
+    def _draft_ahead(self, v: StepView, out: torch.Tensor, B: int) -> torch.Tensor:
+        """The draft KV of the step's committed tokens (its B tokens' features are pending from
+        column 0: the step caught up, or had nothing pending), then the next block's drafts after
+        the last of them; the drafter's confidence in each as int64 columns (float64 bits)."""
+        count = out[:, B + 1]
+        last = out[:, :B].gather(1, (count - 1)[:, None])[:, 0]
+        self.proposer.catch_up(v.draft_slot, v.length, v.draft_pages, B)
+        confidence = self.proposer.draft_ahead(last, v.length + count, v.draft_pages, v.draft_slot)
+        return confidence.double().view(torch.int64)
 
     def _catch_up(self, v: StepView, width: int) -> None:
         if width:
@@ -222,7 +261,8 @@ class Decoder:
         return runner.forward_static(token_ids, rope_positions, slots, attn, self.capture, state_slots)
 
     # ---- host bookkeeping ---------------------------------------------------------------------
-    def _commit(self, reqs: list[Request], out: np.ndarray, block: int, caught_up: int) -> list[list[int]]:
+    def _commit(self, reqs: list[Request], out: np.ndarray, block: int, caught_up: int, ahead: int = NO_AHEAD
+                ) -> list[list[int]]:
         committed = []
         for req, row in zip(reqs, out):
             if block:
@@ -230,13 +270,19 @@ class Decoder:
                 tokens = row[:count].tolist()
                 req.spec.record(min(k, count), block, k)
                 self.policy.observe(k, block)
+                if ahead == FROM_AHEAD:
+                    self.policy.observe_confident(req.spec.ahead, k, block)
             else:
                 tokens = [int(row[0])]
                 if req.spec is not None:
                     req.spec.plain_steps += 1
+            if req.spec is not None:
+                req.spec.ahead = row[block + 2:].view(np.float64) if ahead else None
             req.append_tokens(tokens, self.eos_token_ids)
             if caught_up:
                 req.draft_cache.length = req.cache.length
             req.cache.length += len(tokens)
+            if ahead:  # the step wrote the draft KV of what it committed
+                req.draft_cache.length = req.cache.length
             committed.append(tokens)
         return committed

@@ -78,7 +78,9 @@ class Engine:
         if proposer is not None:
             self.max_block = max(proposer.block_size, spec.block or 0)
             self.policy = SpecPolicy(self.max_block, spec)
-        self.decoder = Decoder(self.runner, self.eos_token_ids, proposer, self.policy, batch_sizes, self.max_running)
+        ahead = spec.ahead if spec.ahead is not None else self.runner.use_graphs and spec.block is None
+        self.decoder = Decoder(self.runner, self.eos_token_ids, proposer, self.policy, batch_sizes, self.max_running,
+                               ahead=ahead)
         if self.policy is not None and spec.block is None:
             # Costs of plain and speculative steps on this device: what the policy weighs.
             self.policy.costs = step_costs(self.decoder, spec, self.policy.blocks)

@@ -46,6 +46,15 @@ class Proposer(ContextProposer, Protocol):
         """Static: drafts [rows, B-1] after each row's last token last[i], its draft context of
         length[i] tokens in the pages of row i of the table pages [rows, W]."""
 
+    def draft_ahead(self, last: torch.Tensor, length: torch.Tensor, pages: torch.Tensor, slot: torch.Tensor
+                    ) -> torch.Tensor:
+        """Static: draft() of a whole block (block_size - 1 drafts) for the next step, kept in
+        row slot[i] (the request's pending row); returns the drafter's log-probability of each
+        draft [rows, block_size - 1], fp32."""
+
+    def ahead(self, slot: torch.Tensor, B: int) -> torch.Tensor:
+        """Static: the first B-1 drafts that draft_ahead() kept in row slot[i] [rows, B-1]."""
+
     def reserve_pending(self, width: int, slots: int) -> None:
         """Room for `width` pending tokens per request (features of committed tokens whose draft
         context is not written yet), for `slots` requests to start with."""

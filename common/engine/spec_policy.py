@@ -39,6 +39,12 @@ tried again once that evidence has faded, and dropped again within a few steps i
 still miss: a drafter that never hits costs about one speculative step in a hundred.
 `--spec-block N` pins every step to N.
 
+Where every request of the batch has drafts ahead (the decoder's draft-ahead: the step before
+drafted the next block and brought the drafter's confidence in each draft), E[tokens | B] is read
+from those confidences instead (common.engine.confidence): how sure the drafter is of this very
+block says more about how far it will be accepted than how far the request's blocks went before.
+Such a choice is not held for later steps, nor weighed ahead: it is this block's.
+
 Weighing takes tens of microseconds of host time, which a GPU step of a small batch would wait
 for: the decoder has the next step weighed (ahead()) while the device runs this one, and the
 next step takes that choice if its batch is the same. The evidence of the step in flight then
@@ -52,6 +58,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.engine.acceptance import Acceptance, reach
+from common.engine.confidence import Calibration
 from common.engine.request import Request
 
 BLOCKS = (4, 8, 16)
@@ -84,6 +91,10 @@ class SpecConfig:
     blocks: tuple[int, ...] = BLOCKS  # the blocks to choose from (those up to the drafter's)
     cache_dir: str | None = None  # where measured step costs are kept between runs (None: not kept)
     timed: bool = True  # correct the costs by timing steps, exploring the other kind (False: costs as given)
+    # Draft the next block at the end of each speculative step, and choose its length from the
+    # drafter's confidence (common.engine.decoder); None: where steps replay CUDA graphs and the
+    # block is chosen (not --spec-block).
+    ahead: bool | None = None
 
 
 @dataclass
@@ -130,6 +141,7 @@ class SpecPolicy:
         self.blocks = [b for b in config.blocks if b <= max_block] or [max_block]
         self.costs = costs  # None: only a pinned block (or the largest) is ever used
         self.acceptance = Acceptance(max_block)  # over all requests
+        self.calibration = Calibration()  # drafts right by the drafter's confidence, over all requests
         self.timed_steps = config.timed
         self.level = 0.0  # log of time taken / start-up cost over every step: the machine's speed now
         # log of each choice's time / cost relative to the level; a plain step's is 0
@@ -150,6 +162,7 @@ class SpecPolicy:
         the step, and decide whether it explores, taking again an exploring step that could not
         be timed."""
         self.acceptance.fade(GLOBAL_KEEP)
+        self.calibration.fade(GLOBAL_KEEP)
         for r in reqs:
             r.spec.acceptance.fade(REQUEST_KEEP)
         self._exploring, self._retrying = None, False
@@ -189,6 +202,8 @@ class SpecPolicy:
             return self.pinned
         if self.costs is None:
             return self.blocks[-1]
+        if all(r.spec.ahead is not None for r in reqs):
+            return self._choose_confident(reqs)
         batch = tuple(id(r) for r in reqs)
         held_batch, held_choice, left_steps = self._held
         if batch == held_batch and left_steps > 0:
@@ -210,6 +225,22 @@ class SpecPolicy:
         plain, spec = rates[0], rates[best_block]
         clear = max(plain, spec) >= CLEAR * min(plain, spec)
         self._held = (batch, best, HOLD if clear else 0)
+        return best
+
+    def _choose_confident(self, reqs: list[Request]) -> int:
+        """_choose() for requests with drafts ahead: E[tokens | B] from the drafter's confidence."""
+        rows = len(reqs)
+        context = sum(r.cache.length for r in reqs) / rows
+        expected = self.calibration.reach(np.stack([r.spec.ahead for r in reqs])).cumsum(1)
+        left = np.array([r.params.max_new_tokens - len(r.output_ids) for r in reqs])
+        plain = rows / self._cost(rows, 0, context)
+        rates = {block: np.minimum(left, expected[:, block - 1]).sum() / self._cost(rows, block, context)
+                 for block in self.blocks if block <= expected.shape[1]}
+        best_block = max(rates, key=rates.get)
+        best = best_block if rates[best_block] >= PLAIN_EDGE * plain else 0
+        self._others = [best_block if best == 0 else 0]
+        top = rates[best] if best else plain
+        self._others += [b for b in rates if b not in (best, best_block) and rates[b] >= CONTENDER * top]
         return best
 
     def _last_timed(self, choice: int) -> int:
@@ -243,3 +274,7 @@ class SpecPolicy:
         """A verify step whose drafts were right for `drafted` positions (the request's own
         evidence is recorded by SpecStats.record)."""
         self.acceptance.observe(drafted, block)
+
+    def observe_confident(self, confidence: np.ndarray, drafted: int, block: int) -> None:
+        """The same verify step, whose drafts were drafted ahead with this confidence in each."""
+        self.calibration.observe(confidence, drafted, block)

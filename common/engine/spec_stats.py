@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from common.engine.acceptance import Acceptance
 
 
@@ -18,6 +20,9 @@ class SpecStats:
     histogram: list[int] = field(default_factory=list)  # [k] = verify steps that accepted k drafts
     block_histogram: list[int] = field(default_factory=list)  # [b] = verify steps with a block of b
     acceptance: Acceptance | None = None  # set in __post_init__
+    # The drafter's log-probability of each draft of the block it drafted ahead for the next
+    # step (common.engine.decoder), or None when the last step drafted none for this request.
+    ahead: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.histogram = self.histogram or [0] * self.max_block

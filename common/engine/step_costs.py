@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, is_dataclass
 
+import numpy as np
 import torch
 
 from common.engine.decoder import Decoder
@@ -139,6 +140,8 @@ def synthetic_requests(decoder: Decoder, rows: int, block: int, context: int) ->
             if proposer is not None:
                 req.draft_cache = SeqCache(list(held[1][i % own]), context)
                 req.spec = SpecStats(max(proposer.block_size, block))
+                if decoder.ahead:  # steps verify drafts kept ahead, as a draft-ahead engine's mostly do
+                    req.spec.ahead = np.zeros(proposer.block_size - 1)
             reqs.append(req)
         yield reqs
     finally:
@@ -164,6 +167,7 @@ def _signature(decoder: Decoder, blocks: list[int]) -> str:
     facts = {"model": asdict(runner.cfg), "proposer": proposer.name if proposer is not None else None,
              "dtype": str(runner.dtype), "device": device, "torch": torch.__version__, "graphs": decoder.graphs.enabled,
              "rows": measured_rows(decoder), "page_size": runner.page_size, "blocks": blocks,
-             "layout": asdict(runner.layout), "short": SHORT, "long": LONG, "code": code.hexdigest()}
+             "layout": asdict(runner.layout), "short": SHORT, "long": LONG, "ahead": decoder.ahead,
+             "code": code.hexdigest()}
     text = json.dumps(facts, sort_keys=True, default=lambda o: asdict(o) if is_dataclass(o) else str(o))
     return f"{runner.cfg.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"

@@ -9,7 +9,8 @@ used as requests finished, the catch-up width that follows a change of block), a
 ran at half the speed its graphs replay at. So at start-up, over synthetic requests, every batch
 size that steps run at takes each step it may be asked for in greedy mode: a plain step (and, in
 a speculating engine, a plain step that catches up a full pending buffer) and each block that
-can be chosen, catching up as a step after that block does and as one after anything else does.
+can be chosen, catching up as a step after that block does and as one after anything else does,
+and with draft-ahead each block drafting ahead, and verifying the drafts kept ahead.
 Sampling modes (temperature, top-k / top-p) are still captured when first asked for.
 """
 from __future__ import annotations
@@ -19,19 +20,25 @@ import time
 
 import torch
 
-from common.engine.decoder import Decoder
+from common.engine.decoder import DRAFT_AHEAD, FROM_AHEAD, NO_AHEAD, Decoder
 from common.engine.sampler import Mode
 from common.engine.step_costs import SHORT, synthetic_requests
 
 logger = logging.getLogger(__name__)
 
 
-def steps(decoder: Decoder, blocks: list[int]) -> list[tuple[int, int]]:
-    """(block, catch-up width) of every greedy step the decoder may take; block 0 is plain."""
+def steps(decoder: Decoder, blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(block, catch-up width, draft-ahead kind) of every greedy step the decoder may take; block
+    0 is plain."""
     if decoder.proposer is None:
-        return [(0, 0)]
+        return [(0, 0, NO_AHEAD)]
     width = decoder.proposer.pending_width
-    return sorted({(0, 0), (0, width)} | {(b, c) for b in blocks for c in (b, width)})
+    plain = {(0, 0, NO_AHEAD), (0, width, NO_AHEAD)}
+    if not decoder.ahead:
+        return sorted(plain | {(b, c, NO_AHEAD) for b in blocks for c in (b, width)})
+    kept = [b for b in blocks if b <= decoder.proposer.block_size]
+    return sorted(plain | {(b, c, DRAFT_AHEAD) for b in kept for c in (b, width)} | {(b, 0, FROM_AHEAD) for b in kept}
+                  | {(b, c, NO_AHEAD) for b in blocks if b not in kept for c in (b, width)})
 
 
 def warm_graphs(decoder: Decoder, blocks: list[int]) -> None:
@@ -40,12 +47,12 @@ def warm_graphs(decoder: Decoder, blocks: list[int]) -> None:
         return
     start, before = time.perf_counter(), decoder.graphs.captures
     todo = steps(decoder, blocks)
-    widest = max(max(b, c) for b, c in todo)
+    widest = max(max(b, c) for b, c, _ in todo)
     context = min(SHORT, decoder.runner.cfg.max_position // 4)
     with torch.inference_mode():
         for rows in decoder.step_sizes:
             with synthetic_requests(decoder, rows, widest, context) as reqs:
-                for block, catch_up in todo:
-                    if (rows, block, Mode.GREEDY, catch_up) not in decoder.graphs:
-                        decoder.read(decoder.launch(reqs, block, catch_up), reqs)
+                for block, catch_up, ahead in todo:
+                    if (rows, block, Mode.GREEDY, catch_up, ahead) not in decoder.graphs:
+                        decoder.read(decoder.launch(reqs, block, catch_up, ahead), reqs)
     logger.info("captured %d decode graphs in %.1f s", decoder.graphs.captures - before, time.perf_counter() - start)
