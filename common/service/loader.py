@@ -106,10 +106,11 @@ def parse_nodes(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
 
 
 def spec_config(args: argparse.Namespace) -> SpecConfig:
-    """How the engine speculates (--spec-block), and where it keeps the step costs it measures."""
+    """How the engine speculates (--spec-block, --spec-ahead), and where it keeps the step costs it measures."""
     if args.spec_block is not None and args.spec_block < 2:
         raise ValueError(f"--spec-block must be at least 2 (the last token and a draft), got {args.spec_block}")
-    return SpecConfig(block=args.spec_block, cache_dir=CACHE_DIR)
+    ahead = {"auto": None, "on": True, "off": False}[getattr(args, "spec_ahead", "auto")]
+    return SpecConfig(block=args.spec_block, cache_dir=CACHE_DIR, ahead=ahead)
 
 
 def load_proposer(args: argparse.Namespace, runner: ModelRunner):

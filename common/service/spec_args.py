@@ -1,5 +1,5 @@
-"""The speculative-decoding flags (--spec, --draft-model, --draft-dtype, --draft-refine, --spec-block): read by the services and
-the in-process tools, and passed on by `pdflash up` to its children. Plain argparse, so that
+"""The speculative-decoding flags (--spec, --draft-model, --draft-dtype, --draft-refine, --spec-block, --spec-ahead):
+read by the services and the in-process tools, and passed on by `pdflash up` to its children. Plain argparse, so that
 `pdflash up`, which builds no model, does not import torch to parse and forward them."""
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-block", type=int, default=None,
                    help="speculate at every step with this block (default: choose per step, off or a block up to "
                         "the drafter's, from step costs measured on this device)")
+    p.add_argument("--spec-ahead", default="auto", choices=["auto", "on", "off"],
+                   help="draft each next block at the end of a speculative step and choose its length from the "
+                        "drafter's confidence in it (default auto: on where decode steps replay CUDA graphs and the "
+                        "block is chosen per step)")
 
 
 def spec_flags(args: argparse.Namespace) -> list[str]:
@@ -55,4 +59,6 @@ def spec_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--draft-refine", args.draft_refine]
     if args.spec_block:
         flags += ["--spec-block", str(args.spec_block)]
+    if args.spec_ahead != "auto":
+        flags += ["--spec-ahead", args.spec_ahead]
     return flags

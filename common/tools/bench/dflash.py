@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             run_engine(engine, [tok.encode("Warm up the engine.")] * c, dataclasses.replace(params, max_new_tokens=24), c)
     result: dict[str, Any] = {"bench": "dflash", "device": str(runner.device), "dtype": str(runner.dtype),
                               "drafter_block": proposer.block_size, "drafter_dtype": str(proposer.dtype),
-                              "pinned_block": args.spec_block,
+                              "pinned_block": args.spec_block, "draft_ahead": spec.decoder.ahead,
                               "provenance": report.provenance(args), "runs": []}
     for i, kind in enumerate(lengths):
         for j, c in enumerate(levels):
@@ -275,7 +275,8 @@ def markdown(result: dict) -> str:
              " ".join(f"{b}:{n}" for b, n in r["blocks"].items()) or "-",
              f"{r['identical_outputs']}/{r['requests']}", _device_cell(r.get("step_ms"))] for r in result["runs"]]
     head = (f"## DFlash vs plain decoding, {result['device']} {result['dtype']}, drafter block "
-            f"{result['drafter_block']} in {result['drafter_dtype']}, block {'pinned to ' + str(result['pinned_block']) if result['pinned_block'] else 'chosen per step'}\n\n")
+            f"{result['drafter_block']} in {result['drafter_dtype']}, block {'pinned to ' + str(result['pinned_block']) if result['pinned_block'] else 'chosen per step'}"
+            f"{', drafted ahead' if result.get('draft_ahead') else ''}\n\n")
     return head + report.md_table(
         ["prompt", "concurrency", "prompt tokens", "plain tok/s", "dflash tok/s", "speedup", "decode speedup",
          "prefill ms a request (plain / dflash)", "accept length (weighted)", "accept length (interface)",

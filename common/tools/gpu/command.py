@@ -20,7 +20,9 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
   speculative  --spec dflash (block pinned to 16, CUDA graphs) against plain decoding (graphs)
              on 32 GSM8K chat prompts, fp32: one at a time and 8 at once, greedy and seeded
              sampling (T 0.8, top-p 0.95), and requests that stop inside a block; the drafter as
-             saved, then with two refine passes at 0.5; must be identical
+             saved, then with two refine passes at 0.5, then drafting ahead (--spec-ahead) with
+             steps cycling through blocks of 4, 16, plain and 8; must be identical
+  speculative-ahead  the same, drafting ahead only
   gemv       the decode GEMV kernels (common.model.gemv) against cuBLAS at the embedded and 8B
              shapes, M 1, 4, 8 and 16, fp32 and bf16: results, and microseconds per product in CUDA graphs
              and in plain launches (common/tools/gpu/gemv_check.py; several minutes: 226 s on the
@@ -71,6 +73,7 @@ runs on random weights in the model's shape. A few minutes on one H200.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -136,10 +139,13 @@ def _greedy(model: str | None) -> dict:
     return out
 
 
-def _speculative(model: str | None, num: int = 32) -> list[dict]:
+def _speculative(model: str | None, num: int = 32, variants: tuple[str, ...] = ("saved", "refine", "ahead")
+                 ) -> list[dict]:
     """--spec dflash against plain decoding, both with CUDA graphs, fp32 (the drafter in bf16, as
-    --draft-dtype auto runs it): identical outputs, with the drafter as saved and with two refine
-    passes (static steps of their own: graph-captured like the first)."""
+    --draft-dtype auto runs it): identical outputs, with the drafter as saved, with two refine
+    passes (static steps of their own: graph-captured like the first), and drafting ahead with
+    steps that cycle through blocks of 4, 16, plain and 8 (verifying drafts kept ahead, drafting
+    first after a plain step, and both in one batch as requests join)."""
     from common.dflash.drafter import Drafter, draft_dtype, shipped_drafter_path
     from common.dflash.proposer import DFlashProposer
     from common.tools.bench.gsm8k_data import DEFAULT_TEST, load
@@ -150,11 +156,17 @@ def _speculative(model: str | None, num: int = 32) -> list[dict]:
     runner = ModelRunner(cfg, tensors, dtype="fp32", device="cuda", num_pages=2048, page_size=64)
     plain = Engine(runner, tok.eos_token_ids)
     proposers, specs = {}, {}
-    for name, refine in {"": {}, ", 2 refine passes @0.5": {"refine_passes": 2, "refine_threshold": 0.5}}.items():
+    settings = {"saved": ("", {}, False), "refine": (", 2 refine passes @0.5", {"refine_passes": 2, "refine_threshold": 0.5},
+                                                     False), "ahead": (", drafted ahead, blocks 4/16/plain/8", {}, True)}
+    for variant in variants:
+        name, refine, ahead = settings[variant]
         drafter = Drafter.load(shipped_drafter_path(model), device="cuda", dtype=draft_dtype("auto", runner.dtype, "cuda"))
         drafter.set_refine(refine)
         proposers[name] = DFlashProposer(drafter, runner, runner.pool.num_pages)
-        specs[name] = Engine(runner, tok.eos_token_ids, proposer=proposers[name], spec=SpecConfig(block=16))
+        specs[name] = Engine(runner, tok.eos_token_ids, proposer=proposers[name], spec=SpecConfig(block=16, ahead=ahead))
+        if ahead:
+            choices = itertools.cycle([4, 16, 0, 8])
+            specs[name].policy.choose = lambda reqs: next(choices)
     period = tuple(tok.encode("."))
     cases = {
         "greedy": lambda i: SamplingParams(max_new_tokens=96),
@@ -304,7 +316,7 @@ def _summary(results: dict) -> list[str]:
         for name, r in g["runs"].items():
             lines.append(f"greedy   {name} vs cpu fp32: {r['identical']}/{g['prompts']} identical over 32 tokens, "
                          f"first divergence {r['first_divergence']}")
-    for r in _rows(results, "speculative"):
+    for r in _rows(results, "speculative") + _rows(results, "speculative-ahead"):
         lines.append(f"spec     {r['case']}, concurrency {r['concurrency']}: {r['identical']}/{r['requests']} identical "
                      f"to plain decoding (accept length {r['accept_length_weighted']:.2f})")
     lines += gemv_check.summary_lines(_rows(results, "gemv"))
@@ -389,6 +401,7 @@ def run(args: argparse.Namespace) -> int:
                             for row in prefill_check("cuda", dtype, "embedded", (1, 5, 16, 17, 100, 300, 512))],
         "greedy": lambda: _greedy(args.model),
         "speculative": lambda: _speculative(args.model),
+        "speculative-ahead": lambda: _speculative(args.model, variants=("ahead",)),
         "gemv": gemv_check.gemv_check,
         "gemv-split": gemv_check.split_repeats,
         "flashinfer": flashinfer_check.flashinfer_check,
