@@ -242,15 +242,16 @@ def test_draft_ahead_policy_chooses_blocks_by_confidence(runner, proposer, embed
     assert sum(1 for n in blocks if n) >= 2, blocks
 
 
-def test_drafts_ahead_are_the_drafts(runner, proposer, embedded_tokenizer, prompts):
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_drafts_ahead_are_the_drafts(runner, proposer, embedded_tokenizer, prompts, concurrency):
     """A block drafted ahead, at the end of a step, is the block the next step would draft first:
-    one at a time with blocks of 16, every request accepts as many drafts at every step with
-    draft-ahead as without (a draft context caught up wrongly, or a block drafted after the wrong
-    token, drafts worse and would show here, not in the outputs)."""
+    with blocks of 16, every request accepts as many drafts at every step with draft-ahead as
+    without (a draft context caught up wrongly, a block drafted after the wrong token, or one
+    written past its page table, drafts worse and would show here, not in the outputs)."""
     def histograms(ahead: bool) -> list[list[int]]:
         engine = Engine(runner, embedded_tokenizer.eos_token_ids, proposer=proposer,
                         spec=SpecConfig(block=16, ahead=ahead))
-        return [r.spec.histogram for r in run_all(engine, prompts[:4], 1)]
+        return [r.spec.histogram for r in run_all(engine, prompts[:4], concurrency)]
 
     fresh, ahead = histograms(False), histograms(True)
     assert sum(k * n for h in fresh for k, n in enumerate(h)) > 0

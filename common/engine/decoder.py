@@ -176,8 +176,10 @@ class Decoder:
         graphs = self.graphs.enabled
         rows = next(s for s in self.sizes if s >= len(reqs)) if graphs else len(reqs)
         mode = mode_of([r.params for r in reqs])
-        # Without graphs shapes may vary: page tables only as wide as this step needs.
-        width = None if graphs else self._width(reqs, max(block, 1))
+        # Without graphs shapes may vary: page tables only as wide as this step needs (a block
+        # drafted ahead reaches a whole drafter block past the committed tokens).
+        reach = max(block, 1) + (self.proposer.block_size if ahead else 0)
+        width = None if graphs else self._width(reqs, reach)
         key = (rows, block, mode, catch_up, ahead)
         step = (lambda: self._speculative(rows, block, mode, width, catch_up, ahead)) if block else \
             (lambda: self._plain(rows, mode, width, catch_up))
