@@ -10,9 +10,11 @@ import random
 from collections.abc import Callable
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from common.engine.acceptance import Acceptance, reach
+from common.engine.confidence import Calibration
 from common.engine.sampling import SamplingParams
 from common.engine import spec_policy
 from common.engine.spec_policy import SpecConfig, SpecPolicy, StepCosts
@@ -277,3 +279,29 @@ def test_costs_of_padded_batches_are_the_graphs_they_run():
     costs = StepCosts(128, {(1, 4): 1.0, (4, 4): 2.0, (8, 4): 3.0}, padded=True)
     assert [costs.cost(rows, 4, 128) for rows in (1, 2, 4, 5, 8)] == [1.0, 2.0, 2.0, 3.0, 3.0]
     assert StepCosts.from_json(costs.to_json()) == costs
+
+
+def test_confidence_bands_learn_how_often_drafts_are_right():
+    """A band's rate starts at its own probability and moves to what verify steps show: drafts
+    the drafter is 95% sure of that are right half the time are read as a coin toss."""
+    cal = Calibration()
+    sure = np.full(15, math.log(0.96))
+    assert cal.reach(sure[None])[0, 1] == pytest.approx(0.965)
+    rng = random.Random(0)
+    for _ in range(400):
+        drafted = next((i for i in range(15) if rng.random() >= 0.5), 15)
+        cal.observe(sure, drafted, 16)
+    p = cal.reach(sure[None])[0]
+    assert p[0] == 1.0 and p[1] == pytest.approx(0.5, abs=0.05) and p[2] == pytest.approx(0.25, abs=0.05)
+
+
+def test_policy_verifies_a_block_by_how_sure_the_drafter_is_of_it():
+    """With drafts ahead, the block follows the drafter's confidence in this very block: short
+    when it is unsure after its first drafts, long when it is sure of all, plain when unsure of
+    the first; the request's past acceptance does not enter."""
+    policy = SpecPolicy(16, SpecConfig(timed=False), COSTS)
+    req = request()
+    for probs, block in (([0.99] * 3 + [0.05] * 12, 4), ([0.995] * 15, 16), ([0.02] * 15, 0)):
+        req.spec.ahead = np.log(probs)
+        policy.new_step([req])
+        assert policy.choose([req]) == block, (conf, block)
