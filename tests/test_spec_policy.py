@@ -304,4 +304,4 @@ def test_policy_verifies_a_block_by_how_sure_the_drafter_is_of_it():
     for probs, block in (([0.99] * 3 + [0.05] * 12, 4), ([0.995] * 15, 16), ([0.02] * 15, 0)):
         req.spec.ahead = np.log(probs)
         policy.new_step([req])
-        assert policy.choose([req]) == block, (conf, block)
+        assert policy.choose([req]) == block, (probs, block)
