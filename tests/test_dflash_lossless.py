@@ -212,6 +212,7 @@ def test_draft_ahead_lossless(runner, proposer, embedded_tokenizer, prompts, pla
     expect it."""
     engine = Engine(runner, embedded_tokenizer.eos_token_ids, proposer=proposer, spec=SpecConfig(block=16, ahead=True))
     assert engine.decoder.ahead
+    engine.decoder.ahead_rows = 4  # batches draft ahead too (by default only single requests do)
     choices = itertools.cycle([4, 16, 0, 8, 8, 4, 16])
     engine.policy.choose = lambda reqs: next(choices)
     verified_ahead = []
@@ -251,6 +252,7 @@ def test_drafts_ahead_are_the_drafts(runner, proposer, embedded_tokenizer, promp
     def histograms(ahead: bool) -> list[list[int]]:
         engine = Engine(runner, embedded_tokenizer.eos_token_ids, proposer=proposer,
                         spec=SpecConfig(block=16, ahead=ahead))
+        engine.decoder.ahead_rows = concurrency
         return [r.spec.histogram for r in run_all(engine, prompts[:4], concurrency)]
 
     fresh, ahead = histograms(False), histograms(True)

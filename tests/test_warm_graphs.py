@@ -88,8 +88,9 @@ def test_draft_ahead_steps_are_captured_at_the_warm_up_too(tmp_path):
     ahead; decoding with every kind of step in turn then captures nothing either."""
     warmed, _, later = decode_after(True, tmp_path, spec=SpecConfig(ahead=True))
     assert {ahead for *_, ahead in warmed} == {NO_AHEAD, DRAFT_AHEAD, FROM_AHEAD} and later == 0
-    assert len(warmed) == 3 * 8  # batch sizes 1, 2, 4 x (0, 0) (0, 16), and 4 and 8 each drafting ahead
-    # (after a catch-up of the block or of the whole buffer) and verifying drafts kept ahead
+    # Batch size 1: (0, 0) (0, 16), and 4 and 8 each drafting ahead (after a catch-up of the block
+    # or of the whole buffer) and verifying drafts kept ahead; 2 and 4 rows do not draft ahead.
+    assert len(warmed) == 8 + 2 * 6 and {rows for rows, *_, ahead in warmed if ahead} == {1}
 
 
 def test_the_steps_of_each_kind_of_engine(tmp_path):

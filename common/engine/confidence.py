@@ -28,26 +28,34 @@ PRIOR_STRENGTH = 20.0
 class Calibration:
     def __init__(self, strength: float = PRIOR_STRENGTH):
         self.strength = strength
+        # Counts in units of `scale` (a count is tried[i] * scale), so that fading is one product.
         self.tried = np.zeros(len(PRIOR))
         self.passed = np.zeros(len(PRIOR))
+        self.scale = 1.0
 
     def observe(self, confidence: np.ndarray, drafted: int, block: int) -> None:
         """A verify step of `block` tokens whose drafts were right for the first `drafted`
         positions; confidence[j] is the drafter's log-probability of draft j + 1."""
         reached = min(drafted + 1, block - 1)
         bands = np.searchsorted(EDGES, confidence[:reached])
-        np.add.at(self.tried, bands, 1.0)
-        np.add.at(self.passed, bands[:drafted], 1.0)
+        one = 1.0 / self.scale
+        np.add.at(self.tried, bands, one)
+        np.add.at(self.passed, bands[:drafted], one)
 
     def fade(self, keep: float) -> None:
-        self.tried *= keep
-        self.passed *= keep
+        self.scale *= keep
+        if self.scale < 1e-100:  # fold it into the counts before it underflows
+            self.tried *= self.scale
+            self.passed *= self.scale
+            self.scale = 1.0
 
     def rates(self) -> np.ndarray:
         """Per band, P(a draft is right | the ones before it were)."""
-        return (self.passed + self.strength * PRIOR) / (self.tried + self.strength)
+        return (self.passed * self.scale + self.strength * PRIOR) / (self.tried * self.scale + self.strength)
 
-    def reach(self, confidence: np.ndarray) -> np.ndarray:
-        """confidence [rows, W] -> [rows, W + 1]: P(at least i drafts accepted), [:, 0] = 1."""
-        p = self.rates()[np.searchsorted(EDGES, confidence)].cumprod(axis=1)
+    def reach(self, confidence: np.ndarray, rates: np.ndarray | None = None) -> np.ndarray:
+        """confidence [rows, W] -> [rows, W + 1]: P(at least i drafts accepted), [:, 0] = 1
+        (`rates`: rates() as it was computed last, if nothing was observed since)."""
+        rates = self.rates() if rates is None else rates
+        p = rates[np.searchsorted(EDGES, confidence)].cumprod(axis=1)
         return np.concatenate([np.ones((p.shape[0], 1)), p], axis=1)

@@ -57,6 +57,11 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # A speculative step's draft-ahead kind: none; draft first and draft ahead; verify the drafts
 # kept ahead, and draft ahead.
 NO_AHEAD, DRAFT_AHEAD, FROM_AHEAD = 0, 1, 2
+# Steps of at most this many requests draft ahead. At one row a step costs its launches more
+# than its rows, and a whole block drafted ahead costs little more than the block verified; at 8
+# rows on an H100 a block of 4 drafting 16 ahead cost 1.76 plain steps against 1.45 drafting 4
+# first, more than choosing the block by confidence won (docs/PERFORMANCE.md, 2026-12-05 (evening)).
+AHEAD_ROWS = 1
 
 
 class Decoder:
@@ -65,6 +70,7 @@ class Decoder:
                  max_requests: int = 0, ahead: bool = False):
         self.runner = runner
         self.ahead = ahead and proposer is not None
+        self.ahead_rows = AHEAD_ROWS
         self.eos_token_ids = eos_token_ids
         self.proposer = proposer
         self.policy = policy
@@ -117,10 +123,13 @@ class Decoder:
                 captured, start = self.graphs.captures, time.perf_counter()
                 out = self.launch(chunk, block, catch_up, ahead)
                 # The next step of the same batch (only when in one chunk), weighed while the device
-                # runs this one; after a draft-ahead it is weighed on the drafter's confidence, which
-                # this step's output brings.
-                if len(reqs) <= self.max_rows and not ahead:
-                    self.policy.ahead(chunk)
+                # runs this one; after a draft-ahead all but the drafter's confidence, which this
+                # step's output brings.
+                if len(reqs) <= self.max_rows:
+                    if ahead:
+                        self.policy.weigh_confident(chunk)
+                    else:
+                        self.policy.ahead(chunk)
                 out = self.read(out, chunk)
                 # A step's time prices its kind unless it captured a graph, or it is a speculative
                 # step catching up more than a step after one of its own does: the draft KV of
@@ -135,7 +144,7 @@ class Decoder:
 
     def ahead_kind(self, reqs: list[Request], block: int) -> int:
         """The draft-ahead kind of a step of `block` (0: plain) for these requests."""
-        if not self.ahead or not block or block > self.proposer.block_size:
+        if not self.ahead or not block or block > self.proposer.block_size or len(reqs) > self.ahead_rows:
             return NO_AHEAD
         return FROM_AHEAD if all(r.spec.ahead is not None for r in reqs) else DRAFT_AHEAD
 

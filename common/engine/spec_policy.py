@@ -43,7 +43,10 @@ Where every request of the batch has drafts ahead (the decoder's draft-ahead: th
 drafted the next block and brought the drafter's confidence in each draft), E[tokens | B] is read
 from those confidences instead (common.engine.confidence): how sure the drafter is of this very
 block says more about how far it will be accepted than how far the request's blocks went before.
-Such a choice is not held for later steps, nor weighed ahead: it is this block's.
+Such a choice is not held for later steps: it is this block's. It is made after the step's read,
+while the device waits, so what can be done before is done while the device runs the step that
+drafts ahead (weigh_confident: the evidence of the verify steps since, and the prices of the
+choices), and what is left is a few array operations on the confidences.
 
 Weighing takes tens of microseconds of host time, which a GPU step of a small batch would wait
 for: the decoder has the next step weighed (ahead()) while the device runs this one, and the
@@ -156,6 +159,10 @@ class SpecPolicy:
         self._retrying = False  # this step's exploring choice is such a step, taken again
         self._held: tuple[tuple[int, ...], int, int] = ((), 0, 0)  # (batch, choice, steps left)
         self._ahead: tuple[tuple[int, ...], int] | None = None  # (batch, its next choice), weighed ahead
+        self._confident: list[tuple[np.ndarray, int, int]] = []  # verify steps of drafts kept ahead, not yet counted
+        # (batch, the confidence bands' rates, plain's rate, each block's cost), weighed while a step
+        # that drafts ahead runs
+        self._weighed: tuple[tuple[int, ...], np.ndarray, float, dict[int, float]] | None = None
 
     def new_step(self, reqs: list[Request]) -> None:
         """A decode step of these requests begins (in one or more chunks): fade the evidence, count
@@ -227,14 +234,27 @@ class SpecPolicy:
         self._held = (batch, best, HOLD if clear else 0)
         return best
 
-    def _choose_confident(self, reqs: list[Request]) -> int:
-        """_choose() for requests with drafts ahead: E[tokens | B] from the drafter's confidence."""
+    def weigh_confident(self, reqs: list[Request]) -> None:
+        """While the device runs a step of these requests that drafts ahead: count the verify
+        steps observed since, and price the next step's choices for this batch."""
+        for confidence, drafted, block in self._confident:
+            self.calibration.observe(confidence, drafted, block)
+        self._confident.clear()
+        if self.pinned is not None or self.costs is None:  # nothing to choose
+            return
         rows = len(reqs)
         context = sum(r.cache.length for r in reqs) / rows
-        expected = self.calibration.reach(np.stack([r.spec.ahead for r in reqs])).cumsum(1)
+        self._weighed = (tuple(id(r) for r in reqs), self.calibration.rates(), rows / self._cost(rows, 0, context),
+                         {block: self._cost(rows, block, context) for block in self.blocks})
+
+    def _choose_confident(self, reqs: list[Request]) -> int:
+        """_choose() for requests with drafts ahead: E[tokens | B] from the drafter's confidence."""
+        if self._weighed is None or self._weighed[0] != tuple(id(r) for r in reqs):
+            self.weigh_confident(reqs)
+        _, band_rates, plain, costs = self._weighed
+        expected = self.calibration.reach(np.stack([r.spec.ahead for r in reqs]), band_rates).cumsum(1)
         left = np.array([r.params.max_new_tokens - len(r.output_ids) for r in reqs])
-        plain = rows / self._cost(rows, 0, context)
-        rates = {block: np.minimum(left, expected[:, block - 1]).sum() / self._cost(rows, block, context)
+        rates = {block: np.minimum(left, expected[:, block - 1]).sum() / costs[block]
                  for block in self.blocks if block <= expected.shape[1]}
         best_block = max(rates, key=rates.get)
         best = best_block if rates[best_block] >= PLAIN_EDGE * plain else 0
@@ -276,5 +296,6 @@ class SpecPolicy:
         self.acceptance.observe(drafted, block)
 
     def observe_confident(self, confidence: np.ndarray, drafted: int, block: int) -> None:
-        """The same verify step, whose drafts were drafted ahead with this confidence in each."""
-        self.calibration.observe(confidence, drafted, block)
+        """The same verify step, whose drafts were drafted ahead with this confidence in each
+        (counted by the next weigh_confident)."""
+        self._confident.append((confidence, drafted, block))

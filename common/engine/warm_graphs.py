@@ -10,7 +10,8 @@ ran at half the speed its graphs replay at. So at start-up, over synthetic reque
 size that steps run at takes each step it may be asked for in greedy mode: a plain step (and, in
 a speculating engine, a plain step that catches up a full pending buffer) and each block that
 can be chosen, catching up as a step after that block does and as one after anything else does,
-and with draft-ahead each block drafting ahead, and verifying the drafts kept ahead.
+and with draft-ahead (steps of up to `Decoder.ahead_rows` rows) each block drafting ahead, and verifying the
+drafts kept ahead.
 Sampling modes (temperature, top-k / top-p) are still captured when first asked for.
 """
 from __future__ import annotations
@@ -27,14 +28,14 @@ from common.engine.step_costs import SHORT, synthetic_requests
 logger = logging.getLogger(__name__)
 
 
-def steps(decoder: Decoder, blocks: list[int]) -> list[tuple[int, int, int]]:
-    """(block, catch-up width, draft-ahead kind) of every greedy step the decoder may take; block
-    0 is plain."""
+def steps(decoder: Decoder, blocks: list[int], rows: int = 1) -> list[tuple[int, int, int]]:
+    """(block, catch-up width, draft-ahead kind) of every greedy step of `rows` rows the decoder
+    may take; block 0 is plain."""
     if decoder.proposer is None:
         return [(0, 0, NO_AHEAD)]
     width = decoder.proposer.pending_width
     plain = {(0, 0, NO_AHEAD), (0, width, NO_AHEAD)}
-    if not decoder.ahead:
+    if not decoder.ahead or rows > decoder.ahead_rows:
         return sorted(plain | {(b, c, NO_AHEAD) for b in blocks for c in (b, width)})
     kept = [b for b in blocks if b <= decoder.proposer.block_size]
     return sorted(plain | {(b, c, DRAFT_AHEAD) for b in kept for c in (b, width)} | {(b, 0, FROM_AHEAD) for b in kept}
@@ -46,13 +47,12 @@ def warm_graphs(decoder: Decoder, blocks: list[int]) -> None:
     if not decoder.graphs.enabled:
         return
     start, before = time.perf_counter(), decoder.graphs.captures
-    todo = steps(decoder, blocks)
-    widest = max(max(b, c) for b, c, _ in todo)
+    widest = max(max(b, c) for rows in decoder.step_sizes for b, c, _ in steps(decoder, blocks, rows))
     context = min(SHORT, decoder.runner.cfg.max_position // 4)
     with torch.inference_mode():
         for rows in decoder.step_sizes:
             with synthetic_requests(decoder, rows, widest, context) as reqs:
-                for block, catch_up, ahead in todo:
+                for block, catch_up, ahead in steps(decoder, blocks, rows):
                     if (rows, block, Mode.GREEDY, catch_up, ahead) not in decoder.graphs:
                         decoder.read(decoder.launch(reqs, block, catch_up, ahead), reqs)
     logger.info("captured %d decode graphs in %.1f s", decoder.graphs.captures - before, time.perf_counter() - start)
