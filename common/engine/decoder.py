@@ -24,12 +24,13 @@ the committed tokens' draft KV, then draft a whole block after the last of them)
 drafts on the device, and hands the drafter's confidence in each to the host with the committed
 tokens: the policy then chooses the next block from how sure the drafter is of the drafts it
 would verify (common.engine.confidence), and the next step, if every request in it has drafts
-ahead, verifies them without catching up or drafting first (1. and 0. skipped).
+ahead, verifies them without catching up or drafting first (1. and 0. skipped). Only steps of
+up to `ahead_rows` requests draft ahead (AHEAD_ROWS).
 
 All of it is tensor operations on the device (one CUDA graph per batch size, block, sampling
 mode, catch-up width and draft-ahead kind); the host reads the committed tokens once per step
-and does the bookkeeping. A plain step in a speculative engine only keeps its token's captured states (one
-copy), so that it costs what a plain step without speculation costs; the draft KV of the tokens
+and does the bookkeeping. A plain step in a speculative engine only keeps its token's captured
+states (one copy), so that it costs what a plain step without speculation costs; the draft KV of the tokens
 plain steps commit is written when the request next speculates, all of them at once, or when
 its pending features are full. Steps of more requests than the largest batch size run in
 several steps of that size.

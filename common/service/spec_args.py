@@ -43,9 +43,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="speculate at every step with this block (default: choose per step, off or a block up to "
                         "the drafter's, from step costs measured on this device)")
     p.add_argument("--spec-ahead", default="auto", choices=["auto", "on", "off"],
-                   help="draft each next block at the end of a speculative step and choose its length from the "
-                        "drafter's confidence in it (default auto: on where decode steps replay CUDA graphs and the "
-                        "block is chosen per step)")
+                   help="draft each next block at the end of a speculative step of one request and choose its "
+                        "length from the drafter's confidence in it (default auto: on where decode steps replay CUDA "
+                        "graphs and the block is chosen per step)")
 
 
 def spec_flags(args: argparse.Namespace) -> list[str]:
