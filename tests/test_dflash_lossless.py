@@ -8,12 +8,14 @@ from __future__ import annotations
 import itertools
 import uuid
 
+import numpy as np
 import pytest
 import torch
 from conftest import once_per_run
 
 from common.dflash.drafter import SHIPPED, Drafter
 from common.dflash.proposer import DFlashProposer
+from common.engine.confidence import PRIOR
 from common.engine.engine import Engine
 from common.engine.meta import meta_info
 from common.engine.request import Request
@@ -249,12 +251,34 @@ def test_drafts_ahead_are_the_drafts(runner, proposer, embedded_tokenizer, promp
     with blocks of 16, every request accepts as many drafts at every step with draft-ahead as
     without (a draft context caught up wrongly, a block drafted after the wrong token, or one
     written past its page table, drafts worse and would show here, not in the outputs)."""
+    verified_ahead = []
+
     def histograms(ahead: bool) -> list[list[int]]:
         engine = Engine(runner, embedded_tokenizer.eos_token_ids, proposer=proposer,
                         spec=SpecConfig(block=16, ahead=ahead))
         engine.decoder.ahead_rows = concurrency
+        engine.policy.observe_confident = lambda *a: verified_ahead.append(a)
         return [r.spec.histogram for r in run_all(engine, prompts[:4], concurrency)]
 
-    fresh, ahead = histograms(False), histograms(True)
+    fresh = histograms(False)
+    assert not verified_ahead
+    ahead = histograms(True)
     assert sum(k * n for h in fresh for k, n in enumerate(h)) > 0
+    assert len(verified_ahead) > sum(map(sum, ahead)) // 2  # most steps verified drafts kept ahead
     assert ahead == fresh
+
+
+def test_a_plain_step_chosen_by_confidence_is_one(runner, proposer, embedded_tokenizer, prompts, plain_outputs):
+    """When the drafter is unsure of the block it drafted ahead, the policy decodes one token
+    plainly; the step after it has no drafts ahead and weighs as before (here: speculate), not
+    again by the confidences of the drafts the plain step left behind, nor by a choice held from
+    before them."""
+    engine = Engine(runner, embedded_tokenizer.eos_token_ids, proposer=proposer, spec=SpecConfig(block=16, ahead=True))
+    policy = engine.policy
+    policy.pinned, policy.timed_steps = None, False
+    policy.costs = StepCosts(128, {(1, 0): 1.0, (1, 4): 1.1, (1, 8): 1.2, (1, 16): 1.4})
+    policy.calibration.rates = lambda: np.full(len(PRIOR), 0.01)  # every draft kept ahead looks hopeless
+    reqs = run_all(engine, prompts[:2], 1)
+    assert [r.output_ids for r in reqs] == plain_outputs["greedy"][:2]
+    for r in reqs:
+        assert r.spec.plain_steps > 0 and abs(r.spec.plain_steps - r.spec.verify_ct) <= 1, meta_info(r)

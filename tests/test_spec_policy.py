@@ -305,3 +305,25 @@ def test_policy_verifies_a_block_by_how_sure_the_drafter_is_of_it():
         req.spec.ahead = np.log(probs)
         policy.new_step([req])
         assert policy.choose([req]) == block, (probs, block)
+
+
+def test_a_block_chosen_by_confidence_ends_a_held_choice():
+    """A choice held for the next steps of a batch (the estimates move slowly) is not this
+    block's once the drafter's confidence has chosen one: when the batch is weighed as before
+    again, it is weighed, not taken from before."""
+    policy = SpecPolicy(16, SpecConfig(timed=False), COSTS)
+    req = request()
+    for _ in range(50):
+        req.spec.record(7, 8, 7)  # every draft right: speculating is the clear choice, held
+    policy.new_step([req])
+    assert policy.choose([req]) > 0
+    req.spec.ahead = np.log([0.99] * 15)
+    policy.new_step([req])
+    policy.choose([req])
+    req.spec.ahead = None
+    req.spec.acceptance = Acceptance(16)
+    for _ in range(200):
+        req.spec.record(0, 4, 0)  # now every first draft misses
+        policy.observe(0, 4)
+    policy.new_step([req])
+    assert policy.choose([req]) == 0

@@ -25,6 +25,7 @@ class RecordingGraphs:
 
     def __init__(self) -> None:
         self.keys: set = set()
+        self.asked: set = set()  # every key a step ran
         self.captures = 0
 
     def __contains__(self, key) -> bool:
@@ -39,21 +40,26 @@ class RecordingGraphs:
         self.captures += 1
 
     def run(self, key, fn):
+        self.asked.add(key)
         if key not in self.keys:
             self.capture(key, fn)
         return fn()
 
 
-def decode_after(warm: bool, tmp_path, **engine_args) -> tuple[set, set, int]:
-    """(keys the warm-up captured, keys captured while decoding, captures while decoding). Six requests, more than the
+def decode_after(warm: bool, tmp_path, ahead_rows: int | None = None, **engine_args) -> tuple[set, set, int, set]:
+    """(keys the warm-up captured, keys captured while decoding, captures while decoding, keys
+    decoding ran). Six requests, more than the
     largest batch size (4): their pending rows were reserved at start-up too, or the decoder
     would take a larger buffer, and capture every graph again, when the fifth arrives."""
     engine = speculating_engine(str(tmp_path / "drafter"), block_size=8, **({"batch_sizes": (1, 2, 4)} | engine_args))
     decoder = engine.decoder
     decoder.graphs = RecordingGraphs()
+    if ahead_rows is not None:
+        decoder.ahead_rows = ahead_rows
     if warm:
         warm_graphs(decoder, engine.policy.blocks)
     warmed, captured = set(decoder.graphs.keys), decoder.graphs.captures
+    decoder.graphs.asked.clear()
     # Blocks that change; a speculative step after 5 plain ones (whose pending tokens are more
     # than its block); 17 plain steps in a row (a full pending buffer, caught up by a plain step).
     choices = itertools.cycle([0, 4, 0, 0, 8, 4, 8] + [0] * 5 + [4] + [0] * 17)
@@ -62,17 +68,17 @@ def decode_after(warm: bool, tmp_path, **engine_args) -> tuple[set, set, int]:
             for i in range(6)]
     engine.run_all(reqs)
     assert all(len(r.output_ids) == r.params.max_new_tokens for r in reqs)
-    return warmed, decoder.graphs.keys - warmed, decoder.graphs.captures - captured
+    return warmed, decoder.graphs.keys - warmed, decoder.graphs.captures - captured, decoder.graphs.asked
 
 
 def test_decoding_captures_nothing_after_the_warm_up(tmp_path):
-    warmed, _, later = decode_after(True, tmp_path)
+    warmed, _, later, _ = decode_after(True, tmp_path)
     assert len(warmed) == 3 * 6 and later == 0  # batch sizes 1, 2, 4 x (0, 0) (0, 16) (4, 4) (4, 16) (8, 8) (8, 16)
 
 
 def test_the_warm_up_stops_at_the_batch_size_the_engine_s_requests_pad_to(tmp_path):
     """At most 3 requests at a time run in graphs of 4 rows: the warm-up captures no graph of 8."""
-    warmed, _, later = decode_after(True, tmp_path, batch_sizes=(1, 2, 4, 8), max_running=3)
+    warmed, _, later, _ = decode_after(True, tmp_path, batch_sizes=(1, 2, 4, 8), max_running=3)
     assert {rows for rows, *_ in warmed} == {1, 2, 4} and later == 0
 
 
@@ -86,10 +92,15 @@ def test_without_the_warm_up_decoding_captures_the_catch_ups_too(tmp_path):
 def test_draft_ahead_steps_are_captured_at_the_warm_up_too(tmp_path):
     """With draft-ahead every block drafts ahead, first drafting or verifying the drafts kept
     ahead; decoding with every kind of step in turn then captures nothing either."""
-    warmed, _, later = decode_after(True, tmp_path, spec=SpecConfig(ahead=True))
-    assert {ahead for *_, ahead in warmed} == {NO_AHEAD, DRAFT_AHEAD, FROM_AHEAD} and later == 0
-    # Batch size 1: (0, 0) (0, 16), and 4 and 8 each drafting ahead (after a catch-up of the block
-    # or of the whole buffer) and verifying drafts kept ahead; 2 and 4 rows do not draft ahead.
+    warmed, _, later, ran = decode_after(True, tmp_path, ahead_rows=4, spec=SpecConfig(ahead=True))
+    assert {ahead for *_, ahead in ran} == {NO_AHEAD, DRAFT_AHEAD, FROM_AHEAD} and later == 0  # each kind ran
+    # Each batch size: (0, 0) (0, 16), and 4 and 8 each drafting ahead (after a catch-up of the
+    # block or of the whole buffer) and verifying drafts kept ahead.
+    assert len(warmed) == 3 * 8
+
+
+def test_by_default_only_single_requests_draft_ahead(tmp_path):
+    warmed = decode_after(True, tmp_path, spec=SpecConfig(ahead=True))[0]
     assert len(warmed) == 8 + 2 * 6 and {rows for rows, *_, ahead in warmed if ahead} == {1}
 
 

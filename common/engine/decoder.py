@@ -70,7 +70,7 @@ class Decoder:
                  policy: SpecPolicy | None = None, batch_sizes: tuple[int, ...] = BATCH_SIZES,
                  max_requests: int = 0, ahead: bool = False):
         self.runner = runner
-        self.ahead = ahead and proposer is not None
+        self.ahead = ahead and proposer is not None and policy is not None
         self.ahead_rows = AHEAD_ROWS
         self.eos_token_ids = eos_token_ids
         self.proposer = proposer
@@ -116,6 +116,10 @@ class Decoder:
             chunk = reqs[i:i + self.max_rows]
             block = self.policy.choose(chunk) if self.policy is not None else 0
             ahead = self.ahead_kind(chunk, block)
+            if not ahead:  # drafts kept ahead are of no use past a step that does not verify them
+                for r in chunk:
+                    if r.spec is not None:
+                        r.spec.ahead = None
             catch_up = self.catch_up(chunk, block, ahead)
             if self.policy is None:
                 out = self.read(self.launch(chunk, block, catch_up), chunk)
@@ -135,8 +139,11 @@ class Decoder:
                 # A step's time prices its kind unless it captured a graph, or it is a speculative
                 # step catching up more than a step after one of its own does: the draft KV of
                 # tokens that plain steps committed, which a plain step writes when its pending
-                # buffer is full, and which is part of the plain price.
-                if self.graphs.captures == captured and (block == 0 or catch_up <= block):
+                # buffer is full, and which is part of the plain price. With draft-ahead a block's
+                # price is a step's that verifies drafts kept ahead: one that drafts first as well
+                # (after plain steps) is not timed.
+                timed = block == 0 or (catch_up <= block and ahead != DRAFT_AHEAD)
+                if self.graphs.captures == captured and timed:
                     self.policy.timed(len(chunk), block, context, time.perf_counter() - start)
                 else:
                     self.policy.untimed(block)
@@ -145,7 +152,7 @@ class Decoder:
 
     def ahead_kind(self, reqs: list[Request], block: int) -> int:
         """The draft-ahead kind of a step of `block` (0: plain) for these requests."""
-        if not self.ahead or not block or block > self.proposer.block_size or len(reqs) > self.ahead_rows:
+        if not self.ahead or not block or block > self.proposer.block_size or self._rows(reqs) > self.ahead_rows:
             return NO_AHEAD
         return FROM_AHEAD if all(r.spec.ahead is not None for r in reqs) else DRAFT_AHEAD
 
@@ -153,7 +160,8 @@ class Decoder:
         """How many pending tokens per row the step writes into the draft KV first (0: none).
         A plain step keeps its token's features while every row has room for them; a
         speculative step drafts from the whole context, reading B per row where that covers
-        every row's pending tokens (as after a step of B), else the whole buffer."""
+        every row's pending tokens (as after a step of B), else the whole buffer; one that
+        verifies drafts kept ahead has nothing pending (the step before wrote what it committed)."""
         if self.proposer is None or ahead == FROM_AHEAD:  # the step before caught up all it committed
             return 0
         pending = max(r.cache.length - r.draft_cache.length for r in reqs)
@@ -184,7 +192,7 @@ class Decoder:
         if self.proposer is not None and self.proposer.hold_slots([r.draft_cache for r in reqs]):
             self._make_inputs(self.inputs.stop_width)
         graphs = self.graphs.enabled
-        rows = next(s for s in self.sizes if s >= len(reqs)) if graphs else len(reqs)
+        rows = self._rows(reqs)
         mode = mode_of([r.params for r in reqs])
         # Without graphs shapes may vary: page tables only as wide as this step needs (a block
         # drafted ahead reaches a whole drafter block past the committed tokens).
@@ -206,6 +214,10 @@ class Decoder:
         out = self.graphs.run(key, step)
         self.clock.stop(block)
         return out
+
+    def _rows(self, reqs: list[Request]) -> int:
+        """The rows a step of these requests runs: with CUDA graphs, the batch size it pads to."""
+        return next(s for s in self.sizes if s >= len(reqs)) if self.graphs.enabled else len(reqs)
 
     def _width(self, reqs: list[Request], tokens: int) -> int:
         page = self.runner.page_size
@@ -288,8 +300,8 @@ class Decoder:
                 tokens = [int(row[0])]
                 if req.spec is not None:
                     req.spec.plain_steps += 1
-            if req.spec is not None:
-                req.spec.ahead = row[block + 2:].view(np.float64) if ahead else None
+            if ahead:
+                req.spec.ahead = row[block + 2:].view(np.float64)
             req.append_tokens(tokens, self.eos_token_ids)
             if caught_up:
                 req.draft_cache.length = req.cache.length

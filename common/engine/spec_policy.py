@@ -249,6 +249,7 @@ class SpecPolicy:
 
     def _choose_confident(self, reqs: list[Request]) -> int:
         """_choose() for requests with drafts ahead: E[tokens | B] from the drafter's confidence."""
+        self._held = ((), 0, 0)  # a choice held from before is not this block's
         if self._weighed is None or self._weighed[0] != tuple(id(r) for r in reqs):
             self.weigh_confident(reqs)
         _, band_rates, plain, costs = self._weighed

@@ -22,7 +22,7 @@ class SpecStats:
     acceptance: Acceptance | None = None  # set in __post_init__
     # The drafter's log-probability of each draft of the block it drafted ahead for the next
     # step (common.engine.decoder), or None when the last step drafted none for this request.
-    ahead: np.ndarray | None = None
+    ahead: np.ndarray | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self.histogram = self.histogram or [0] * self.max_block

@@ -167,7 +167,8 @@ def _signature(decoder: Decoder, blocks: list[int]) -> str:
     facts = {"model": asdict(runner.cfg), "proposer": proposer.name if proposer is not None else None,
              "dtype": str(runner.dtype), "device": device, "torch": torch.__version__, "graphs": decoder.graphs.enabled,
              "rows": measured_rows(decoder), "page_size": runner.page_size, "blocks": blocks,
-             "layout": asdict(runner.layout), "short": SHORT, "long": LONG, "ahead": decoder.ahead,
+             "layout": asdict(runner.layout), "short": SHORT, "long": LONG,
+             "ahead_rows": decoder.ahead_rows if decoder.ahead else 0,
              "code": code.hexdigest()}
     text = json.dumps(facts, sort_keys=True, default=lambda o: asdict(o) if is_dataclass(o) else str(o))
     return f"{runner.cfg.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"

@@ -166,8 +166,7 @@ def _speculative(model: str | None, num: int = 32, variants: tuple[str, ...] = (
         specs[name] = Engine(runner, tok.eos_token_ids, proposer=proposers[name], spec=SpecConfig(block=16, ahead=ahead))
         if ahead:
             specs[name].decoder.ahead_rows = 8  # batches of 8 draft ahead too (by default only single requests)
-            choices = itertools.cycle([4, 16, 0, 8])
-            specs[name].policy.choose = lambda reqs: next(choices)
+            specs[name].policy.choose = lambda reqs, choices=itertools.cycle([4, 16, 0, 8]): next(choices)
     period = tuple(tok.encode("."))
     cases = {
         "greedy": lambda i: SamplingParams(max_new_tokens=96),
