@@ -10,10 +10,10 @@ were) as that band's rate. P(at least i drafts accepted) is the product over pos
 
 On the embedded model and its drafter (GSM8K chat, fp32, one request at a time), choosing each
 step's block from these estimates instead of from the acceptance seen so far took the speedup
-over plain decoding from 1.89x to 1.99x on an H100 (docs/PERFORMANCE.md, 2026-12-05 (evening)).
-Each band's estimate starts at the band's own probability, worth PRIOR_STRENGTH verify steps,
-and its evidence fades like the acceptance estimate over all requests, so that it follows a
-change of prompts.
+over plain decoding from 1.89x to 1.99x on an H100 (docs/PERFORMANCE.md, 2026-12-05 (late
+afternoon)). Each band's estimate starts at the band's own probability, worth PRIOR_STRENGTH
+verify steps, and its evidence fades like the acceptance estimate over all requests, so that it
+follows a change of prompts.
 """
 from __future__ import annotations
 

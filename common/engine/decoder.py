@@ -61,7 +61,8 @@ NO_AHEAD, DRAFT_AHEAD, FROM_AHEAD = 0, 1, 2
 # Steps of at most this many requests draft ahead. At one row a step costs its launches more
 # than its rows, and a whole block drafted ahead costs little more than the block verified; at 8
 # rows on an H100 a block of 4 drafting 16 ahead cost 1.76 plain steps against 1.45 drafting 4
-# first, more than choosing the block by confidence won (docs/PERFORMANCE.md, 2026-12-05 (evening)).
+# first, more than choosing the block by confidence won (docs/PERFORMANCE.md, 2026-12-05 (late
+# afternoon)).
 AHEAD_ROWS = 1
 
 
