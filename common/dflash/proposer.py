@@ -12,11 +12,11 @@
                     confidence in each, which the host reads with the committed tokens
 
 keep(), catch_up(), draft(), draft_ahead() and ahead() take static tensors (fixed shapes, no
-host reads), so they run inside the CUDA graph of a decode or speculative step. The draft KV has its own page pool and
-page tables (its head and layer counts are the drafter's), laid out like the target's:
-[layer, k/v, page, token, head, dim]. A request's draft KV may lag its target KV by the tokens
-whose features are pending: draft_cache.length counts the tokens written, and its state_slot
-is its row of pending features (0: none yet).
+host reads), so they run inside the CUDA graph of a decode or speculative step. The draft KV has
+its own page pool and page tables (its head and layer counts are the drafter's), laid out like
+the target's: [layer, k/v, page, token, head, dim]. A request's draft KV may lag its target KV
+by the tokens whose features are pending: draft_cache.length counts the tokens written, and its
+state_slot is its row of pending features (0: none yet).
 """
 from __future__ import annotations
 
