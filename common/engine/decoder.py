@@ -117,7 +117,7 @@ class Decoder:
             chunk = reqs[i:i + self.max_rows]
             block = self.policy.choose(chunk) if self.policy is not None else 0
             ahead = self.ahead_kind(chunk, block)
-            if not ahead:  # drafts kept ahead are of no use past a step that does not verify them
+            if self.ahead and not ahead:  # drafts kept ahead are of no use past a step that does not verify them
                 for r in chunk:
                     if r.spec is not None:
                         r.spec.ahead = None
@@ -153,9 +153,13 @@ class Decoder:
 
     def ahead_kind(self, reqs: list[Request], block: int) -> int:
         """The draft-ahead kind of a step of `block` (0: plain) for these requests."""
-        if not self.ahead or not block or block > self.proposer.block_size or self._rows(reqs) > self.ahead_rows:
+        if not self.may_draft_ahead(self._rows(reqs), block):
             return NO_AHEAD
         return FROM_AHEAD if all(r.spec.ahead is not None for r in reqs) else DRAFT_AHEAD
+
+    def may_draft_ahead(self, rows: int, block: int) -> bool:
+        """Whether a step of `block` (0: plain) that runs `rows` rows drafts ahead."""
+        return self.ahead and 0 < block <= self.proposer.block_size and rows <= self.ahead_rows
 
     def catch_up(self, reqs: list[Request], block: int, ahead: int = NO_AHEAD) -> int:
         """How many pending tokens per row the step writes into the draft KV first (0: none).

@@ -34,12 +34,13 @@ def steps(decoder: Decoder, blocks: list[int], rows: int = 1) -> list[tuple[int,
     if decoder.proposer is None:
         return [(0, 0, NO_AHEAD)]
     width = decoder.proposer.pending_width
-    plain = {(0, 0, NO_AHEAD), (0, width, NO_AHEAD)}
-    if not decoder.ahead or rows > decoder.ahead_rows:
-        return sorted(plain | {(b, c, NO_AHEAD) for b in blocks for c in (b, width)})
-    kept = [b for b in blocks if b <= decoder.proposer.block_size]
-    return sorted(plain | {(b, c, DRAFT_AHEAD) for b in kept for c in (b, width)} | {(b, 0, FROM_AHEAD) for b in kept}
-                  | {(b, c, NO_AHEAD) for b in blocks if b not in kept for c in (b, width)})
+    todo = {(0, 0, NO_AHEAD), (0, width, NO_AHEAD)}
+    for b in blocks:
+        if decoder.may_draft_ahead(rows, b):
+            todo |= {(b, b, DRAFT_AHEAD), (b, width, DRAFT_AHEAD), (b, 0, FROM_AHEAD)}
+        else:
+            todo |= {(b, b, NO_AHEAD), (b, width, NO_AHEAD)}
+    return sorted(todo)
 
 
 def warm_graphs(decoder: Decoder, blocks: list[int]) -> None:

@@ -109,7 +109,7 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
     """How the engine speculates (--spec-block, --spec-ahead), and where it keeps the step costs it measures."""
     if args.spec_block is not None and args.spec_block < 2:
         raise ValueError(f"--spec-block must be at least 2 (the last token and a draft), got {args.spec_block}")
-    ahead = {"auto": None, "on": True, "off": False}[getattr(args, "spec_ahead", "auto")]
+    ahead = {"auto": None, "on": True, "off": False}[args.spec_ahead]
     return SpecConfig(block=args.spec_block, cache_dir=CACHE_DIR, ahead=ahead)
 
 
