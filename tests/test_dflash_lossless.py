@@ -226,7 +226,7 @@ def test_draft_ahead_lossless(runner, proposer, embedded_tokenizer, prompts, pla
     for r in reqs:
         check_invariants(meta_info(r))
     assert verified_ahead and sum(drafted for _, drafted, _ in verified_ahead) > 0
-    assert all(len(confidence) == proposer.block_size - 1 and (confidence <= 0).all() for confidence, _, _ in verified_ahead)
+    assert all(len(confidence) == proposer.block_size - 1 and max(confidence) <= 0 for confidence, _, _ in verified_ahead)
     assert runner.pool.num_free == runner.pool.num_pages and proposer.pool.num_free == proposer.pool.num_pages
 
 

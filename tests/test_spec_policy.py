@@ -286,12 +286,12 @@ def test_confidence_bands_learn_how_often_drafts_are_right():
     the drafter is 95% sure of that are right half the time are read as a coin toss."""
     cal = Calibration()
     sure = np.full(15, math.log(0.96))
-    assert cal.reach(sure[None])[0, 1] == pytest.approx(0.965)
+    assert cal.reach(sure)[1] == pytest.approx(0.965)
     rng = random.Random(0)
     for _ in range(400):
         drafted = next((i for i in range(15) if rng.random() >= 0.5), 15)
         cal.observe(sure, drafted, 16)
-    p = cal.reach(sure[None])[0]
+    p = cal.reach(sure)
     assert p[0] == 1.0 and p[1] == pytest.approx(0.5, abs=0.05) and p[2] == pytest.approx(0.25, abs=0.05)
 
 

@@ -21,34 +21,62 @@ The leaning is of each P(at least i), by the verify steps whose block held posit
 continuation instead would compound along the product, and the steps that reached i are fewer the
 deeper i is, which would lean the deep positions for ever. Positions that no block held keep the
 lean of the prior's weight alone, a push toward trying the longer block. The policy weighs every
-running request at every step, so the arithmetic is numpy over the whole batch (`reach`), and
-fading multiplies one scale per request instead of its counts.
+running request at every step, so the arithmetic is numpy over the whole batch (`reach`),
+fading multiplies one scale per request instead of its counts, and a verify step's observation
+is queued and counted when the estimate is next read: a step observes while the device waits for
+the host, and the policy reads mostly while the device runs the next step.
 """
 from __future__ import annotations
 
 import numpy as np
+
+MAX_OBSERVED = 64  # verify steps queued at most (an estimate nobody reads)
 
 
 class Acceptance:
     def __init__(self, max_block: int):
         # Counts in units of `scale`: a count is passed[i] * scale. Position i was held by the
         # block of `held` verify steps, reached by `tried` of them and passed by `passed`.
-        self.held = np.zeros(max_block)
-        self.tried = np.zeros(max_block)
-        self.passed = np.zeros(max_block)
+        self._held = np.zeros(max_block)
+        self._tried = np.zeros(max_block)
+        self._passed = np.zeros(max_block)
         self.scale = 1.0
+        # Verify steps observed and not yet counted: (drafted, block, one count in units of scale).
+        self._observed: list[tuple[int, int, float]] = []
 
     def observe(self, drafted: int, block: int) -> None:
-        one = 1.0 / self.scale
-        self.held[1:block] += one
-        self.tried[1:min(drafted + 1, block - 1) + 1] += one
-        self.passed[1:drafted + 1] += one
+        self._observed.append((drafted, block, 1.0 / self.scale))
+        if len(self._observed) >= MAX_OBSERVED:
+            self._count()
+
+    def _count(self) -> None:
+        for drafted, block, one in self._observed:
+            self._held[1:block] += one
+            self._tried[1:min(drafted + 1, block - 1) + 1] += one
+            self._passed[1:drafted + 1] += one
+        self._observed.clear()
+
+    @property
+    def held(self) -> np.ndarray:
+        self._count()
+        return self._held
+
+    @property
+    def tried(self) -> np.ndarray:
+        self._count()
+        return self._tried
+
+    @property
+    def passed(self) -> np.ndarray:
+        self._count()
+        return self._passed
 
     def fade(self, keep: float) -> None:
         """One decode step passed: every count keeps this share."""
         self.scale *= keep
         if self.scale < 1e-100:  # fold it into the counts before it underflows
-            for counts in (self.held, self.tried, self.passed):
+            self._count()
+            for counts in (self._held, self._tried, self._passed):
                 counts *= self.scale
             self.scale = 1.0
 

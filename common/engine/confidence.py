@@ -17,10 +17,14 @@ follows a change of prompts.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Sequence
+
 import numpy as np
 
 # Bands of log-probability: below 5%, 5-10%, ..., 98-99%, above 99%.
 EDGES = np.log(np.array([0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99]))
+_EDGES = EDGES.tolist()  # band i holds (EDGES[i - 1], EDGES[i]], as np.searchsorted bands them
 PRIOR = np.array([0.025, 0.075, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.925, 0.965, 0.985, 0.995])
 PRIOR_STRENGTH = 20.0
 
@@ -33,7 +37,7 @@ class Calibration:
         self.passed = np.zeros(len(PRIOR))
         self.scale = 1.0
 
-    def observe(self, confidence: np.ndarray, drafted: int, block: int) -> None:
+    def observe(self, confidence: Sequence[float], drafted: int, block: int) -> None:
         """A verify step of `block` tokens whose drafts were right for the first `drafted`
         positions; confidence[j] is the drafter's log-probability of draft j + 1."""
         reached = min(drafted + 1, block - 1)
@@ -53,9 +57,14 @@ class Calibration:
         """Per band, P(a draft is right | the ones before it were)."""
         return (self.passed * self.scale + self.strength * PRIOR) / (self.tried * self.scale + self.strength)
 
-    def reach(self, confidence: np.ndarray, rates: np.ndarray | None = None) -> np.ndarray:
-        """confidence [rows, W] -> [rows, W + 1]: P(at least i drafts accepted), [:, 0] = 1
-        (`rates`: rates() as it was computed last, if nothing was observed since)."""
-        rates = self.rates() if rates is None else rates
-        p = rates[np.searchsorted(EDGES, confidence)].cumprod(axis=1)
-        return np.concatenate([np.ones((p.shape[0], 1)), p], axis=1)
+    def reach(self, confidence: Sequence[float], rates: Sequence[float] | None = None) -> list[float]:
+        """One request's confidences [W] -> P(at least i drafts accepted) for i = 0..W ([0] = 1)
+        (`rates`: rates() as it was computed last, if nothing was observed since). In plain
+        Python: the policy reads it after the step's read, while the device waits, and on a GPU
+        host a dozen numpy calls on a row of 15 took longer than this loop."""
+        rates = self.rates().tolist() if rates is None else rates
+        p, out = 1.0, [1.0]
+        for c in confidence:
+            p *= rates[bisect_left(_EDGES, c)]
+            out.append(p)
+        return out

@@ -306,7 +306,7 @@ class Decoder:
                 if req.spec is not None:
                     req.spec.plain_steps += 1
             if ahead:
-                req.spec.ahead = row[block + 2:].view(np.float64)
+                req.spec.ahead = row[block + 2:].view(np.float64).tolist()
             req.append_tokens(tokens, self.eos_token_ids)
             if caught_up:
                 req.draft_cache.length = req.cache.length

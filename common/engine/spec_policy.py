@@ -46,7 +46,7 @@ block says more about how far it will be accepted than how far the request's blo
 Such a choice is not held for later steps: it is this block's. It is made after the step's read,
 while the device waits, so what can be done before is done while the device runs the step that
 drafts ahead (weigh_confident: the evidence of the verify steps since, and the prices of the
-choices), and what is left is a few array operations on the confidences.
+choices), and what is left is a short loop over the confidences.
 
 Weighing takes tens of microseconds of host time, which a GPU step of a small batch would wait
 for: the decoder has the next step weighed (ahead()) while the device runs this one, and the
@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 
@@ -159,10 +160,11 @@ class SpecPolicy:
         self._retrying = False  # this step's exploring choice is such a step, taken again
         self._held: tuple[tuple[int, ...], int, int] = ((), 0, 0)  # (batch, choice, steps left)
         self._ahead: tuple[tuple[int, ...], int] | None = None  # (batch, its next choice), weighed ahead
-        self._confident: list[tuple[np.ndarray, int, int]] = []  # verify steps of drafts kept ahead, not yet counted
+        self._confident: list[tuple[list[float], int, int]] = []  # verify steps of drafts kept ahead, not yet counted
         # (batch, the confidence bands' rates, plain's rate, each block's cost), weighed while a step
         # that drafts ahead runs
-        self._weighed: tuple[tuple[int, ...], np.ndarray, float, dict[int, float]] | None = None
+        self._weighed: tuple[tuple[int, ...], list[float], float, dict[int, float]] | None = None
+        self._times: list[tuple[int, int, float, float, int]] = []  # steps timed, not yet priced
 
     def new_step(self, reqs: list[Request]) -> None:
         """A decode step of these requests begins (in one or more chunks): fade the evidence, count
@@ -209,6 +211,7 @@ class SpecPolicy:
             return self.pinned
         if self.costs is None:
             return self.blocks[-1]
+        self._price()
         if all(r.spec.ahead is not None for r in reqs):
             return self._choose_confident(reqs)
         batch = tuple(id(r) for r in reqs)
@@ -242,10 +245,11 @@ class SpecPolicy:
         self._confident.clear()
         if self.pinned is not None or self.costs is None:  # nothing to choose
             return
+        self._price()
         rows = len(reqs)
         context = sum(r.cache.length for r in reqs) / rows
-        self._weighed = (tuple(id(r) for r in reqs), self.calibration.rates(), rows / self._cost(rows, 0, context),
-                         {block: self._cost(rows, block, context) for block in self.blocks})
+        self._weighed = (tuple(id(r) for r in reqs), self.calibration.rates().tolist(),
+                         rows / self._cost(rows, 0, context), {block: self._cost(rows, block, context) for block in self.blocks})
 
     def _choose_confident(self, reqs: list[Request]) -> int:
         """_choose() for requests with drafts ahead: E[tokens | B] from the drafter's confidence."""
@@ -253,10 +257,15 @@ class SpecPolicy:
         if self._weighed is None or self._weighed[0] != tuple(id(r) for r in reqs):
             self.weigh_confident(reqs)
         _, band_rates, plain, costs = self._weighed
-        expected = self.calibration.reach(np.stack([r.spec.ahead for r in reqs]), band_rates).cumsum(1)
-        left = np.array([r.params.max_new_tokens - len(r.output_ids) for r in reqs])
-        rates = {block: np.minimum(left, expected[:, block - 1]).sum() / costs[block]
-                 for block in self.blocks if block <= expected.shape[1]}
+        drafted = len(reqs[0].spec.ahead) + 1  # the block the drafts ahead fill
+        tokens = {block: 0.0 for block in costs if block <= drafted}
+        for r in reqs:
+            # E[tokens | B] = 1 + P(>= 1) + ... + P(>= B - 1), and no more than the request has left
+            expected = list(accumulate(self.calibration.reach(r.spec.ahead, band_rates)))
+            left = r.params.max_new_tokens - len(r.output_ids)
+            for block in tokens:
+                tokens[block] += min(left, expected[block - 1])
+        rates = {block: tokens[block] / costs[block] for block in tokens}
         best_block = max(rates, key=rates.get)
         best = best_block if rates[best_block] >= PLAIN_EDGE * plain else 0
         self._others = [best_block if best == 0 else 0]
@@ -272,19 +281,27 @@ class SpecPolicy:
 
     def timed(self, rows: int, block: int, context: float, seconds: float) -> None:
         """A step of `rows` requests at `context` tokens of context each took `seconds` (host
-        synchronisation included, as the start-up costs were measured)."""
+        synchronisation included, as the start-up costs were measured). Priced when the policy
+        next weighs: the step's read is where the device waits for the host, and the next
+        choice was weighed while this step ran."""
         if self.costs is None or not self.timed_steps or block not in self.log_price:
             return
+        self._times.append((rows, block, context, seconds, self._steps))
+
+    def _price(self) -> None:
+        """Move the prices by the steps timed since the last weighing."""
         lo, hi = PRICE_LIMITS
-        ratio = math.log(min(max(seconds / self.costs.cost(rows, block, context), lo), hi))
-        self.level = LEVEL_KEEP * self.level + (1 - LEVEL_KEEP) * (ratio - self.log_price[block])
-        keep = max(PRICE_LEAST_KEPT, PRICE_KEEP ** (self._steps - self._timed_at[block]))
-        self.log_price[block] = keep * self.log_price[block] + (1 - keep) * (ratio - self.level)
-        self._timed_at[block] = self._steps
-        shift = self.log_price[0]  # plain's price stays 1: the level takes the common factor
-        self.level += shift
-        for b in self.log_price:
-            self.log_price[b] -= shift
+        for rows, block, context, seconds, step in self._times:
+            ratio = math.log(min(max(seconds / self.costs.cost(rows, block, context), lo), hi))
+            self.level = LEVEL_KEEP * self.level + (1 - LEVEL_KEEP) * (ratio - self.log_price[block])
+            keep = max(PRICE_LEAST_KEPT, PRICE_KEEP ** (step - self._timed_at[block]))
+            self.log_price[block] = keep * self.log_price[block] + (1 - keep) * (ratio - self.level)
+            self._timed_at[block] = step
+            shift = self.log_price[0]  # plain's price stays 1: the level takes the common factor
+            self.level += shift
+            for b in self.log_price:
+                self.log_price[b] -= shift
+        self._times.clear()
 
     def untimed(self, block: int) -> None:
         """The step just taken with this block was not timed (see the module's notes)."""
@@ -296,7 +313,7 @@ class SpecPolicy:
         evidence is recorded by SpecStats.record)."""
         self.acceptance.observe(drafted, block)
 
-    def observe_confident(self, confidence: np.ndarray, drafted: int, block: int) -> None:
+    def observe_confident(self, confidence: list[float], drafted: int, block: int) -> None:
         """The same verify step, whose drafts were drafted ahead with this confidence in each
         (counted by the next weigh_confident)."""
         self._confident.append((confidence, drafted, block))

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from common.engine.acceptance import Acceptance
 
 
@@ -22,7 +20,7 @@ class SpecStats:
     acceptance: Acceptance | None = None  # set in __post_init__
     # The drafter's log-probability of each draft of the block it drafted ahead for the next
     # step (common.engine.decoder), or None when the last step drafted none for this request.
-    ahead: np.ndarray | None = field(default=None, compare=False)
+    ahead: list[float] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self.histogram = self.histogram or [0] * self.max_block

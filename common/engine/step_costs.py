@@ -22,7 +22,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, is_dataclass
 
-import numpy as np
 import torch
 
 from common.engine.decoder import Decoder
@@ -141,7 +140,7 @@ def synthetic_requests(decoder: Decoder, rows: int, block: int, context: int) ->
                 req.draft_cache = SeqCache(list(held[1][i % own]), context)
                 req.spec = SpecStats(max(proposer.block_size, block))
                 if decoder.ahead:  # steps verify drafts kept ahead, as a draft-ahead engine's mostly do
-                    req.spec.ahead = np.zeros(proposer.block_size - 1)
+                    req.spec.ahead = [0.0] * (proposer.block_size - 1)
             reqs.append(req)
         yield reqs
     finally:
