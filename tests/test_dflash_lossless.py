@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import uuid
 
-import numpy as np
 import pytest
 import torch
 from conftest import once_per_run
@@ -240,7 +239,7 @@ def test_draft_ahead_policy_chooses_blocks_by_confidence(runner, proposer, embed
     engine.policy.costs = StepCosts(128, {(1, 0): 1.0, (1, 4): 1.5, (1, 8): 1.9, (1, 16): 2.8})
     reqs = run_all(engine, prompts[:6], 1)
     assert [r.output_ids for r in reqs] == plain_outputs["greedy"][:6]
-    assert engine.policy.calibration.tried.sum() > 0
+    assert sum(engine.policy.calibration.tried) > 0
     blocks = [sum(r.spec.block_histogram[b] for r in reqs) for b in (4, 8, 16)]
     assert sum(1 for n in blocks if n) >= 2, blocks
 
@@ -277,7 +276,7 @@ def test_a_plain_step_chosen_by_confidence_is_one(runner, proposer, embedded_tok
     policy = engine.policy
     policy.pinned, policy.timed_steps = None, False
     policy.costs = StepCosts(128, {(1, 0): 1.0, (1, 4): 1.1, (1, 8): 1.2, (1, 16): 1.4})
-    policy.calibration.rates = lambda: np.full(len(PRIOR), 0.01)  # every draft kept ahead looks hopeless
+    policy.calibration.rates = lambda: [0.01] * len(PRIOR)  # every draft kept ahead looks hopeless
     reqs = run_all(engine, prompts[:2], 1)
     assert [r.output_ids for r in reqs] == plain_outputs["greedy"][:2]
     for r in reqs:

@@ -17,54 +17,57 @@ follows a change of prompts.
 """
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Sequence
 
-import numpy as np
-
-# Bands of log-probability: below 5%, 5-10%, ..., 98-99%, above 99%.
-EDGES = np.log(np.array([0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99]))
-_EDGES = EDGES.tolist()  # band i holds (EDGES[i - 1], EDGES[i]], as np.searchsorted bands them
-PRIOR = np.array([0.025, 0.075, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.925, 0.965, 0.985, 0.995])
+# Bands of log-probability: below 5%, 5-10%, ..., 98-99%, above 99% (band i holds the
+# confidences in (EDGES[i - 1], EDGES[i]]).
+EDGES = [math.log(p) for p in (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)]
+PRIOR = [0.025, 0.075, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.925, 0.965, 0.985, 0.995]
 PRIOR_STRENGTH = 20.0
 
 
 class Calibration:
+    """In plain Python: 14 bands and 15 drafts a step, where numpy's calls cost more than the
+    arithmetic, and the host does this work between a GPU's steps."""
+
     def __init__(self, strength: float = PRIOR_STRENGTH):
         self.strength = strength
         # Counts in units of `scale` (a count is tried[i] * scale), so that fading is one product.
-        self.tried = np.zeros(len(PRIOR))
-        self.passed = np.zeros(len(PRIOR))
+        self.tried = [0.0] * len(PRIOR)
+        self.passed = [0.0] * len(PRIOR)
         self.scale = 1.0
 
     def observe(self, confidence: Sequence[float], drafted: int, block: int) -> None:
         """A verify step of `block` tokens whose drafts were right for the first `drafted`
         positions; confidence[j] is the drafter's log-probability of draft j + 1."""
-        reached = min(drafted + 1, block - 1)
-        bands = np.searchsorted(EDGES, confidence[:reached])
         one = 1.0 / self.scale
-        np.add.at(self.tried, bands, one)
-        np.add.at(self.passed, bands[:drafted], one)
+        for j in range(min(drafted + 1, block - 1)):
+            band = bisect_left(EDGES, confidence[j])
+            self.tried[band] += one
+            if j < drafted:
+                self.passed[band] += one
 
     def fade(self, keep: float) -> None:
         self.scale *= keep
         if self.scale < 1e-100:  # fold it into the counts before it underflows
-            self.tried *= self.scale
-            self.passed *= self.scale
+            self.tried = [t * self.scale for t in self.tried]
+            self.passed = [p * self.scale for p in self.passed]
             self.scale = 1.0
 
-    def rates(self) -> np.ndarray:
+    def rates(self) -> list[float]:
         """Per band, P(a draft is right | the ones before it were)."""
-        return (self.passed * self.scale + self.strength * PRIOR) / (self.tried * self.scale + self.strength)
+        s, k = self.scale, self.strength
+        return [(p * s + k * prior) / (t * s + k) for p, t, prior in zip(self.passed, self.tried, PRIOR)]
 
     def reach(self, confidence: Sequence[float], rates: Sequence[float] | None = None) -> list[float]:
         """One request's confidences [W] -> P(at least i drafts accepted) for i = 0..W ([0] = 1)
-        (`rates`: rates() as it was computed last, if nothing was observed since). In plain
-        Python: the policy reads it after the step's read, while the device waits, and on a GPU
-        host a dozen numpy calls on a row of 15 took longer than this loop."""
-        rates = self.rates().tolist() if rates is None else rates
+        (`rates`: rates() as it was computed last, if nothing was observed since). The policy
+        reads it after the step's read, while the device waits."""
+        rates = self.rates() if rates is None else rates
         p, out = 1.0, [1.0]
         for c in confidence:
-            p *= rates[bisect_left(_EDGES, c)]
+            p *= rates[bisect_left(EDGES, c)]
             out.append(p)
         return out

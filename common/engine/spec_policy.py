@@ -211,9 +211,9 @@ class SpecPolicy:
             return self.pinned
         if self.costs is None:
             return self.blocks[-1]
-        self._price()
-        if all(r.spec.ahead is not None for r in reqs):
+        if all(r.spec.ahead is not None for r in reqs):  # priced by weigh_confident, while the step before ran
             return self._choose_confident(reqs)
+        self._price()
         batch = tuple(id(r) for r in reqs)
         held_batch, held_choice, left_steps = self._held
         if batch == held_batch and left_steps > 0:
@@ -248,7 +248,7 @@ class SpecPolicy:
         self._price()
         rows = len(reqs)
         context = sum(r.cache.length for r in reqs) / rows
-        self._weighed = (tuple(id(r) for r in reqs), self.calibration.rates().tolist(),
+        self._weighed = (tuple(id(r) for r in reqs), self.calibration.rates(),
                          rows / self._cost(rows, 0, context), {block: self._cost(rows, block, context) for block in self.blocks})
 
     def _choose_confident(self, reqs: list[Request]) -> int:
