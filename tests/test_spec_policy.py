@@ -302,7 +302,7 @@ def test_policy_verifies_a_block_by_how_sure_the_drafter_is_of_it():
     policy = SpecPolicy(16, SpecConfig(timed=False), COSTS)
     req = request()
     for probs, block in (([0.99] * 3 + [0.05] * 12, 4), ([0.995] * 15, 16), ([0.02] * 15, 0)):
-        req.spec.ahead = np.log(probs)
+        req.spec.ahead = np.log(probs).tolist()
         policy.new_step([req])
         assert policy.choose([req]) == block, (probs, block)
 
@@ -317,7 +317,7 @@ def test_a_block_chosen_by_confidence_ends_a_held_choice():
         req.spec.record(7, 8, 7)  # every draft right: speculating is the clear choice, held
     policy.new_step([req])
     assert policy.choose([req]) > 0
-    req.spec.ahead = np.log([0.99] * 15)
+    req.spec.ahead = np.log([0.99] * 15).tolist()
     policy.new_step([req])
     policy.choose([req])
     req.spec.ahead = None

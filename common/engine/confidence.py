@@ -22,7 +22,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 
 # Bands of log-probability: below 5%, 5-10%, ..., 98-99%, above 99% (band i holds the
-# confidences in (EDGES[i - 1], EDGES[i]]).
+# confidences in (EDGES[i - 1], EDGES[i]]; bisect puts a NaN, from overflowed logits, in band 0).
 EDGES = [math.log(p) for p in (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)]
 PRIOR = [0.025, 0.075, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.925, 0.965, 0.985, 0.995]
 PRIOR_STRENGTH = 20.0

@@ -164,7 +164,7 @@ class SpecPolicy:
         # (batch, the confidence bands' rates, plain's rate, each block's cost), weighed while a step
         # that drafts ahead runs
         self._weighed: tuple[tuple[int, ...], list[float], float, dict[int, float]] | None = None
-        self._times: list[tuple[int, int, float, float, int]] = []  # steps timed, not yet priced
+        self._times: list[tuple[int, int, float, float, int]] = []  # steps timed, not yet priced (.., steps since the last)
 
     def new_step(self, reqs: list[Request]) -> None:
         """A decode step of these requests begins (in one or more chunks): fade the evidence, count
@@ -284,19 +284,19 @@ class SpecPolicy:
         synchronisation included, as the start-up costs were measured). Priced when the policy
         next weighs: the step's read is where the device waits for the host, and the next
         choice was weighed while this step ran."""
-        if self.costs is None or not self.timed_steps or block not in self.log_price:
+        if self.pinned is not None or self.costs is None or not self.timed_steps or block not in self.log_price:
             return
-        self._times.append((rows, block, context, seconds, self._steps))
+        self._times.append((rows, block, context, seconds, self._steps - self._timed_at[block]))
+        self._timed_at[block] = self._steps  # new_step's exploring reads it before the next weighing
 
     def _price(self) -> None:
         """Move the prices by the steps timed since the last weighing."""
         lo, hi = PRICE_LIMITS
-        for rows, block, context, seconds, step in self._times:
+        for rows, block, context, seconds, since in self._times:
             ratio = math.log(min(max(seconds / self.costs.cost(rows, block, context), lo), hi))
             self.level = LEVEL_KEEP * self.level + (1 - LEVEL_KEEP) * (ratio - self.log_price[block])
-            keep = max(PRICE_LEAST_KEPT, PRICE_KEEP ** (step - self._timed_at[block]))
+            keep = max(PRICE_LEAST_KEPT, PRICE_KEEP ** since)
             self.log_price[block] = keep * self.log_price[block] + (1 - keep) * (ratio - self.level)
-            self._timed_at[block] = step
             shift = self.log_price[0]  # plain's price stays 1: the level takes the common factor
             self.level += shift
             for b in self.log_price:

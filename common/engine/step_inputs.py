@@ -92,6 +92,7 @@ class StepInputs:
             source = (req, c.pages, len(c.pages), c.state_slot, d.pages, len(d.pages), d.state_slot)
             written = self._written[i]
             if written is None or written[0] is not req or written[1:] != source[1:]:
+                self._written[i] = None  # until the row is whole again
                 self._write_fixed(h, i, req, eos_ids)
                 self._written[i] = source
             h[i, LAST], h[i, LEN], h[i, STEP] = req.output_ids[-1], c.length, len(req.output_ids)
