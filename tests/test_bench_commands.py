@@ -174,6 +174,7 @@ def test_dflash_bench_small_grid(tmp_path):
     for run in result["runs"]:
         assert run["identical_outputs"] == run["requests"] == 4 and run["invariant_violations"] == []
         assert len(run["round_speedups"]) == 2 and run["round_speculated_shares"] == [1.0, 1.0]
+        assert all(len(ms) == 2 and min(ms) > 0 for ms in run["round_prefill_ms"].values())
         assert run["blocks"] == {"4": run["verify_steps"]} and run["speculated_share"] == 1.0
         assert run["plain_tok_s"] > 0 and run["dflash_tok_s"] > 0
         assert run["plain_prefill_ms"] > 0 and run["dflash_prefill_ms"] > 0

@@ -109,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
                             runner.dtype == torch.float32)
             row["round_speedups"] = [_tok_s(f) / _tok_s(b) for b, f in zip(runs["plain"], runs["dflash"])]
             row["round_speculated_shares"] = [_speculated_share(run["reqs"]) for run in runs["dflash"]]
+            # Where a round stalls (a fresh GPU machine's first round at a concurrency has spent
+            # seconds in prefill, in either arm), this says which round and arm.
+            row["round_prefill_ms"] = {name: [1e3 * run["prefill_seconds"] / len(run["reqs"]) for run in arm]
+                                       for name, arm in runs.items()}
             result["runs"].append(row)
             print(line(row), flush=True)
     if runner.device.type == "cuda":
