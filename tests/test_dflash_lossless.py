@@ -20,6 +20,7 @@ from common.engine.meta import meta_info
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.engine.spec_policy import SpecConfig, StepCosts
+from common.model import gemv
 from common.model.tokenizer import IncrementalDecoder, Tokenizer
 from common.tools.bench import stats
 
@@ -281,3 +282,14 @@ def test_a_plain_step_chosen_by_confidence_is_one(runner, proposer, embedded_tok
     assert [r.output_ids for r in reqs] == plain_outputs["greedy"][:2]
     for r in reqs:
         assert r.spec.plain_steps > 0 and abs(r.spec.plain_steps - r.spec.verify_ct) <= 1, meta_info(r)
+
+
+def test_the_draft_kv_of_a_prefill_times_no_product(runner, proposer, embedded_tokenizer, prompts, monkeypatch):
+    """A prefill step's draft KV is written eagerly for however many tokens it holds: none of its
+    products may be timed while requests wait (common.model.gemv.kept_only)."""
+    seen = []
+    write = proposer.write_context
+    monkeypatch.setattr(proposer, "write_context", lambda *a: seen.append(gemv._timing) or write(*a))
+    engine = Engine(runner, embedded_tokenizer.eos_token_ids, proposer=proposer, spec=SpecConfig(block=4))
+    run_all(engine, [ids[:5] for ids in prompts[:2]], 2)
+    assert seen and seen[0] is False  # the first is the prefill's; later ones are decode steps' catch-ups

@@ -204,6 +204,45 @@ def test_a_kept_split_choice_met_in_a_capture_without_counters_runs_on_cublas(mo
     assert gemv._choice(x, torch.zeros(50, 700), None, False) == split
 
 
+def test_kept_only_times_nothing_and_keeps_nothing(monkeypatch):
+    """Inside kept_only() a shape never timed runs on cuBLAS, and is neither timed nor kept (the
+    next warm-up outside times it); a choice kept in this process is used."""
+    timed = []
+    for name, value in (("_fits", lambda *a: True), ("_kept_path", lambda index: "kept.json"),
+                        ("_kept_choices", lambda path: {}), ("_chosen", {}), ("_mode", "auto"),
+                        ("_timed_choice", lambda x, *a: timed.append(x.shape[0]) or gemv.DEFAULT)):
+        monkeypatch.setattr(gemv, name, value)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    x, w = torch.zeros(3, 64), torch.zeros(50, 64)
+    with gemv.kept_only():
+        assert gemv._choice(x, w, None, False) is None
+    assert timed == [] and gemv._chosen == {}
+    assert gemv._choice(x, w, None, False) == gemv.DEFAULT and timed == [3]
+    with gemv.kept_only():
+        assert gemv._choice(x, w, None, False) == gemv.DEFAULT
+    assert timed == [3]
+
+
+def test_an_eager_prefill_times_no_product(monkeypatch, embedded_runner):
+    """A prefill step of several prompts runs eagerly, its logits one row per prompt: none of
+    its products may be timed while requests wait (the draft KV of its tokens alike:
+    test_dflash_lossless)."""
+    from common.kv.seq_cache import SeqCache
+
+    seen = []
+    choice = gemv._choice
+    monkeypatch.setattr(gemv, "_choice", lambda *a, **k: seen.append(gemv._timing) or choice(*a, **k))
+    seqs = [SeqCache(), SeqCache()]
+    try:
+        for s in seqs:
+            embedded_runner.reserve(s, 8)
+        out = embedded_runner.extend(seqs, [[1, 2, 3], [4, 5]])
+    finally:
+        for s in seqs:
+            embedded_runner.release(s)
+    assert out.logits.shape[0] == 2 and seen and not any(seen)
+
+
 def test_choices_name_each_product_and_its_kernel(monkeypatch):
     split = gemv.Blocks(16, 64, 4, dot="tf32x3", span=1)
     monkeypatch.setattr(gemv, "_chosen", {(True, 8, 3072, 576, torch.float32, False): split,

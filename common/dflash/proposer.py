@@ -29,7 +29,7 @@ from common.dflash.drafter import Drafter, DrafterConfig
 from common.kv.buffers import PagedKVBuffer
 from common.kv.page_pool import PagePool
 from common.kv.seq_cache import SeqCache
-from common.model import fused
+from common.model import fused, gemv
 from common.model.attention import AttnMeta, cache_slot, paged_attention, table_slots
 from common.model.config import ModelConfig
 from common.model.static_attention import StaticAttn
@@ -124,8 +124,9 @@ class DFlashProposer(DraftPages):
         """Append draft KV for committed tokens. captured: layer -> [T, H] from a target
         forward; rows[i]: which of those T rows are seqs[i]'s newly committed tokens, in order."""
         index = torch.cat(rows).to(self.target.device)
-        ctx = self.drafter.fuse({layer: captured[layer][index] for layer in self.capture_layers})
-        self.write_context(ctx, *self.claim_slots(seqs, [len(r) for r in rows]))
+        with gemv.kept_only():  # a prefill step's rows come in any number: time none of them now
+            ctx = self.drafter.fuse({layer: captured[layer][index] for layer in self.capture_layers})
+            self.write_context(ctx, *self.claim_slots(seqs, [len(r) for r in rows]))
 
     def write_context(self, ctx: torch.Tensor, positions: list[int] | torch.Tensor,
                       slots: list[int] | torch.Tensor) -> None:

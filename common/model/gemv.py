@@ -26,7 +26,8 @@ cuBLAS, =triton takes the Triton kernel with its DEFAULT blocks, and =auto (the 
 cuBLAS and each of the CANDIDATES inside a CUDA graph (timings) on first use outside CUDA-graph
 capture, and keeps the fastest: in this process, and on disk for the next ones (gemv_cache).
 Inside a capture, a choice kept in this process or on disk is used, else cuBLAS; a graph's
-warm-up run comes first and times what it needs.
+warm-up run comes first and times what it needs. So inside kept_only(), where an eager step
+while serving would otherwise stop for the seconds a new shape's timing takes.
 """
 from __future__ import annotations
 
@@ -145,6 +146,7 @@ def _mode_from_env() -> str:
 
 _mode = _mode_from_env()
 _chosen: dict[tuple, Blocks | None] = {}  # auto's choice per shape; None is cuBLAS
+_timing = True  # whether auto may time a shape now (not inside kept_only())
 
 
 @contextmanager
@@ -158,6 +160,21 @@ def forced(mode: str) -> Iterator[None]:
         yield
     finally:
         _mode = before
+
+
+@contextmanager
+def kept_only() -> Iterator[None]:
+    """Inside the block auto times nothing: a product takes a choice kept in this process or on
+    disk, else cuBLAS, and none is kept for it. For eager steps while serving: the logits of a
+    prefill step are one row per prompt it finishes, any number of them, and timing a row count
+    that no graph's warm-up met (a few seconds of compiles and timed graphs) is the likeliest
+    cause of the stalls in benchmarks' first rounds at concurrency 8 on fresh GPU machines."""
+    global _timing
+    before, _timing = _timing, False
+    try:
+        yield
+    finally:
+        _timing = before
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -262,7 +279,7 @@ def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
             if capturing and blocks is not None and blocks.splits(weight.shape[1]) > 1 and x.device not in _counters:
                 return None  # its counters cannot be made inside a capture
             _chosen[key] = blocks
-        elif capturing:  # never timed (no warm-up ran): nothing can be timed now
+        elif capturing or not _timing:  # never timed, and nothing may be timed now
             return None
         else:
             _chosen[key] = _timed_choice(x, weight, bias, silu_mul, path, name)

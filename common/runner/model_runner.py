@@ -23,7 +23,7 @@ from common.kv.seq_cache import SeqCache
 from common.kv.shared import BufferMemory
 from common.kv.state_pool import StatePool
 from common.model.attention import AttnMeta, build_attn_meta
-from common.model import kda
+from common.model import gemv, kda
 from common.model.config import ModelConfig
 from common.model.kimi_linear import HybridCache
 from common.model.shapes import RandomWeights, fill_random_
@@ -214,10 +214,12 @@ class ModelRunner:
         batch = StepBatch([s.length for s in seqs], counts, [list(s.pages) for s in seqs],
                           [t for ts in tokens for t in ts], rows,
                           [s.state_slot for s in seqs] if self.state_pool is not None else None)
-        hidden, captured = self.forward(batch, capture_layers)
+        with gemv.kept_only():  # this step's shapes were not met by a warm-up: time none of them now
+            hidden, captured = self.forward(batch, capture_layers)
+            logits = self.model.logits(hidden)
         for s, n in zip(seqs, counts):
             s.length += n
-        return ExtendOutput(self.model.logits(hidden), captured)
+        return ExtendOutput(logits, captured)
 
     def forward(self, batch: StepBatch, capture_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Final-normed hidden states of the batch's logit rows, and the captured layers."""
