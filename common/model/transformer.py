@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from common.model import fused, gemv
+from common.model import cpu_packed, fused, gemv
 from common.model.attention import AttnMeta, paged_attention
 from common.model.config import ModelConfig, YarnScaling
 from common.model.rope import yarn_inv_freq
@@ -81,15 +81,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     where it is faster than cuBLAS (common.model.gemv); on CPU, bf16, one row: PyTorch's GEMM path
     is compute-bound and its GEMV kernel (torch.mv) reads the weights ~1.3x faster; on CPU, fp32,
     1 to 8 rows: W @ x.T where this CPU's BLAS runs x @ W.T's few-row cases far slower
-    (cpu_fp32_transposed), with one row computed as two."""
-    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] < CPU_FEW_ROWS:
-        if x.dtype == torch.bfloat16 and x.shape[0] == 1:
-            y = torch.mv(weight, x[0]).unsqueeze(0)
-            return y if bias is None else y + bias
-        if x.dtype == torch.float32 and cpu_fp32_transposed():
-            rows = x if x.shape[0] > 1 else torch.cat([x, x])
-            y = (weight @ rows.t()).t()[:x.shape[0]].contiguous()
-            return y if bias is None else y + bias
+    (cpu_fp32_transposed), with one row computed as two; on CPU, otherwise 2 to 64 rows: through
+    a copy of the weight packed once (common.model.cpu_packed)."""
+    if x.device.type == "cpu" and x.dim() == 2:
+        if x.shape[0] < CPU_FEW_ROWS:
+            if x.dtype == torch.bfloat16 and x.shape[0] == 1:
+                y = torch.mv(weight, x[0]).unsqueeze(0)
+                return y if bias is None else y + bias
+            if x.dtype == torch.float32 and cpu_fp32_transposed():
+                rows = x if x.shape[0] > 1 else torch.cat([x, x])
+                y = (weight @ rows.t()).t()[:x.shape[0]].contiguous()
+                return y if bias is None else y + bias
+        y = cpu_packed.linear(x, weight, bias)
+        if y is not None:
+            return y
     return gemv.linear(x, weight, bias)
 
 
