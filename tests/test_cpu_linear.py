@@ -79,3 +79,45 @@ def test_a_packed_copy_goes_with_its_weight():
     for seed in range(20):  # new weights, some at a freed address: each gets its own product
         w = torch.randn(300, 96, generator=torch.Generator().manual_seed(seed))
         torch.testing.assert_close(cpu_packed.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_packing
+def test_packed_copies_keep_to_their_budget(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 96, generator=g)
+    size = 300 * 96 * 4
+    monkeypatch.setattr(cpu_packed, "_held", cpu_packed.budget() - size)  # room for one more weight
+    first, second = torch.randn(300, 96, generator=g), torch.randn(300, 96, generator=g)
+    assert cpu_packed.linear(x, first) is not None
+    assert cpu_packed.linear(x, second) is None  # past the budget: F.linear, through transformer.linear
+    torch.testing.assert_close(transformer.linear(x, second), F.linear(x, second), rtol=1e-5, atol=1e-5)
+    del first  # its room returns
+    third = torch.randn(300, 96, generator=g)
+    assert cpu_packed.linear(x, third) is not None
+    del second, third
+    assert cpu_packed._held == cpu_packed.budget() - size
+
+
+@pytest.mark.parametrize("value", ["lots", "-1", "1.5"])
+def test_a_bad_budget_is_refused(monkeypatch, value):
+    monkeypatch.setenv(cpu_packed.BUDGET_ENV, value)
+    cpu_packed.budget.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=cpu_packed.BUDGET_ENV):
+            cpu_packed.budget()
+    finally:
+        monkeypatch.undo()
+        cpu_packed.budget.cache_clear()
+
+
+@needs_packing
+def test_a_budget_of_zero_packs_nothing(monkeypatch):
+    monkeypatch.setenv(cpu_packed.BUDGET_ENV, "0")
+    cpu_packed.budget.cache_clear()
+    try:
+        x, w = torch.randn(4, 96), torch.randn(300, 96)
+        assert cpu_packed.linear(x, w) is None
+        torch.testing.assert_close(transformer.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    finally:
+        monkeypatch.undo()
+        cpu_packed.budget.cache_clear()

@@ -16,28 +16,53 @@ the embedded model at one row with a verify block of 4 fell from 1.9 to 1.6 plai
 
 A packed copy is kept per weight while the weight lives, and made again if the weight changes
 in place (its version counter; an inference tensor has none, and can change only inside
-inference mode, where no caller changes weights). The packed path has no autograd: products
-that record gradients take F.linear.
+inference mode, where no caller changes weights). The copies are a second copy of the weights a
+process multiplies with (the embedded model and its drafter: about 0.6 GB), so a process keeps
+at most PDFLASH_CPU_PACKED_MB of them (default 4096; 0: none), packing weights in the order they
+are first used; a weight past the budget keeps F.linear. The packed path has no autograd:
+products that record gradients take F.linear.
 """
 from __future__ import annotations
 
+import functools
+import logging
+import os
 import weakref
 from dataclasses import dataclass
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 MIN_ROWS, MAX_ROWS = 2, 64
 DTYPES = (torch.float32, torch.bfloat16)
+BUDGET_ENV, DEFAULT_BUDGET_MB = "PDFLASH_CPU_PACKED_MB", 4096
 
 
 @dataclass
 class _Packed:
     weight: weakref.ref
     version: int | None
-    packed: torch.Tensor
+    packed: torch.Tensor | None  # None: past the budget
+    nbytes: int
 
 
 _packs: dict[int, _Packed] = {}  # id(weight) -> its packed copy
+_held = 0  # bytes of the packed copies in _packs
+_told = False  # that the budget was reached
+
+
+@functools.cache
+def budget() -> int:
+    """Bytes of packed copies a process may keep (PDFLASH_CPU_PACKED_MB)."""
+    text = os.environ.get(BUDGET_ENV, str(DEFAULT_BUDGET_MB))
+    try:
+        mb = int(text)
+    except ValueError:
+        mb = -1
+    if mb < 0:
+        raise ValueError(f"{BUDGET_ENV}={text!r}: expected a whole number of MB, 0 or more")
+    return mb << 20
 
 
 def available() -> bool:
@@ -57,22 +82,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return None
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _packed(weight), bias, "none", [], "")
+    packed = _packed(weight)
+    if packed is None:
+        return None
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor:
+def _packed(weight: torch.Tensor) -> torch.Tensor | None:
+    global _held, _told
     key = id(weight)
     version = None if weight.is_inference() else weight._version
     entry = _packs.get(key)
-    if entry is None or entry.weight() is not weight or entry.version != version:
+    if entry is not None and entry.weight() is weight and entry.version == version:
+        return entry.packed
+    if entry is not None:  # a dead weight's, or this one's before it changed
+        _held -= entry.nbytes
+    nbytes = weight.numel() * weight.element_size()
+    packed = None
+    if _held + nbytes <= budget():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
-        entry = _packs[key] = _Packed(weakref.ref(weight, _forget(key)), version, packed)
-    return entry.packed
+        _held += nbytes
+    elif budget() and not _told:
+        logger.info("%s reached (%d MB of packed weights): the weights not packed yet keep F.linear",
+                    BUDGET_ENV, _held >> 20)
+        _told = True
+    _packs[key] = _Packed(weakref.ref(weight, _forget(key)), version, packed, nbytes if packed is not None else 0)
+    return packed
 
 
 def _forget(key: int):
     def drop(ref: weakref.ref) -> None:
+        global _held
         entry = _packs.get(key)
         if entry is not None and entry.weight is ref:  # not a newer weight's, at the same address
+            _held -= entry.nbytes
             del _packs[key]
     return drop

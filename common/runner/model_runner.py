@@ -23,7 +23,7 @@ from common.kv.seq_cache import SeqCache
 from common.kv.shared import BufferMemory
 from common.kv.state_pool import StatePool
 from common.model.attention import AttnMeta, build_attn_meta
-from common.model import gemv, kda
+from common.model import cpu_packed, gemv, kda
 from common.model.config import ModelConfig
 from common.model.kimi_linear import HybridCache
 from common.model.shapes import RandomWeights, fill_random_
@@ -80,6 +80,8 @@ class ModelRunner:
         self.layout = layout
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
+        if self.device.type == "cpu":
+            cpu_packed.budget()  # a bad PDFLASH_CPU_PACKED_MB fails here, at start, not in a step
         local = layout.local_config(cfg)
         model = build_on_meta(local, reduce, first_layer=layout.layers(cfg).start)
         if isinstance(tensors, RandomWeights):  # drawn in place, already in the step's dtype
