@@ -27,7 +27,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,21 +37,23 @@ import torch
 logger = logging.getLogger(__name__)
 
 MIN_ROWS, MAX_ROWS = 2, 64
-DTYPES = (torch.float32, torch.bfloat16)
 BUDGET_ENV, DEFAULT_BUDGET_MB = "PDFLASH_CPU_PACKED_MB", 4096
 
 
 @dataclass
 class _Packed:
     weight: weakref.ref
-    version: int | None
+    state: tuple  # what the copy was packed from: _state(weight) then
     packed: torch.Tensor | None  # None: past the budget
-    nbytes: int
+    nbytes: int  # the weight's bytes, as the packed copy's estimate (0 when not packed)
 
 
 _packs: dict[int, _Packed] = {}  # id(weight) -> its packed copy
 _held = 0  # bytes of the packed copies in _packs
 _told = False  # that the budget was reached
+# A weight's last reference, and so its entry's removal, may go on another thread (the engine
+# runs on its own).
+_lock = threading.RLock()  # reentrant: a collection inside _packed may drop a weight on this thread
 
 
 @functools.cache
@@ -70,51 +74,70 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _dtypes() -> tuple[torch.dtype, ...]:
+    """fp32, and bf16 where oneDNN computes it on this CPU (torch's own compiler asks the same)."""
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
+
+
 _AVAILABLE = available()
+DTYPES = _dtypes() if _AVAILABLE else ()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """F.linear(x, weight, bias) through the weight's packed copy, for 2-D x of MIN_ROWS to
-    MAX_ROWS rows on the CPU in fp32 or bf16; None where this path does not apply."""
+    MAX_ROWS rows on the CPU in DTYPES; None where this path does not apply."""
     if not (_AVAILABLE and x.device.type == "cpu" and x.dim() == 2 and MIN_ROWS <= x.shape[0] <= MAX_ROWS
-            and x.dtype in DTYPES and weight.dtype == x.dtype and weight.dim() == 2
+            and x.dtype in DTYPES and weight.dtype == x.dtype and weight.dim() == 2 and weight.numel() > 0
             and (bias is None or bias.dtype == x.dtype)):
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
-        return None
+    tracked = (x, weight) if bias is None else (x, weight, bias)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tracked):
+        return None  # the packed product has no autograd
     packed = _packed(weight)
     if packed is None:
         return None
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None if bias is None else bias.contiguous(),
+                                              "none", [], "")
+
+
+def _state(weight: torch.Tensor) -> tuple:
+    """What a packed copy stays valid for: the weight's storage, shape and dtype (`.data =` and
+    Module.to() swap them in place) and its version counter (in-place ops; an inference tensor
+    has none). Writes through `.data` (another version counter) are not seen."""
+    version = None if weight.is_inference() else weight._version
+    return weight.data_ptr(), weight.shape, weight.dtype, version
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor | None:
     global _held, _told
-    key = id(weight)
-    version = None if weight.is_inference() else weight._version
-    entry = _packs.get(key)
-    if entry is not None and entry.weight() is weight and entry.version == version:
-        return entry.packed
-    if entry is not None:  # a dead weight's, or this one's before it changed
-        _held -= entry.nbytes
-    nbytes = weight.numel() * weight.element_size()
-    packed = None
-    if _held + nbytes <= budget():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
-        _held += nbytes
-    elif budget() and not _told:
-        logger.info("%s reached (%d MB of packed weights): the weights not packed yet keep F.linear",
-                    BUDGET_ENV, _held >> 20)
-        _told = True
-    _packs[key] = _Packed(weakref.ref(weight, _forget(key)), version, packed, nbytes if packed is not None else 0)
-    return packed
-
-
-def _forget(key: int):
-    def drop(ref: weakref.ref) -> None:
-        global _held
+    key, state = id(weight), _state(weight)
+    with _lock:
         entry = _packs.get(key)
-        if entry is not None and entry.weight is ref:  # not a newer weight's, at the same address
+        if entry is not None and entry.weight() is weight and entry.state == state:
+            return entry.packed
+        if entry is not None:  # a dead weight's, or this one's before it changed: dropped before packing again
             _held -= entry.nbytes
             del _packs[key]
+        nbytes = weight.numel() * weight.element_size()
+        packed = None
+        if _held + nbytes <= budget():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+            _held += nbytes
+        elif budget() and not _told:
+            logger.info("%s reached (%d MB of packed weights): the weights not packed yet keep F.linear",
+                        BUDGET_ENV, _held >> 20)
+            _told = True
+        _packs[key] = _Packed(weakref.ref(weight, _forget(key)), state, packed, nbytes if packed is not None else 0)
+        return packed
+
+
+def _forget(key: int) -> Callable[[weakref.ref], None]:
+    def drop(ref: weakref.ref) -> None:
+        global _held
+        with _lock:
+            entry = _packs.get(key)
+            if entry is not None and entry.weight is ref:  # not a newer weight's, at the same address
+                _held -= entry.nbytes
+                del _packs[key]
     return drop
