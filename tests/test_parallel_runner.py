@@ -26,7 +26,10 @@ from tiny_models import random_model, save_random_drafter
 
 PAGE = 8
 FP32_TOL = 1e-5
-TP_FP32_TOL = 1e-4
+# TP sums a row-parallel product's parts in another order, and on a CPU the single process's
+# products of 2-64 rows (common.model.cpu_packed) err 1.6x F.linear's against fp64: the embedded
+# model's TP-3 prefill logits differ by 1.2e-4 of the largest (4.4e-5 with packing off).
+TP_FP32_TOL = 2e-4
 BF16_TOL = 5e-2
 # Stages of 16 layers: PP2 [0-7][8-15], PP4 [0-3][4-7]..., PP8 [0,1][2,3]...: 3|4 is a stage
 # boundary for all three, 4, 5 and 7 share a stage, PP4's third stage and PP8's 5th-7th have none.
