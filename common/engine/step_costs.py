@@ -35,10 +35,11 @@ from common.model.cache import building, write_json
 logger = logging.getLogger(__name__)
 
 SHORT, LONG = 128, 4096
-# Where a CPU's costs bend. On a 2-core VM a block of 4 took 1.8-2.0 plain steps at 1 row, 3.0-3.2
-# at 4, 2.4-2.8 at 8 and 2.9 at 32 (16 rows of a product cost almost what 32 do): fewer points
-# priced it at 3.8 at 8 rows (extrapolated from 1 and 4) or 2.3 at 4 (interpolated from 1 and 8).
-# Up to the batch size at most, where that is smaller.
+# Where a CPU's costs bend, and they bend with the CPU and its products. On a 2-core VM, earlier, a
+# block of 4 took 1.8-2.0 plain steps at 1 row, 3.0-3.2 at 4, 2.4-2.8 at 8 and 2.9 at 32: fewer
+# points priced it at 3.8 at 8 rows (extrapolated from 1 and 4) or 2.3 at 4 (interpolated from 1
+# and 8). On a 2-core Intel VM with packed products (common.model.cpu_packed) 1.55 at 1 and 4
+# rows, 1.65 at 8 and 2.1 at 32. Up to the batch size at most, where that is smaller.
 CPU_ROWS = (1, 4, 8, 32)
 SLOPE_ROWS = {"cuda": 4, "cpu": 1}
 STEP_CODE = ("common.engine.decoder", "common.engine.step_costs", "common.engine.sampling",
