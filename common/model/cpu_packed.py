@@ -19,8 +19,10 @@ in place (its version counter; an inference tensor has none, and can change only
 inference mode, where no caller changes weights). The copies are a second copy of the weights a
 process multiplies with (the embedded model and its drafter: about 0.6 GB), so a process keeps
 at most PDFLASH_CPU_PACKED_MB of them (default 4096; 0: none), packing weights in the order they
-are first used; a weight past the budget keeps F.linear. The packed path has no autograd:
-products that record gradients take F.linear.
+are first used; a weight past the budget keeps F.linear. Its products then round differently
+from a process that packed it (within fp32 rounding; a pipeline test of the embedded model, whose
+stages compare at 1e-5, saw 1.2e-5 when one side was past a 1 GB cap). The packed path has no
+autograd: products that record gradients take F.linear.
 """
 from __future__ import annotations
 
