@@ -45,7 +45,8 @@ SLOPE_ROWS = {"cuda": 4, "cpu": 1}
 STEP_CODE = ("common.engine.decoder", "common.engine.step_costs", "common.engine.sampling",
              "common.engine.sampler", "common.engine.step_inputs", "common.engine.verdict",
              "common.model.transformer", "common.model.static_attention", "common.model.attention",
-             "common.model.fused", "common.model.gemv", "common.model.cpu_packed", "common.runner.model_runner")
+             "common.model.fused", "common.model.gemv", "common.model.cpu_packed", "common.model.paged_runs",
+             "common.runner.model_runner")
 
 
 def step_costs(decoder: Decoder, config: SpecConfig, blocks: list[int]) -> StepCosts:

@@ -9,7 +9,9 @@ causal (verify, decode), and keys [kv_start, kv_len) when not (a draft block see
 ways); kv_start is 0 except for a drafter with a sliding window. Two implementations:
 
   torch   gathers every row's whole padded page table and masks: plain ops, runs anywhere;
-          reads max_pages pages per row, so callers trim the table where shapes may vary (CPU)
+          reads max_pages pages per row, so callers trim the table where shapes may vary (CPU).
+          On a CPU one row, long rows or a large gather read the pages in place instead
+          (`paged_runs`)
   triton  split-KV flash decoding: each program walks only the pages a row owns, up to its
           length, for one KV head with all the row's T x (query heads of that KV head) queries
           at once, over one slice of the context; a second kernel merges the slices by their
@@ -18,10 +20,12 @@ ways); kv_start is 0 except for a drafter with a sliding window. Two implementat
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from common.model import paged_runs
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -34,12 +38,24 @@ class StaticAttn:
     causal: bool = True
     kv_start: torch.Tensor | None = None  # [rows] first key each row reads (sliding window); None: 0
     backend: str = "torch"  # "torch" or "triton"
+    # The torch backend's plan for reading the pages in place, made at the first layer's call and
+    # kept for the others: the cache shape and dtype it was made for, and the plan (None: gather).
+    _runs: tuple[tuple, paged_runs.RunPlan | None] | None = field(
+        default=None, init=False, repr=False, compare=False)
 
     def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """q [rows * T, Hq, d] -> [rows * T, Hq, d]; kv_layer [2, pages, page_size, Hkv, d];
         `scale` None: d ** -0.5."""
-        fn = static_attention_triton if self.backend == "triton" else static_attention_torch
-        return fn(q, kv_layer, self.page_table, self.kv_len, self.tokens_per_row, self.causal, self.kv_start, scale)
+        args = (self.page_table, self.kv_len, self.tokens_per_row, self.causal, self.kv_start, scale)
+        if self.backend == "triton":
+            return static_attention_triton(q, kv_layer, *args)
+        key = (kv_layer.shape[2:], kv_layer.dtype)
+        if self._runs is None or self._runs[0] != key:
+            self._runs = key, paged_runs.plan(self.page_table, self.kv_len, self.kv_start, self.tokens_per_row,
+                                              self.causal, kv_layer)
+        if self._runs[1] is not None:
+            return self._runs[1].attend(q, kv_layer, scale)
+        return static_attention_torch(q, kv_layer, *args)
 
 
 def default_backend(device: torch.device) -> str:
@@ -51,35 +67,14 @@ def static_attention_torch(q: torch.Tensor, kv_layer: torch.Tensor, page_table: 
                            scale: float | None = None) -> torch.Tensor:
     rows, max_pages = page_table.shape
     heads, d = kv_layer.shape[-2:]
-    span = _page_span(page_table, kv_len, kv_layer.shape[2])
-    if span is not None:  # read the pages where they are
-        first, n = span
-        k = kv_layer[0, first:first + n].reshape(1, -1, heads, d).transpose(1, 2)
-        v = kv_layer[1, first:first + n].reshape(1, -1, heads, d).transpose(1, 2)
-    else:
-        pages = page_table.flatten()
-        k = gather_pages(kv_layer[0], pages).view(rows, -1, heads, d).transpose(1, 2)  # [rows, Hkv, S, d]
-        v = gather_pages(kv_layer[1], pages).view(rows, -1, heads, d).transpose(1, 2)
+    pages = page_table.flatten()
+    k = gather_pages(kv_layer[0], pages).view(rows, -1, heads, d).transpose(1, 2)  # [rows, Hkv, S, d]
+    v = gather_pages(kv_layer[1], pages).view(rows, -1, heads, d).transpose(1, 2)
     mask = _mask(k.shape[2], kv_len, T, causal, kv_start)  # [rows, T, S]
     qb = q.view(rows, T, q.shape[1], d).transpose(1, 2)  # [rows, Hq, T, d]
     out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != heads,
                                          scale=scale)
     return out.transpose(1, 2).reshape(rows * T, q.shape[1], d)
-
-
-def _page_span(page_table: torch.Tensor, kv_len: torch.Tensor, page_size: int) -> tuple[int, int] | None:
-    """(first page, count) when one row on the CPU reads consecutive pages (the usual case: the
-    pool hands out low pages first): they are then read in place instead of copied, which at a
-    few thousand tokens of context is most of a CPU decode step. None otherwise; never on a GPU,
-    where the check would read the device (and break a CUDA graph's capture)."""
-    if page_table.device.type != "cpu" or page_table.shape[0] != 1:
-        return None
-    n = -(-int(kv_len[0]) // page_size)
-    used = page_table[0, :n]
-    first = int(used[0])
-    if not bool((used == torch.arange(first, first + n)).all()):
-        return None
-    return first, n
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,138 @@
+"""CPU attention that reads each row's pages in place (common.model.paged_runs) computes what
+gathering them computes: on page tables of several runs per row, causal blocks whose own tokens
+span runs (queries that see nothing of a run), windows, bf16 and MLA's one latent plane; it
+reads no key it must not; and in the engine, plain and speculative decoding with every step
+read in place give the tokens plain decoding gives."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from common.dflash.drafter import SHIPPED, Drafter
+from common.dflash.proposer import DFlashProposer
+from common.engine.engine import Engine
+from common.engine.request import Request
+from common.engine.sampling import SamplingParams
+from common.engine.spec_policy import SpecConfig
+from common.model import paged_runs
+from common.model.static_attention import StaticAttn, static_attention_torch
+
+PAGE = 4
+
+
+def interleaved(rows: int, prompt_pages: int, decode_pages: int) -> list[list[int]]:
+    """Pages as a pool hands them out: each prompt's together, then decode pages in turns."""
+    tables, page = [], 1  # page 0 stays unused: the scratch page
+    for _ in range(rows):
+        tables.append(list(range(page, page + prompt_pages)))
+        page += prompt_pages
+    for _ in range(decode_pages):
+        for table in tables:
+            table.append(page)
+            page += 1
+    return tables
+
+
+def case(T: int, causal: bool, window: bool = False, dtype=torch.float32, heads=(6, 2), d=8):
+    torch.manual_seed(T + 2 * causal + 4 * window)
+    tables = interleaved(3, 3, 6)
+    kv = torch.randn(2, 1 + sum(map(len, tables)), PAGE, heads[1], d).to(dtype)
+    # Rows end mid-page, on a page's first slot, and with their T new tokens in two runs.
+    kv_len = torch.tensor([13, 17, 25]) + T
+    table = torch.tensor(tables)[:, :-(-int(kv_len.max()) // PAGE)]
+    start = torch.tensor([0, 5, 9]) if window else None
+    q = torch.randn(3 * T, heads[0], d).to(dtype)
+    return q, kv, table, kv_len, start
+
+
+def in_place(q, kv, table, kv_len, T, causal, start, scale=None) -> torch.Tensor:
+    plan = paged_runs.plan(table, kv_len, start, T, causal, kv)
+    assert plan is not None  # small tables: the plan only because LONG_ROW is 0 here
+    return plan.attend(q, kv, scale)
+
+
+@pytest.fixture
+def always_in_place(monkeypatch):
+    monkeypatch.setattr(paged_runs, "LONG_ROW", 0)
+
+
+@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("causal", [True, False])
+def test_in_place_equals_gathered(always_in_place, T, causal):
+    q, kv, table, kv_len, _ = case(T, causal)
+    got = in_place(q, kv, table, kv_len, T, causal, None)
+    torch.testing.assert_close(got, static_attention_torch(q, kv, table, kv_len, T, causal), rtol=1e-5, atol=1e-6)
+    plan = paged_runs.plan(table, kv_len, None, T, causal, kv)
+    assert all(len(runs) > 1 for runs in plan.rows)
+    if causal and T == 8:  # the test covers runs some of whose queries see none of their keys
+        assert any(run.blind is not None for runs in plan.rows for run in runs)
+
+
+def test_window_bf16_and_latent_plane(always_in_place):
+    q, kv, table, kv_len, start = case(3, False, window=True)
+    torch.testing.assert_close(in_place(q, kv, table, kv_len, 3, False, start),
+                               static_attention_torch(q, kv, table, kv_len, 3, False, start), rtol=1e-5, atol=1e-6)
+    q, kv, table, kv_len, _ = case(3, True, dtype=torch.bfloat16)
+    torch.testing.assert_close(in_place(q, kv, table, kv_len, 3, True, None),
+                               static_attention_torch(q, kv, table, kv_len, 3, True), rtol=2e-2, atol=2e-2)
+    # MLA: one latent plane [1, pages, page, 1, latent + rope] read as both keys and values.
+    q, latent, table, kv_len, _ = case(3, True, heads=(4, 1), d=24)
+    kv = latent[:1].expand(2, *latent.shape[1:])
+    torch.testing.assert_close(in_place(q, kv, table, kv_len, 3, True, None, 0.3),
+                               static_attention_torch(q, kv, table, kv_len, 3, True, None, 0.3), rtol=1e-5, atol=1e-6)
+
+
+def test_in_place_reads_only_its_keys(always_in_place):
+    T = 3
+    q, kv, table, kv_len, start = case(T, True, window=True)
+    out = in_place(q, kv, table, kv_len, T, True, start)
+    keep = torch.zeros(kv.shape[1] * PAGE, dtype=torch.bool)
+    for row, lo, hi in zip(table.tolist(), start.tolist(), kv_len.tolist()):
+        for pos in range(lo, hi):
+            keep[row[pos // PAGE] * PAGE + pos % PAGE] = True
+    poisoned = kv.clone().view(2, -1, *kv.shape[3:])
+    poisoned[:, ~keep] = 1e4
+    torch.testing.assert_close(in_place(q, poisoned.view_as(kv), table, kv_len, T, True, start), out)
+    # Control: a key the rows do read changes the output.
+    poisoned[:, keep.nonzero()[0]] = 1e4
+    assert not torch.allclose(in_place(q, poisoned.view_as(kv), table, kv_len, T, True, start), out)
+
+
+def test_plan_gathers_short_batches_and_reads_long_ones_in_place():
+    kv = torch.zeros(2, 1, 64, 3, 64)
+    short = torch.zeros(8, 8, dtype=torch.long)  # 8 rows of 512 keys: one batched call is cheaper
+    assert paged_runs.plan(short, torch.full((8,), 500), None, 1, True, kv) is None
+    assert paged_runs.plan(short[:1], torch.tensor([500]), None, 1, True, kv) is not None  # one row
+    long = torch.zeros(2, paged_runs.LONG_ROW // 64, dtype=torch.long)
+    assert paged_runs.plan(long, torch.full((2,), 100), None, 1, True, kv) is not None
+    many = torch.zeros(-(-paged_runs.GATHER_BYTES // (8 * 64 * 3 * 64 * 4)), 8, dtype=torch.long)  # 8 x 64 keys of 768 bytes
+    assert paged_runs.plan(many, torch.full((many.shape[0],), 500), None, 1, True, kv) is not None
+
+
+def test_engine_in_place_equals_gathered(make_embedded_runner, embedded_tokenizer, monkeypatch):
+    """Eight requests decoding together (their decode pages interleave, so rows have several
+    runs), plainly and with DFlash blocks of 4, every step read in place, give the tokens plain
+    decoding gives with the pages gathered."""
+    runner = make_embedded_runner(page_size=16, num_pages=256)
+    tok = embedded_tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Count from {i} to {i + 20}, one number a line."}])
+               for i in range(8)]
+
+    def run(engine: Engine) -> list[list[int]]:
+        reqs = [Request(uuid.uuid4().hex, ids, SamplingParams(max_new_tokens=24)) for ids in prompts]
+        engine.run_all(reqs, 8)
+        assert runner.pool.num_free == runner.pool.num_pages
+        return [r.output_ids for r in reqs]
+
+    gathered = run(Engine(runner, tok.eos_token_ids))
+    calls = []
+    monkeypatch.setattr(paged_runs, "LONG_ROW", 0)
+    monkeypatch.setattr(paged_runs.RunPlan, "attend", lambda self, *a, _f=paged_runs.RunPlan.attend:
+                        calls.append(len(self.rows)) or _f(self, *a))
+    assert run(Engine(runner, tok.eos_token_ids)) == gathered
+    assert max(calls) == 8
+    proposer = DFlashProposer(Drafter.load(SHIPPED, dtype=torch.bfloat16), runner, runner.pool.num_pages)
+    engine = Engine(runner, tok.eos_token_ids, proposer=proposer, spec=SpecConfig(block=4))
+    assert run(engine) == gathered
