@@ -17,7 +17,7 @@ from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.engine.spec_policy import SpecConfig
 from common.model import paged_runs
-from common.model.static_attention import StaticAttn, static_attention_torch
+from common.model.static_attention import static_attention_torch
 
 PAGE = 4
 
