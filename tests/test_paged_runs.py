@@ -1,8 +1,8 @@
 """CPU attention that reads each row's pages in place (common.model.paged_runs) computes what
 gathering them computes: on page tables of several runs per row, causal blocks whose own tokens
 span runs (queries that see nothing of a run), windows, bf16 and MLA's one latent plane; it
-reads no key it must not; and in the engine, plain and speculative decoding with every step
-read in place give the tokens plain decoding gives."""
+reads no key it must not; and in the engine, on a fragmented pool, plain and speculative
+decoding with every step read in place give the tokens plain decoding gives."""
 from __future__ import annotations
 
 import uuid
@@ -49,13 +49,14 @@ def case(T: int, causal: bool, window: bool = False, dtype=torch.float32, heads=
 
 def in_place(q, kv, table, kv_len, T, causal, start, scale=None) -> torch.Tensor:
     plan = paged_runs.plan(table, kv_len, start, T, causal, kv)
-    assert plan is not None  # small tables: the plan only because LONG_ROW is 0 here
+    assert plan is not None  # small tables and short runs: a plan only because of `always_in_place`
     return plan.attend(q, kv, scale)
 
 
 @pytest.fixture
 def always_in_place(monkeypatch):
     monkeypatch.setattr(paged_runs, "LONG_ROW", 0)
+    monkeypatch.setattr(paged_runs, "SHORT_RUN", 0)
 
 
 @pytest.mark.parametrize("T", [1, 3, 8])
@@ -100,39 +101,53 @@ def test_in_place_reads_only_its_keys(always_in_place):
     assert not torch.allclose(in_place(q, poisoned.view_as(kv), table, kv_len, T, True, start), out)
 
 
-def test_plan_gathers_short_batches_and_reads_long_ones_in_place():
-    kv = torch.zeros(2, 1, 64, 3, 64)
-    short = torch.zeros(8, 8, dtype=torch.long)  # 8 rows of 512 keys: one batched call is cheaper
-    assert paged_runs.plan(short, torch.full((8,), 500), None, 1, True, kv) is None
-    assert paged_runs.plan(short[:1], torch.tensor([500]), None, 1, True, kv) is not None  # one row
-    long = torch.zeros(2, paged_runs.LONG_ROW // 64, dtype=torch.long)
-    assert paged_runs.plan(long, torch.full((2,), 100), None, 1, True, kv) is not None
-    many = torch.zeros(-(-paged_runs.GATHER_BYTES // (8 * 64 * 3 * 64 * 4)), 8, dtype=torch.long)  # 8 x 64 keys of 768 bytes
-    assert paged_runs.plan(many, torch.full((many.shape[0],), 500), None, 1, True, kv) is not None
+def test_plan_gathers_where_that_is_cheaper():
+    kv = torch.zeros(2, 1, 64, 3, 64)  # pages of 64 keys of 768 bytes
+
+    def plan(rows: int, keys: int, run: int = 1 << 20):
+        """`rows` rows of `keys` keys each, in runs of `run` pages, the rows' runs interleaved."""
+        pages = -(-keys // 64)
+        table = torch.arange(rows * pages).view(-1, rows, min(run, pages)).transpose(0, 1).reshape(rows, pages)
+        return paged_runs.plan(table, torch.full((rows,), keys), None, 1, True, kv)
+
+    assert plan(8, 500) is None  # short rows: one batched call is cheaper
+    assert plan(1, 500) is not None and plan(1, 4096, run=1) is not None  # one row: in place
+    assert plan(2, paged_runs.LONG_ROW) is not None  # long rows
+    assert plan(-(-paged_runs.GATHER_BYTES // (512 * 768)), 512) is not None  # a gather past the mmap threshold
+    assert plan(8, 4096, run=paged_runs.SHORT_RUN // 64) is not None
+    assert plan(8, 4096, run=paged_runs.SHORT_RUN // 64 // 2) is None  # runs too short
 
 
-def test_engine_in_place_equals_gathered(make_embedded_runner, embedded_tokenizer, monkeypatch):
-    """Eight requests decoding together (their decode pages interleave, so rows have several
-    runs), plainly and with DFlash blocks of 4, every step read in place, give the tokens plain
-    decoding gives with the pages gathered."""
+def test_engine_in_place_equals_gathered(make_embedded_runner, embedded_tokenizer, always_in_place, monkeypatch):
+    """Eight requests decoding together, plainly and with DFlash blocks of 4, every step read in
+    place from a pool that finished requests left fragmented (each request's pages are runs of
+    one, so every row merges several), give the tokens plain decoding gives with the pages
+    gathered from a fresh pool."""
     runner = make_embedded_runner(page_size=16, num_pages=256)
     tok = embedded_tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"Count from {i} to {i + 20}, one number a line."}])
                for i in range(8)]
 
     def run(engine: Engine) -> list[list[int]]:
+        free = runner.pool.num_free
         reqs = [Request(uuid.uuid4().hex, ids, SamplingParams(max_new_tokens=24)) for ids in prompts]
         engine.run_all(reqs, 8)
-        assert runner.pool.num_free == runner.pool.num_pages
+        assert runner.pool.num_free == free
         return [r.output_ids for r in reqs]
 
-    gathered = run(Engine(runner, tok.eos_token_ids))
-    calls = []
-    monkeypatch.setattr(paged_runs, "LONG_ROW", 0)
+    with monkeypatch.context() as gathering:
+        gathering.setattr(paged_runs, "plan", lambda *a: None)
+        gathered = run(Engine(runner, tok.eos_token_ids))
+    pages = runner.pool.alloc(runner.pool.num_free)
+    runner.pool.free(pages[1::2])  # handed out lowest first: pages 2 apart
+    runs = []
     monkeypatch.setattr(paged_runs.RunPlan, "attend", lambda self, *a, _f=paged_runs.RunPlan.attend:
-                        calls.append(len(self.rows)) or _f(self, *a))
-    assert run(Engine(runner, tok.eos_token_ids)) == gathered
-    assert max(calls) == 8
-    proposer = DFlashProposer(Drafter.load(SHIPPED, dtype=torch.bfloat16), runner, runner.pool.num_pages)
-    engine = Engine(runner, tok.eos_token_ids, proposer=proposer, spec=SpecConfig(block=4))
-    assert run(engine) == gathered
+                        runs.append(min(map(len, self.rows))) or _f(self, *a))
+    try:
+        assert run(Engine(runner, tok.eos_token_ids)) == gathered
+        assert min(runs) > 1
+        proposer = DFlashProposer(Drafter.load(SHIPPED, dtype=torch.bfloat16), runner, runner.pool.num_pages)
+        engine = Engine(runner, tok.eos_token_ids, proposer=proposer, spec=SpecConfig(block=4))
+        assert run(engine) == gathered
+    finally:
+        runner.pool.free(pages[0::2])

@@ -2,10 +2,10 @@
 
 The plain torch path of `static_attention` gathers every row's pages into one padded tensor per
 layer and step. At long contexts on a CPU that copy costs more than the attention itself: at
-8 rows x 8K keys (embedded model, fp32) one layer took 44 ms gathered and 16 ms read in place.
+8 rows x 8K keys (embedded model, fp32) one layer took 44 ms gathered and 14-16 ms read in place.
 
-A row's pages are runs of consecutive pages: its prompt's pages come from the pool together, and
-the pages decoding adds between other requests' are runs of one. Each run is a slice of the
+A row's pages are runs of consecutive pages: a request takes its budget's pages at once, one run
+from a fresh pool, a few from pages that finished requests gave back. Each run is a slice of the
 cache, so the flash kernel attends over it without a copy and returns its log-sum-exp; the runs'
 outputs are then merged by those weights. The runs, and the causal masks of those that hold a
 block's own tokens, depend only on the step's page table and lengths, so one `RunPlan` serves
@@ -13,8 +13,8 @@ every layer of a step.
 
 Reading in place costs one kernel call per run and row, and a merge per row with several runs,
 where gathering makes one batched call. `plan()` reads in place where that measured faster: one
-row; rows of `LONG_ROW` keys or more; a gather of `GATHER_BYTES` or more. Elsewhere it returns None
-and the caller gathers.
+row; several rows, if they are `LONG_ROW` keys long or their gather would take `GATHER_BYTES`, and
+their runs are `SHORT_RUN` keys long on average. Elsewhere it returns None and the caller gathers.
 """
 from __future__ import annotations
 
@@ -25,12 +25,16 @@ import torch
 # Per layer on a 2-core Xeon, fp32, embedded model, gathered -> in place, T = 1 / 16 (a decode step /
 # a verify block): 8 rows of 2K keys 3.4 -> 2.9 / 5.9 -> 6.5 ms, of 4K 8.1 -> 6.4 / 14.9 -> 13.5 ms;
 # 16 rows of 1K 3.0 -> 3.7 / 6.2 -> 8.7 ms. One row: 1K keys 0.49 -> 0.11 / 0.51 -> 0.32 ms.
-LONG_ROW = 2048  # keys a row's table spans
+LONG_ROW = 2048  # keys the longest row reads
 # Larger allocations are mapped afresh each time (glibc's largest mmap threshold is 32 MiB), and
 # every page of a gather that size faults: 32 rows of 2K keys (57 MB) 46.5 -> 15.5 / 59.6 -> 32.1 ms.
 GATHER_BYTES = 32 << 20
+# Several rows of shorter runs than this on average cost more in kernel calls and merges than a
+# gather: 8 rows of 4K keys, T = 1 / 8, in runs of 64 keys 7.7 -> 14.0 / 10.4 -> 21.3 ms, of 256
+# 6.9 -> 5.2 / 9.0 -> 8.7 ms. One row reads in place faster even in runs of 16 keys (1.0 -> 0.5 ms).
+SHORT_RUN = 256  # keys
 
-_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # as F.sdpa's, plus the log-sum-exp
 
 
 @dataclass
@@ -59,8 +63,9 @@ class RunPlan:
                 k = k_slots[run.slot:run.slot + run.keys].view(1, run.keys, heads, d).transpose(1, 2)
                 v = v_slots[run.slot:run.slot + run.keys].view(1, run.keys, heads, d).transpose(1, 2)
                 o, lse = _FLASH(qv[b:b + 1], k, v, attn_mask=run.mask, scale=scale)
-                if run.blind is not None:
-                    lse = lse.masked_fill(run.blind, float("-inf"))  # the kernel leaves 0 there
+                if run.blind is not None:  # the kernel leaves lse 0 and o 0 there: weigh them 0
+                    lse = lse.masked_fill(run.blind, float("-inf"))
+                    o = o.masked_fill(run.blind[:, None], 0.0)
                 parts.append(o)
                 lses.append(lse)
             out[b] = parts[0][0].transpose(0, 1) if len(parts) == 1 else _merge(parts, lses)
@@ -78,20 +83,23 @@ def plan(page_table: torch.Tensor, kv_len: torch.Tensor, kv_start: torch.Tensor 
          causal: bool, kv_layer: torch.Tensor) -> RunPlan | None:
     """The runs of a static step on the CPU, or None where gathering is the better way (or the
     only one: on a GPU, where reading the table would also break a CUDA graph's capture)."""
-    if page_table.device.type != "cpu" or _FLASH is None:
+    if page_table.device.type != "cpu":
         return None
     rows, width = page_table.shape
     page_size, key_bytes = kv_layer.shape[2], kv_layer[0, 0, 0].numel() * kv_layer.element_size()
-    row_keys = width * page_size
-    if rows > 1 and row_keys < LONG_ROW and rows * row_keys * key_bytes < GATHER_BYTES:
-        return None
     lens = kv_len.tolist()
+    if rows > 1 and max(lens) < LONG_ROW and rows * width * page_size * key_bytes < GATHER_BYTES:
+        return None
     starts = kv_start.tolist() if kv_start is not None else [0] * rows
     # Tokens past a request's budget may have lengths past its table (their keys land in its last
     # column, the scratch page, and they are never committed): read what the table holds.
-    return RunPlan([[_run(slot, pos, n, hi, T, causal, kv_layer.dtype)
-                     for slot, pos, n in _spans(table, lo, min(hi, row_keys), page_size)]
-                    for table, lo, hi in zip(page_table.tolist(), starts, lens)], T)
+    reach = width * page_size
+    spans = [_spans(table, lo, min(hi, reach), page_size) for table, lo, hi in zip(page_table.tolist(), starts, lens)]
+    assert all(spans), "a row reads no key"
+    if rows > 1 and sum(n for row in spans for _, _, n in row) < SHORT_RUN * sum(map(len, spans)):
+        return None
+    return RunPlan([[_run(slot, pos, n, hi, T, causal, kv_layer.dtype) for slot, pos, n in row]
+                    for row, hi in zip(spans, lens)], T)
 
 
 def _spans(table: list[int], lo: int, hi: int, page_size: int) -> list[tuple[int, int, int]]:

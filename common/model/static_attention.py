@@ -40,7 +40,7 @@ class StaticAttn:
     backend: str = "torch"  # "torch" or "triton"
     # The torch backend's plan for reading the pages in place, made at the first layer's call and
     # kept for the others: the cache shape and dtype it was made for, and the plan (None: gather).
-    _runs: tuple[tuple, paged_runs.RunPlan | None] | None = field(
+    _runs: tuple[tuple[torch.Size, torch.dtype], paged_runs.RunPlan | None] | None = field(
         default=None, init=False, repr=False, compare=False)
 
     def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float | None = None) -> torch.Tensor:
