@@ -2,13 +2,15 @@
 gathering them computes: on page tables of several runs per row, causal blocks whose own tokens
 span runs (queries that see nothing of a run), windows, bf16 and MLA's one latent plane; it
 reads no key it must not; and in the engine, on a fragmented pool, plain and speculative
-decoding with every step read in place give the tokens plain decoding gives."""
+decoding with every step read in place give the tokens plain decoding gives. The general path's
+batches (prefill chunks) read that way equal attention written out request by request."""
 from __future__ import annotations
 
 import uuid
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from common.dflash.drafter import SHIPPED, Drafter
 from common.dflash.proposer import DFlashProposer
@@ -17,6 +19,7 @@ from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.engine.spec_policy import SpecConfig
 from common.model import paged_runs
+from common.model.attention import attend_cached, build_attn_meta
 from common.model.static_attention import static_attention_torch
 
 PAGE = 4
@@ -151,3 +154,38 @@ def test_engine_in_place_equals_gathered(make_embedded_runner, embedded_tokenize
         assert run(engine) == gathered
     finally:
         runner.pool.free(pages[0::2])
+
+
+def written_out(q, kv, starts, counts, tables, scale=None) -> torch.Tensor:
+    """Each request's new tokens over its keys 0..start+n, causally: the definition."""
+    heads, d = kv.shape[-2:]
+    out, row = [], 0
+    for start, n, table in zip(starts, counts, tables):
+        slots = torch.tensor([table[p // PAGE] * PAGE + p % PAGE for p in range(start + n)])
+        k, v = (kv[i].reshape(-1, heads, d)[slots].transpose(0, 1)[None] for i in (0, 1))
+        visible = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]
+        o = F.scaled_dot_product_attention(q[row:row + n].transpose(0, 1)[None], k, v, attn_mask=visible, scale=scale,
+                                           enable_gqa=True)
+        out.append(o[0].transpose(0, 1))
+        row += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("latent", [False, True])
+def test_general_batches_read_in_place(dtype, tol, latent):
+    """A fresh prompt, a decode token, and chunks continuing cached prompts whose pages are
+    several runs, in one batch (how prefill and extend() batch them)."""
+    torch.manual_seed(1)
+    tables = interleaved(4, 3, 6)
+    starts, counts = [0, 22, 13, 26], [7, 1, 4, 9]
+    heads, d = ((4, 1), 24) if latent else ((6, 2), 8)
+    kv = torch.randn(2, 1 + sum(map(len, tables)), PAGE, heads[1], d).to(dtype)
+    if latent:  # MLA: one plane read as keys and values
+        kv = kv[:1].expand(2, *kv.shape[1:])
+    q = torch.randn(sum(counts), heads[0], d).to(dtype)
+    meta = build_attn_meta(starts, counts, tables, PAGE, 0, torch.device("cpu"), None)
+    assert meta.extend is not None and max(len(r.cached) for r in meta.extend) > 1
+    scale = 0.3 if latent else None
+    torch.testing.assert_close(attend_cached(q, kv, meta, scale), written_out(q, kv, starts, counts, tables, scale),
+                               rtol=tol, atol=tol)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.model import paged_runs
 from common.model.static_attention import StaticAttn, gather_pages
 
 
@@ -33,6 +34,9 @@ class AttnMeta:
     out_rows: torch.Tensor | None = None  # [T] index into the flattened [B*maxQ] output; None: all
     # One request whose tokens all start at position 0: attend to the new K/V directly.
     fresh_causal: bool = False
+    # On a CPU, causal batches without a window: each request on its own, its cached keys read in
+    # place (common.model.paged_runs); the padded view above is then unused.
+    extend: list[paged_runs.Extend] | None = None
     # Static shapes (decode, verify and draft steps that CUDA graphs replay): only positions,
     # write_slots and this are used.
     static: StaticAttn | None = None
@@ -80,6 +84,9 @@ def build_attn_meta(starts: list[int], counts: list[int], page_tables: list[list
                     None if logit_rows is None else as_long(logit_rows))
     if causal and len(starts) == 1 and starts[0] == 0:
         meta.fresh_causal = True
+        return meta
+    if causal and window is None and torch.device(device).type == "cpu":
+        meta.extend = paged_runs.extend_requests(starts, counts, page_tables, page_size)
         return meta
 
     B, max_q = len(starts), max(counts)
@@ -142,6 +149,8 @@ def attend_cached(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttnMeta,
                   scale: float | None = None) -> torch.Tensor:
     """Attention of q [T, Hq, d] over the keys and values already in the cache's pages
     (the new tokens' included), general (non-static) path. `scale` None: d ** -0.5."""
+    if meta.extend is not None:
+        return paged_runs.attend_extend(q, kv_layer, meta.write_slots, meta.extend, scale)
     heads, d = kv_layer.shape[-2:]
     B = meta.kv_pages.shape[0]
     qb = (q.reshape(B, -1, *q.shape[1:]) if meta.q_index is None else q[meta.q_index]).transpose(1, 2)
