@@ -161,6 +161,8 @@ def written_out(q, kv, starts, counts, tables, scale=None) -> torch.Tensor:
     heads, d = kv.shape[-2:]
     out, row = [], 0
     for start, n, table in zip(starts, counts, tables):
+        if not n:
+            continue
         slots = torch.tensor([table[p // PAGE] * PAGE + p % PAGE for p in range(start + n)])
         k, v = (kv[i].reshape(-1, heads, d)[slots].transpose(0, 1)[None] for i in (0, 1))
         visible = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]
@@ -173,19 +175,26 @@ def written_out(q, kv, starts, counts, tables, scale=None) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("latent", [False, True])
-def test_general_batches_read_in_place(dtype, tol, latent):
-    """A fresh prompt, a decode token, and chunks continuing cached prompts whose pages are
-    several runs, in one batch (how prefill and extend() batch them)."""
+@pytest.mark.parametrize("short_run", [0, paged_runs.SHORT_RUN])
+def test_general_batches_read_in_place(dtype, tol, latent, short_run, monkeypatch):
+    """A fresh prompt, a decode token, a request with no new token, and chunks continuing cached
+    prompts whose pages are several runs, in one batch (how prefill and extend() batch them); the
+    runs read one by one, and (their default: runs of a few keys) gathered into one read."""
+    monkeypatch.setattr(paged_runs, "SHORT_RUN", short_run)
     torch.manual_seed(1)
-    tables = interleaved(4, 3, 6)
-    starts, counts = [0, 22, 13, 26], [7, 1, 4, 9]
+    tables = interleaved(5, 3, 6)
+    starts, counts = [0, 22, 13, 9, 26], [7, 1, 4, 0, 9]
     heads, d = ((4, 1), 24) if latent else ((6, 2), 8)
     kv = torch.randn(2, 1 + sum(map(len, tables)), PAGE, heads[1], d).to(dtype)
     if latent:  # MLA: one plane read as keys and values
         kv = kv[:1].expand(2, *kv.shape[1:])
     q = torch.randn(sum(counts), heads[0], d).to(dtype)
     meta = build_attn_meta(starts, counts, tables, PAGE, 0, torch.device("cpu"), None)
-    assert meta.extend is not None and max(len(r.cached) for r in meta.extend) > 1
+    assert meta.extend is not None and len(meta.extend) == 4
+    if short_run:
+        assert all(r.scattered is not None for r in meta.extend if r.row)
+    else:
+        assert max(len(r.cached) for r in meta.extend) > 1
     scale = 0.3 if latent else None
     torch.testing.assert_close(attend_cached(q, kv, meta, scale), written_out(q, kv, starts, counts, tables, scale),
                                rtol=tol, atol=tol)

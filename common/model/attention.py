@@ -23,7 +23,7 @@ class AttnMeta:
     positions: torch.Tensor  # [T] absolute position of each new token
     write_slots: torch.Tensor  # [T] cache slot that receives each new token's K/V
     logit_rows: torch.Tensor | None  # rows whose final hidden state is returned (None = all)
-    # Padded per-request view used by the general path; unused when `fresh_causal`.
+    # Padded per-request view used by the general path; unused when `fresh_causal` or `extend`.
     q_index: torch.Tensor | None = None  # [B, maxQ] row of T for each padded query; None: no padding
     kv_pages: torch.Tensor | None = None  # [B, maxPages] pages each request reads (scratch-padded)
     max_kv: int = 0  # keys read per request: the first max_kv slots of its kv_pages

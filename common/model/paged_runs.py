@@ -1,30 +1,32 @@
 """CPU attention over a paged KV cache that reads each row's keys where they lie.
 
 The plain torch path of `static_attention` gathers every row's pages into one padded tensor per
-layer and step. At long contexts on a CPU that copy costs more than the attention itself: at
-8 rows x 8K keys (embedded model, fp32) one layer took 44 ms gathered and 14-16 ms read in place.
+layer and step. At long contexts on a CPU that copy costs more than the attention itself: at 8 rows
+x 8K keys (embedded model, fp32) one layer took 44 ms gathered and 14-16 ms read in place.
 
 A row's pages are runs of consecutive pages: a request takes its budget's pages at once, one run
 from a fresh pool, a few from pages that finished requests gave back. Each run is a slice of the
 cache, so the flash kernel attends over it without a copy and returns its log-sum-exp; the runs'
 outputs are then merged by those weights. The runs, and the causal masks of those that hold a
-block's own tokens, depend only on the step's page table and lengths, so one `RunPlan` serves
-every layer of a step.
+block's own tokens, depend only on the step's page table and lengths, so one `RunPlan` serves every
+layer of a step.
 
-Prefill chunks and other batches of the general path (`attention.build_attn_meta`) are read the
-same way on a CPU (`Extend`): each request's new tokens attend to each other with the kernel's
-causal mask and to the runs of its cached keys without one; no padded queries, no mask tensor,
-no gather beyond the new tokens' own K/V. Per layer, four prompts of 2K tokens took 193 ms padded
-and masked, 97 ms so; eight chunks of 512 after 1,536 cached tokens 102 -> 78 ms; 32 prompts of
-150 tokens 12.1 -> 12.2 ms.
+Prefill chunks and other batches of the general path (`attention.build_attn_meta`) are read the same
+way on a CPU (`Extend`): each request's new tokens attend to each other with the kernel's causal
+mask and to the runs of its cached keys without one (gathered into one read where the runs are
+short); no padded queries, no mask tensor, no gather beyond the new tokens' own K/V. Per layer, four
+prompts of 2K tokens took 193 ms padded and masked, 97 ms so; eight chunks of 512 after 1,536 cached
+tokens 102 -> 78 ms; 32 prompts of 150 tokens 12.1 -> 12.2 ms.
 
-In a static step, reading in place costs one kernel call per run and row, and a merge per row
-with several runs, where gathering makes one batched call. `plan()` reads in place where that measured faster: one
-row; several rows, if they are `LONG_ROW` keys long or their gather would take `GATHER_BYTES`, and
-their runs are `SHORT_RUN` keys long on average. Elsewhere it returns None and the caller gathers.
+In a static step, reading in place costs one kernel call per run and row, and a merge per row with
+several runs, where gathering makes one batched call. `plan()` reads in place where that measured
+faster: one row; several rows, if they are `LONG_ROW` keys long or their gather would take
+`GATHER_BYTES`, and their runs are `SHORT_RUN` keys long on average. Elsewhere it returns None and
+the caller gathers.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,15 +86,25 @@ class Extend:
     """One request of a general batch: its new tokens are q's rows [row, row + count)."""
     row: int
     count: int
-    cached: list[tuple[int, int]]  # (first slot, keys) of each run of its cached keys, in order
+    cached: list[tuple[int, int]]  # (first slot, keys) of each run of its cached keys, read in place
+    # Its cached slots instead, where its runs are too short to read one by one (SHORT_RUN).
+    scattered: torch.Tensor | None = None
 
 
 def extend_requests(starts: list[int], counts: list[int], page_tables: list[list[int]], page_size: int) -> list[Extend]:
-    rows = [0]
-    for n in counts[:-1]:
-        rows.append(rows[-1] + n)
-    return [Extend(row, n, [(slot, keys) for slot, _, keys in spans(pages, 0, start, page_size)])
-            for row, start, n, pages in zip(rows, starts, counts, page_tables)]
+    """Each request of a general batch (`starts[i]` tokens cached, `counts[i]` new ones after them,
+    the new tokens of all requests in q one request after another)."""
+    requests, row = [], 0
+    for start, n, pages in zip(starts, counts, page_tables):
+        runs = [(slot, keys) for slot, _, keys in spans(pages, 0, start, page_size)]
+        if not n:  # nothing to attend (and the kernel does not take empty queries)
+            pass
+        elif len(runs) > 1 and start < SHORT_RUN * len(runs):
+            requests.append(Extend(row, n, [], torch.cat([torch.arange(slot, slot + keys) for slot, keys in runs])))
+        else:
+            requests.append(Extend(row, n, runs))
+        row += n
+    return requests
 
 
 def attend_extend(q: torch.Tensor, kv_layer: torch.Tensor, write_slots: torch.Tensor, requests: list[Extend],
@@ -103,24 +115,24 @@ def attend_extend(q: torch.Tensor, kv_layer: torch.Tensor, write_slots: torch.Te
     k_slots = kv_layer[0].view(-1, heads, d)
     v_slots = kv_layer[1].view(-1, heads, d)
     out = torch.empty(q.shape[0], q.shape[1], d, dtype=q.dtype, device=q.device)
+
+    def attend(qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False):  # k, v [keys, Hkv, d]
+        return _FLASH(qb, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=causal, scale=scale)
+
     for r in requests:
         qb = q[r.row:r.row + r.count].transpose(0, 1)[None]  # [1, Hq, n, d]
         new = write_slots[r.row:r.row + r.count]
         # The kernel's causal mask is aligned to the top left: right for queries and keys that are
         # the same tokens, so the new tokens attend to each other on their own.
-        o, lse = _FLASH(qb, k_slots[new].transpose(0, 1)[None], v_slots[new].transpose(0, 1)[None],
-                        is_causal=True, scale=scale)
-        parts, lses = [o], [lse]
-        for slot, n in r.cached:
-            o, lse = _FLASH(qb, k_slots[slot:slot + n].transpose(0, 1)[None], v_slots[slot:slot + n].transpose(0, 1)[None],
-                            scale=scale)
-            parts.append(o)
-            lses.append(lse)
-        out[r.row:r.row + r.count] = parts[0][0].transpose(0, 1) if len(parts) == 1 else _merge(parts, lses)
+        parts = [attend(qb, k_slots[new], v_slots[new], causal=True)]
+        if r.scattered is not None:
+            parts.append(attend(qb, k_slots[r.scattered], v_slots[r.scattered]))
+        parts += [attend(qb, k_slots[slot:slot + n], v_slots[slot:slot + n]) for slot, n in r.cached]
+        out[r.row:r.row + r.count] = parts[0][0][0].transpose(0, 1) if len(parts) == 1 else _merge(*zip(*parts))
     return out
 
 
-def _merge(parts: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+def _merge(parts: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> torch.Tensor:
     """Runs' outputs [1, Hq, T, d] and log-sum-exps [1, Hq, T] -> the row's output [T, Hq, d]."""
     w = torch.softmax(torch.stack(lses)[:, 0], 0)  # [R, Hq, T], fp32
     o = (torch.stack(parts)[:, 0].float() * w[..., None]).sum(0)
