@@ -179,7 +179,8 @@ def written_out(q, kv, starts, counts, tables, scale=None) -> torch.Tensor:
 def test_general_batches_read_in_place(dtype, tol, latent, short_run, monkeypatch):
     """A fresh prompt, a decode token, a request with no new token, and chunks continuing cached
     prompts whose pages are several runs, in one batch (how prefill and extend() batch them); the
-    runs read one by one, and (their default: runs of a few keys) gathered into one read."""
+    runs read one by one, and (their default: runs of a few keys) gathered into one read; and the
+    padded view of the same batch."""
     monkeypatch.setattr(paged_runs, "SHORT_RUN", short_run)
     torch.manual_seed(1)
     tables = interleaved(5, 3, 6)
@@ -196,5 +197,9 @@ def test_general_batches_read_in_place(dtype, tol, latent, short_run, monkeypatc
     else:
         assert max(len(r.cached) for r in meta.extend) > 1
     scale = 0.3 if latent else None
-    torch.testing.assert_close(attend_cached(q, kv, meta, scale), written_out(q, kv, starts, counts, tables, scale),
-                               rtol=tol, atol=tol)
+    expected = written_out(q, kv, starts, counts, tables, scale)
+    torch.testing.assert_close(attend_cached(q, kv, meta, scale), expected, rtol=tol, atol=tol)
+    # The padded view (GPUs take it) against the same definition.
+    padded = build_attn_meta(starts, counts, tables, PAGE, 0, torch.device("cpu"), None, in_place=False)
+    assert padded.extend is None and padded.mask is not None
+    torch.testing.assert_close(attend_cached(q, kv, padded, scale), expected, rtol=tol, atol=tol)

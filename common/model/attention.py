@@ -67,12 +67,11 @@ def table_slots(page_table: torch.Tensor, positions: torch.Tensor, page_size: in
 
 def build_attn_meta(starts: list[int], counts: list[int], page_tables: list[list[int]],
                     page_size: int, scratch_slot: int, device: torch.device,
-                    logit_rows: list[int] | None, causal: bool = True,
-                    window: int | None = None) -> AttnMeta:
-    """starts[i] tokens of request i are cached; counts[i] new ones follow. `scratch_slot` is a
-    slot no request owns: padded keys read it (and are masked out).
-    causal=False: the new tokens see each other both ways (a DFlash draft block); then
-    `window` limits how many cached tokens before the block they see."""
+                    logit_rows: list[int] | None, in_place: bool | None = None) -> AttnMeta:
+    """starts[i] tokens of request i are cached; counts[i] new ones follow, each seeing the keys
+    up to its own position. `scratch_slot` is a slot no request owns: padded keys read it (and
+    are masked out). `in_place`: request by request, reading the pages where they lie
+    (`paged_runs.Extend`), not through the padded view; None: on a CPU, where that is faster."""
     positions: list[int] = []
     write_slots: list[int] = []
     for start, n, pages in zip(starts, counts, page_tables):
@@ -82,10 +81,10 @@ def build_attn_meta(starts: list[int], counts: list[int], page_tables: list[list
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
     meta = AttnMeta(as_long(positions), as_long(write_slots),
                     None if logit_rows is None else as_long(logit_rows))
-    if causal and len(starts) == 1 and starts[0] == 0:
+    if len(starts) == 1 and starts[0] == 0:
         meta.fresh_causal = True
         return meta
-    if causal and window is None and torch.device(device).type == "cpu":
+    if torch.device(device).type == "cpu" if in_place is None else in_place:
         meta.extend = paged_runs.extend_requests(starts, counts, page_tables, page_size)
         return meta
 
@@ -105,17 +104,12 @@ def build_attn_meta(starts: list[int], counts: list[int], page_tables: list[list
         used = -(-(start + n) // page_size)
         kv_pages[b, :used] = torch.tensor(pages[:used], dtype=torch.long)
         row += n
-    needs_mask = (causal and max_q > 1) or len(set(kv_lens)) > 1 or window is not None
-    if needs_mask:
+    if max_q > 1 or len(set(kv_lens)) > 1:
         k_pos = torch.arange(max_kv)[None, None, :]
         mask = k_pos < torch.tensor(kv_lens)[:, None, None]
-        if causal:
-            # Query i of request b (position start_b + i) sees keys at positions <= its own.
-            q_pos = torch.tensor(starts)[:, None] + torch.arange(max_q)[None, :]  # [B, maxQ]
-            mask = mask & (k_pos <= q_pos[:, :, None])
-        if window is not None:
-            mask = mask & (k_pos >= torch.tensor(starts)[:, None, None] - window)
-        mask = mask.expand(B, max_q, max_kv).clone()
+        # Query i of request b (position start_b + i) sees keys at positions <= its own.
+        q_pos = torch.tensor(starts)[:, None] + torch.arange(max_q)[None, :]  # [B, maxQ]
+        mask = (mask & (k_pos <= q_pos[:, :, None])).expand(B, max_q, max_kv).clone()
         padded = torch.arange(max_q)[None, :] >= torch.tensor(counts)[:, None]
         mask[padded] = True  # padded query rows must see something, or SDPA yields NaN
         meta.mask = mask.unsqueeze(1).to(device)
