@@ -26,7 +26,6 @@ the caller gathers.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +52,15 @@ class Run:
     mask: torch.Tensor | None  # [1, 1, T, keys] additive causal mask; None: every query sees every key
     blind: torch.Tensor | None  # [T] bool: queries that see none of its keys (their log-sum-exp is set to -inf)
 
+    def read(self, qb: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, scale: float | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = _flash(qb, k_slots[self.slot:self.slot + self.keys], v_slots[self.slot:self.slot + self.keys], scale,
+                        mask=self.mask)
+        if self.blind is not None:  # the kernel leaves lse 0 and o 0 there: weigh them 0
+            lse = lse.masked_fill(self.blind, float("-inf"))
+            o = o.masked_fill(self.blind[:, None], 0.0)
+        return o, lse
+
 
 @dataclass
 class RunPlan:
@@ -67,17 +75,7 @@ class RunPlan:
         qv = q.view(len(self.rows), self.T, q.shape[1], d).transpose(1, 2)  # [rows, Hq, T, d]
         out = torch.empty(len(self.rows), self.T, q.shape[1], d, dtype=q.dtype, device=q.device)
         for b, runs in enumerate(self.rows):
-            parts, lses = [], []
-            for run in runs:
-                k = k_slots[run.slot:run.slot + run.keys].view(1, run.keys, heads, d).transpose(1, 2)
-                v = v_slots[run.slot:run.slot + run.keys].view(1, run.keys, heads, d).transpose(1, 2)
-                o, lse = _FLASH(qv[b:b + 1], k, v, attn_mask=run.mask, scale=scale)
-                if run.blind is not None:  # the kernel leaves lse 0 and o 0 there: weigh them 0
-                    lse = lse.masked_fill(run.blind, float("-inf"))
-                    o = o.masked_fill(run.blind[:, None], 0.0)
-                parts.append(o)
-                lses.append(lse)
-            out[b] = parts[0][0].transpose(0, 1) if len(parts) == 1 else _merge(parts, lses)
+            out[b] = _combine([run.read(qv[b:b + 1], k_slots, v_slots, scale) for run in runs])
         return out.view(-1, q.shape[1], d)
 
 
@@ -115,28 +113,36 @@ def attend_extend(q: torch.Tensor, kv_layer: torch.Tensor, write_slots: torch.Te
     k_slots = kv_layer[0].view(-1, heads, d)
     v_slots = kv_layer[1].view(-1, heads, d)
     out = torch.empty(q.shape[0], q.shape[1], d, dtype=q.dtype, device=q.device)
-
-    def attend(qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False):  # k, v [keys, Hkv, d]
-        return _FLASH(qb, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=causal, scale=scale)
-
     for r in requests:
         qb = q[r.row:r.row + r.count].transpose(0, 1)[None]  # [1, Hq, n, d]
         new = write_slots[r.row:r.row + r.count]
         # The kernel's causal mask is aligned to the top left: right for queries and keys that are
         # the same tokens, so the new tokens attend to each other on their own.
-        parts = [attend(qb, k_slots[new], v_slots[new], causal=True)]
+        parts = [_flash(qb, k_slots[new], v_slots[new], scale, causal=True)]
         if r.scattered is not None:
-            parts.append(attend(qb, k_slots[r.scattered], v_slots[r.scattered]))
-        parts += [attend(qb, k_slots[slot:slot + n], v_slots[slot:slot + n]) for slot, n in r.cached]
-        out[r.row:r.row + r.count] = parts[0][0][0].transpose(0, 1) if len(parts) == 1 else _merge(*zip(*parts))
+            parts.append(_flash(qb, k_slots[r.scattered], v_slots[r.scattered], scale))
+        parts += [_flash(qb, k_slots[slot:slot + n], v_slots[slot:slot + n], scale) for slot, n in r.cached]
+        out[r.row:r.row + r.count] = _combine(parts)
     return out
 
 
-def _merge(parts: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Runs' outputs [1, Hq, T, d] and log-sum-exps [1, Hq, T] -> the row's output [T, Hq, d]."""
-    w = torch.softmax(torch.stack(lses)[:, 0], 0)  # [R, Hq, T], fp32
-    o = (torch.stack(parts)[:, 0].float() * w[..., None]).sum(0)
-    return o.transpose(0, 1).to(parts[0].dtype)
+def _flash(qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+           mask: torch.Tensor | None = None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """qb [1, Hq, n, d] over keys and values [keys, Hkv, d] (slices of the cache's slots, or the
+    slots gathered): the output [1, Hq, n, d] and its log-sum-exp [1, Hq, n]."""
+    return _FLASH(qb, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, is_causal=causal,
+                  scale=scale)
+
+
+def _combine(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One row's attention over its parts' keys [n, Hq, d], from each part's output and
+    log-sum-exp: the parts' outputs weighed by their share of the softmax's sum."""
+    if len(parts) == 1:
+        return parts[0][0][0].transpose(0, 1)
+    outs, lses = zip(*parts)
+    w = torch.softmax(torch.stack(lses)[:, 0], 0)  # [R, Hq, n], fp32
+    o = (torch.stack(outs)[:, 0].float() * w[..., None]).sum(0)
+    return o.transpose(0, 1).to(outs[0].dtype)
 
 
 def plan(page_table: torch.Tensor, kv_len: torch.Tensor, kv_start: torch.Tensor | None, T: int,
