@@ -215,7 +215,7 @@ def test_draft_ahead_lossless(runner, proposer, embedded_tokenizer, prompts, pla
     engine = Engine(runner, embedded_tokenizer.eos_token_ids, proposer=proposer, spec=SpecConfig(block=16, ahead=True))
     assert engine.decoder.ahead
     engine.decoder.ahead_rows = 4  # batches draft ahead too (by default only single requests do)
-    choices = itertools.cycle([4, 16, 0, 8, 8, 4, 16])
+    choices = itertools.cycle([4, 16, 0, 8, 8, 4, 16, 5, 7, 6])  # and blocks only confidence chooses
     engine.policy.choose = lambda reqs: next(choices)
     verified_ahead = []
     observe = engine.policy.observe_confident
@@ -243,6 +243,21 @@ def test_draft_ahead_policy_chooses_blocks_by_confidence(runner, proposer, embed
     assert sum(engine.policy.calibration.tried) > 0
     blocks = [sum(r.spec.block_histogram[b] for r in reqs) for b in (4, 8, 16)]
     assert sum(1 for n in blocks if n) >= 2, blocks
+
+
+def test_draft_ahead_policy_takes_blocks_between_the_timed_ones(runner, proposer, embedded_tokenizer, prompts,
+                                                                plain_outputs):
+    """Given blocks only a choice by confidence takes (5, 6, 7: `SpecPolicy.confident_only`), the
+    policy verifies blocks of those lengths too, outputs unchanged."""
+    engine = Engine(runner, embedded_tokenizer.eos_token_ids, proposer=proposer, spec=SpecConfig(block=16, ahead=True))
+    engine.policy.pinned = None
+    engine.policy.timed_steps = False
+    engine.policy.confident_only = [5, 6, 7]
+    engine.policy.costs = StepCosts(128, {(1, 0): 1.0, (1, 4): 1.5, (1, 5): 1.6, (1, 6): 1.7, (1, 7): 1.8, (1, 8): 1.9,
+                                          (1, 16): 2.8})
+    reqs = run_all(engine, prompts[:6], 1)
+    assert [r.output_ids for r in reqs] == plain_outputs["greedy"][:6]
+    assert sum(r.spec.block_histogram[b] for r in reqs for b in (5, 6, 7)) > 0
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])

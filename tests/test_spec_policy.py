@@ -327,3 +327,42 @@ def test_a_block_chosen_by_confidence_ends_a_held_choice():
         policy.observe(0, 4)
     policy.new_step([req])
     assert policy.choose([req]) == 0
+
+
+CONFIDENT_COSTS = StepCosts(128, {(1, 0): 1.0, (1, 4): 1.5, (1, 5): 1.6, (1, 6): 1.7, (1, 7): 1.8, (1, 8): 1.9,
+                                  (1, 16): 2.6})
+
+
+@pytest.mark.parametrize("confident, block", [(True, 6), (False, 8)])
+def test_with_draft_ahead_the_block_fits_the_drafts_the_drafter_is_sure_of(confident, block):
+    """Sure of five drafts and unsure past them: with the blocks between (draft-ahead) a block of
+    6 verifies just those; without them (the control) the choice is between 4 and 8."""
+    policy = SpecPolicy(16, SpecConfig(timed=False), CONFIDENT_COSTS, confident=confident)
+    assert policy.confident_only == ([5, 6, 7] if confident else [])
+    req = request()
+    req.spec.ahead = np.log([0.999] * 5 + [0.05] * 10).tolist()
+    policy.new_step([req])
+    assert policy.choose([req]) == block
+
+
+def test_blocks_only_confidence_chooses_are_never_explored_and_priced_between_their_neighbours():
+    """Timed and exploring, over drafts of every confidence: the blocks between are chosen, never
+    taken as an exploring step (a larger batch has no graph of them), and their price is their
+    neighbours', interpolated."""
+    policy = SpecPolicy(16, SpecConfig(), CONFIDENT_COSTS, confident=True)
+    rng = random.Random(0)
+    req = request()
+    chosen, explored = set(), set()
+    for _ in range(2000):
+        sure = rng.randrange(16)
+        req.spec.ahead = np.log([0.999] * sure + [0.2] * (15 - sure)).tolist()
+        policy.new_step([req])
+        block = policy.choose([req])
+        chosen.add(block)
+        if policy._exploring is not None:
+            explored.add(policy._exploring)
+        policy.timed(1, block, 128, CONFIDENT_COSTS.cost(1, block, 128) * rng.uniform(0.9, 1.3))
+        policy.weigh_confident([req])
+    assert {5, 6, 7} & chosen and explored and not explored & {5, 6, 7}
+    assert policy._log_price(6) == pytest.approx((policy.log_price[4] + policy.log_price[8]) / 2)
+    assert policy.log_price[4] != policy.log_price[8]

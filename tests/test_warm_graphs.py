@@ -99,6 +99,30 @@ def test_draft_ahead_steps_are_captured_at_the_warm_up_too(tmp_path):
     assert len(warmed) == 3 * 8
 
 
+def test_blocks_only_confidence_chooses_are_captured_at_the_warm_up(tmp_path):
+    """Where steps draft ahead, the blocks only a choice by confidence takes (5, 6 and 7 for a
+    drafter of 8) verify drafts kept ahead and nothing else: one graph each per batch size that
+    drafts ahead, and decoding that takes them captures nothing more."""
+    engine = speculating_engine(str(tmp_path / "drafter"), block_size=8, batch_sizes=(1, 2, 4), spec=SpecConfig(ahead=True))
+    decoder, policy = engine.decoder, engine.policy
+    assert policy.confident_only == [5, 6, 7]
+    decoder.graphs = RecordingGraphs()
+    warm_graphs(decoder, policy.blocks, policy.confident_only)
+    extra = {key for key in decoder.graphs.keys if key[1] in (5, 6, 7)}
+    assert {(rows, block, catch_up, ahead) for rows, block, _, catch_up, ahead in extra} == \
+        {(1, b, 0, FROM_AHEAD) for b in (5, 6, 7)}
+    warmed = set(decoder.graphs.keys)
+    # As the policy does: a block between only where every request verifies drafts kept ahead.
+    choices = itertools.cycle([4, 5, 0, 6, 8, 7, 7, 0, 5])
+    engine.policy.choose = lambda reqs: (lambda b: b if b not in (5, 6, 7) or all(r.spec.ahead is not None for r in reqs)
+                                         else 4)(next(choices))
+    reqs = [Request(uuid.uuid4().hex, list(range(1, 20 + 7 * i)), SamplingParams(max_new_tokens=30 + 9 * i, ignore_eos=True))
+            for i in range(3)]
+    engine.run_all(reqs, 1)
+    assert decoder.graphs.keys == warmed
+    assert {key for key in decoder.graphs.asked if key[1] in (5, 6, 7)}
+
+
 def test_by_default_only_single_requests_draft_ahead(tmp_path):
     warmed = decode_after(True, tmp_path, spec=SpecConfig(ahead=True))[0]
     assert len(warmed) == 8 + 2 * 6 and {rows for rows, *_, ahead in warmed if ahead} == {1}

@@ -75,17 +75,18 @@ class Engine:
 
     def _start_decoder(self, spec: SpecConfig, batch_sizes: tuple[int, ...]) -> None:
         proposer = self.proposer
+        ahead = spec.ahead if spec.ahead is not None else self.runner.use_graphs and spec.block is None
         if proposer is not None:
             self.max_block = max(proposer.block_size, spec.block or 0)
-            self.policy = SpecPolicy(self.max_block, spec)
-        ahead = spec.ahead if spec.ahead is not None else self.runner.use_graphs and spec.block is None
+            self.policy = SpecPolicy(self.max_block, spec, confident=ahead)
         self.decoder = Decoder(self.runner, self.eos_token_ids, proposer, self.policy, batch_sizes, self.max_running,
                                ahead=ahead)
+        confident = [] if self.policy is None else self.policy.confident_only
         if self.policy is not None and spec.block is None:
             # Costs of plain and speculative steps on this device: what the policy weighs.
-            self.policy.costs = step_costs(self.decoder, spec, self.policy.blocks)
+            self.policy.costs = step_costs(self.decoder, spec, self.policy.blocks, confident)
         blocks = [] if self.policy is None else [spec.block] if spec.block else self.policy.blocks
-        warm_graphs(self.decoder, blocks)
+        warm_graphs(self.decoder, blocks, confident)
 
     # ---- requests in and out ---------------------------------------------------------------
     def add(self, req: Request) -> None:

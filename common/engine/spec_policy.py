@@ -43,7 +43,10 @@ Where every request of the batch has drafts ahead (the decoder's draft-ahead: th
 drafted the next block and brought the drafter's confidence in each draft), E[tokens | B] is read
 from those confidences instead (common.engine.confidence): how sure the drafter is of this very
 block says more about how far it will be accepted than how far the request's blocks went before.
-Such a choice is not held for later steps: it is this block's. It is made after the step's read,
+Such a choice is not held for later steps: it is this block's, and it may be any of
+CONFIDENT_BLOCKS, which holds blocks between the others (a block that ends where the drafter's
+confidence falls; those blocks are captured for the batch sizes that draft ahead only, never
+explored, and priced by their neighbours' corrections). It is made after the step's read,
 while the device waits, so what can be done before is done while the device runs the step that
 drafts ahead (weigh_confident: the evidence of the verify steps since, and the prices of the
 choices), and what is left is a short loop over the confidences.
@@ -66,6 +69,13 @@ from common.engine.confidence import Calibration
 from common.engine.request import Request
 
 BLOCKS = (4, 8, 16)
+# The blocks a choice from the drafter's confidence takes (steps of single requests, with
+# draft-ahead): there each step's block is this block's own, so blocks between those above pay
+# too. A replay of 1,835 recorded verify steps (GSM8K chat, the shipped drafter) at the H200's
+# batch-1 device costs, those between measured blocks interpolated, gave 1.5% more tokens per
+# unit of device time with 5, 6 and 7 added, 2% with every block from 2 to 16 (docs/PERFORMANCE.md,
+# 2026-12-05 (late night)). Each is a CUDA graph and a set of product shapes, at one batch size.
+CONFIDENT_BLOCKS = (4, 5, 6, 7, 8, 16)
 PRIOR_REACH = 0.5  # before any evidence: P(a draft is right | the ones before it were)
 GLOBAL_STRENGTH = 8.0  # the prior counts as this many verify steps in the estimate over all requests
 REQUEST_STRENGTH = 4.0  # the estimate over all requests counts as this many of a request's own steps
@@ -93,6 +103,7 @@ PRICE_LIMITS = (0.25, 4.0)  # one step's ratio, clamped (a stall of the host is 
 class SpecConfig:
     block: int | None = None  # every step speculates with this block (--spec-block); None: choose
     blocks: tuple[int, ...] = BLOCKS  # the blocks to choose from (those up to the drafter's)
+    confident_blocks: tuple[int, ...] = CONFIDENT_BLOCKS  # ... when choosing from the drafter's confidence
     cache_dir: str | None = None  # where measured step costs are kept between runs (None: not kept)
     timed: bool = True  # correct the costs by timing steps, exploring the other kind (False: costs as given)
     # Draft the next block at the end of each speculative step, and choose its length from the
@@ -139,10 +150,14 @@ class StepCosts:
 
 
 class SpecPolicy:
-    def __init__(self, max_block: int, config: SpecConfig, costs: StepCosts | None = None):
+    def __init__(self, max_block: int, config: SpecConfig, costs: StepCosts | None = None, confident: bool = False):
         self.max_block = max_block
         self.pinned = config.block
         self.blocks = [b for b in config.blocks if b <= max_block] or [max_block]
+        # With `confident` (the decoder drafts ahead), the blocks only a choice from the drafter's
+        # confidence takes. Never explored nor priced by timing: their price is their neighbours'.
+        self.confident_only = sorted({b for b in config.confident_blocks if b <= max_block} - set(self.blocks)) \
+            if confident and self.pinned is None else []
         self.costs = costs  # None: only a pinned block (or the largest) is ever used
         self.acceptance = Acceptance(max_block)  # over all requests
         self.calibration = Calibration()  # drafts right by the drafter's confidence, over all requests
@@ -248,8 +263,8 @@ class SpecPolicy:
         self._price()
         rows = len(reqs)
         context = sum(r.cache.length for r in reqs) / rows
-        self._weighed = (tuple(id(r) for r in reqs), self.calibration.rates(),
-                         rows / self._cost(rows, 0, context), {block: self._cost(rows, block, context) for block in self.blocks})
+        self._weighed = (tuple(id(r) for r in reqs), self.calibration.rates(), rows / self._cost(rows, 0, context),
+                         {block: self._cost(rows, block, context) for block in sorted(self.blocks + self.confident_only)})
 
     def _choose_confident(self, reqs: list[Request]) -> int:
         """_choose() for requests with drafts ahead: E[tokens | B] from the drafter's confidence."""
@@ -268,16 +283,29 @@ class SpecPolicy:
         rates = {block: tokens[block] / costs[block] for block in tokens}
         best_block = max(rates, key=rates.get)
         best = best_block if rates[best_block] >= PLAIN_EDGE * plain else 0
-        self._others = [best_block if best == 0 else 0]
+        explorable = [b for b in rates if b in self.log_price]
+        self._others = [max(explorable, key=rates.get) if best == 0 else 0]
         top = rates[best] if best else plain
-        self._others += [b for b in rates if b not in (best, best_block) and rates[b] >= CONTENDER * top]
+        self._others += [b for b in explorable if b not in (best, *self._others) and rates[b] >= CONTENDER * top]
         return best
 
     def _last_timed(self, choice: int) -> int:
         return max(self._timed_at[choice], self._asked_at[choice])
 
     def _cost(self, rows: int, block: int, context: float) -> float:
-        return self.costs.cost(rows, block, context) * math.exp(self.log_price[block])
+        return self.costs.cost(rows, block, context) * math.exp(self._log_price(block))
+
+    def _log_price(self, block: int) -> float:
+        """A choice's price; a block only confidence chooses takes its neighbours' among the
+        timed blocks, interpolated (prices follow the machine and the step's code, which the
+        neighbours share)."""
+        if block in self.log_price:
+            return self.log_price[block]
+        lo = max((b for b in self.blocks if b < block), default=None)
+        hi = min((b for b in self.blocks if b > block), default=None)
+        if lo is None or hi is None:
+            return self.log_price[hi if lo is None else lo]
+        return self.log_price[lo] + (self.log_price[hi] - self.log_price[lo]) * (block - lo) / (hi - lo)
 
     def timed(self, rows: int, block: int, context: float, seconds: float) -> None:
         """A step of `rows` requests at `context` tokens of context each took `seconds` (host

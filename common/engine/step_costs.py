@@ -49,30 +49,32 @@ STEP_CODE = ("common.engine.decoder", "common.engine.step_costs", "common.engine
              "common.runner.model_runner")
 
 
-def step_costs(decoder: Decoder, config: SpecConfig, blocks: list[int]) -> StepCosts:
+def step_costs(decoder: Decoder, config: SpecConfig, blocks: list[int], confident: list[int] = ()) -> StepCosts:
     """The cached costs for this model, drafter and device, or new measurements (then cached).
-    Processes that start together measure one after another (the cache's lock): at once, each
-    would time the others' work too, and the second finds the first's costs if they match."""
+    `confident`: blocks only a choice from the drafter's confidence takes, measured only at the
+    batch sizes that draft ahead. Processes that start together measure one after another (the
+    cache's lock): at once, each would time the others' work too, and the second finds the
+    first's costs if they match."""
     if not config.cache_dir:
-        return _measured(decoder, blocks, None)
-    path = os.path.join(config.cache_dir, "step-costs", f"{_signature(decoder, blocks)}.json")
+        return _measured(decoder, blocks, confident, None)
+    path = os.path.join(config.cache_dir, "step-costs", f"{_signature(decoder, blocks, confident)}.json")
     with building(path):
         if os.path.isfile(path):
             with open(path) as f:
                 return StepCosts.from_json(json.load(f))
-        costs = _measured(decoder, blocks, path)
+        costs = _measured(decoder, blocks, confident, path)
         write_json(path, costs.to_json())
     return costs
 
 
-def _measured(decoder: Decoder, blocks: list[int], path: str | None) -> StepCosts:
+def _measured(decoder: Decoder, blocks: list[int], confident: list[int], path: str | None) -> StepCosts:
     start = time.perf_counter()
-    costs = measure(decoder, blocks)
+    costs = measure(decoder, blocks, confident)
     logger.info("measured step costs in %.1f s%s", time.perf_counter() - start, f" (kept in {path})" if path else "")
     return costs
 
 
-def measure(decoder: Decoder, blocks: list[int]) -> StepCosts:
+def measure(decoder: Decoder, blocks: list[int], confident: list[int] = ()) -> StepCosts:
     runner = decoder.runner
     graphs = decoder.graphs.enabled
     rows_list = measured_rows(decoder)
@@ -82,14 +84,28 @@ def measure(decoder: Decoder, blocks: list[int]) -> StepCosts:
     steps = [0, *blocks]
     base = {}
     for rows in rows_list:
-        base |= {(rows, b): t for b, t in _times(decoder, rows, steps, short, repeats).items()}
+        extra = [b for b in confident if decoder.may_draft_ahead(rows, b)]
+        base |= {(rows, b): t for b, t in _times(decoder, rows, steps + extra, short, repeats).items()}
     rows = max((r for r in rows_list if r <= SLOPE_ROWS.get(runner.device.type, 1)), default=rows_list[0])
     at_long = _times(decoder, rows, steps, long, repeats)
     slope = {b: max(0.0, (at_long[b] - base[(rows, b)]) / (rows * (long - short))) for b in steps}
     # A speculative step reads all the context a plain one reads (and the draft's): whatever
     # the timing noise says, a longer context never makes it relatively cheaper.
     slope = {b: max(s, slope[0]) for b, s in slope.items()}
+    # A block only confidence chooses runs only where steps draft ahead, which may be fewer rows
+    # than the slope's: its neighbours' slope, interpolated.
+    slope |= {b: _between(slope, b) for b in confident}
     return StepCosts(short, base, slope, padded=graphs)
+
+
+def _between(values: dict[int, float], block: int) -> float:
+    """values at `block`, linear between the nearest blocks below and above it (the nearest if
+    only one side has any); block 0 (plain) is not a neighbour."""
+    lo = max((b for b in values if 0 < b < block), default=None)
+    hi = min((b for b in values if b > block), default=None)
+    if lo is None or hi is None:
+        return values[hi if lo is None else lo]
+    return values[lo] + (values[hi] - values[lo]) * (block - lo) / (hi - lo)
 
 
 def measured_rows(decoder: Decoder) -> list[int]:
@@ -155,7 +171,7 @@ def synthetic_requests(decoder: Decoder, rows: int, block: int, context: int) ->
                 pool.free(p)
 
 
-def _signature(decoder: Decoder, blocks: list[int]) -> str:
+def _signature(decoder: Decoder, blocks: list[int], confident: list[int]) -> str:
     """What the costs depend on: the model, drafter, device, software, settings, and the code of
     the step itself (a change to it measures again)."""
     runner, proposer = decoder.runner, decoder.proposer
@@ -167,7 +183,7 @@ def _signature(decoder: Decoder, blocks: list[int]) -> str:
         f"{platform.machine()} {platform.processor()} x{os.cpu_count()}"
     facts = {"model": asdict(runner.cfg), "proposer": proposer.name if proposer is not None else None,
              "dtype": str(runner.dtype), "device": device, "torch": torch.__version__, "graphs": decoder.graphs.enabled,
-             "rows": measured_rows(decoder), "page_size": runner.page_size, "blocks": blocks,
+             "rows": measured_rows(decoder), "page_size": runner.page_size, "blocks": blocks, "confident": list(confident),
              "layout": asdict(runner.layout), "short": SHORT, "long": LONG,
              "ahead_rows": decoder.ahead_rows if decoder.ahead else 0,
              "code": code.hexdigest()}
