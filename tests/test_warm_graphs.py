@@ -12,7 +12,7 @@ from common.engine.engine import Engine
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.engine.decoder import DRAFT_AHEAD, FROM_AHEAD, NO_AHEAD
-from common.engine.spec_policy import SpecConfig
+from common.engine.spec_policy import SpecConfig, StepCosts
 from common.engine.warm_graphs import steps, warm_graphs
 from common.runner.model_runner import ModelRunner
 from tiny_models import random_model, speculating_engine
@@ -99,28 +99,34 @@ def test_draft_ahead_steps_are_captured_at_the_warm_up_too(tmp_path):
     assert len(warmed) == 3 * 8
 
 
-def test_blocks_only_confidence_chooses_are_captured_at_the_warm_up(tmp_path):
-    """Where steps draft ahead, the blocks only a choice by confidence takes (5, 6 and 7 for a
-    drafter of 8) verify drafts kept ahead and nothing else: one graph each per batch size that
-    drafts ahead, and decoding that takes them captures nothing more."""
-    engine = speculating_engine(str(tmp_path / "drafter"), block_size=8, batch_sizes=(1, 2, 4), spec=SpecConfig(ahead=True))
+def test_blocks_only_confidence_chooses_are_measured_and_captured_where_steps_draft_ahead(tmp_path):
+    """Where steps draft ahead (single requests), the blocks only a choice by confidence takes (5,
+    6 and 7 for a drafter of 8) are measured at start-up and captured verifying drafts kept ahead,
+    and nowhere else; the policy itself, with costs that favour them, then takes them while
+    requests join and leave and steps run in chunks, and decoding captures nothing more."""
+    engine = speculating_engine(str(tmp_path / "drafter"), block_size=8, batch_sizes=(1, 2), max_running=3,
+                                spec=SpecConfig(ahead=True))
     decoder, policy = engine.decoder, engine.policy
     assert policy.confident_only == [5, 6, 7]
+    measured = {(rows, block) for rows, block in policy.costs.base if block in (5, 6, 7)}
+    assert measured == {(1, 5), (1, 6), (1, 7)} and {5, 6, 7} <= set(policy.costs.slope)
     decoder.graphs = RecordingGraphs()
     warm_graphs(decoder, policy.blocks, policy.confident_only)
     extra = {key for key in decoder.graphs.keys if key[1] in (5, 6, 7)}
     assert {(rows, block, catch_up, ahead) for rows, block, _, catch_up, ahead in extra} == \
         {(1, b, 0, FROM_AHEAD) for b in (5, 6, 7)}
     warmed = set(decoder.graphs.keys)
-    # As the policy does: a block between only where every request verifies drafts kept ahead.
-    choices = itertools.cycle([4, 5, 0, 6, 8, 7, 7, 0, 5])
-    engine.policy.choose = lambda reqs: (lambda b: b if b not in (5, 6, 7) or all(r.spec.ahead is not None for r in reqs)
-                                         else 4)(next(choices))
-    reqs = [Request(uuid.uuid4().hex, list(range(1, 20 + 7 * i)), SamplingParams(max_new_tokens=30 + 9 * i, ignore_eos=True))
-            for i in range(3)]
-    engine.run_all(reqs, 1)
+    decoder.graphs.asked.clear()
+    policy.timed_steps = False
+    policy.costs = StepCosts(128, {(1, 0): 1.0, (1, 4): 1.5, (1, 5): 0.5, (1, 6): 0.5, (1, 7): 0.5, (1, 8): 1.9,
+                                   (2, 0): 1.2, (2, 4): 1.8, (2, 8): 2.2}, padded=True)
+    reqs = [Request(uuid.uuid4().hex, list(range(1, 20 + 7 * i)), SamplingParams(max_new_tokens=20 + 9 * i, ignore_eos=True))
+            for i in range(6)]
+    engine.run_all(reqs, 3)
+    assert all(len(r.output_ids) == r.params.max_new_tokens for r in reqs)
     assert decoder.graphs.keys == warmed
-    assert {key for key in decoder.graphs.asked if key[1] in (5, 6, 7)}
+    asked = {(rows, block) for rows, block, *_ in decoder.graphs.asked}
+    assert {block for _, block in asked} & {5, 6, 7} and {rows for rows, _ in asked} == {1, 2}
 
 
 def test_by_default_only_single_requests_draft_ahead(tmp_path):

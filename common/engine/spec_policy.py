@@ -74,7 +74,8 @@ BLOCKS = (4, 8, 16)
 # too. A replay of 1,835 recorded verify steps (GSM8K chat, the shipped drafter) at the H200's
 # batch-1 device costs, those between measured blocks interpolated, gave 1.5% more tokens per
 # unit of device time with 5, 6 and 7 added, 2% with every block from 2 to 16 (docs/PERFORMANCE.md,
-# 2026-12-05 (late night)). Each is a CUDA graph and a set of product shapes, at one batch size.
+# 2026-12-05 (late night)). Each is a CUDA graph and a set of product shapes at each batch size
+# that drafts ahead (one, by default).
 CONFIDENT_BLOCKS = (4, 5, 6, 7, 8, 16)
 PRIOR_REACH = 0.5  # before any evidence: P(a draft is right | the ones before it were)
 GLOBAL_STRENGTH = 8.0  # the prior counts as this many verify steps in the estimate over all requests
@@ -309,7 +310,8 @@ class SpecPolicy:
 
     def timed(self, rows: int, block: int, context: float, seconds: float) -> None:
         """A step of `rows` requests at `context` tokens of context each took `seconds` (host
-        synchronisation included, as the start-up costs were measured). Priced when the policy
+        synchronisation included, as the start-up costs were measured); a block only confidence
+        chooses is not priced by its own steps (its neighbours' prices are). Priced when the policy
         next weighs: the step's read is where the device waits for the host, and the next
         choice was weighed while this step ran."""
         if self.pinned is not None or self.costs is None or not self.timed_steps or block not in self.log_price:

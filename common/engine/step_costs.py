@@ -3,8 +3,10 @@ drafter and device, so that a restart does not measure again.
 
 Each batch size that steps run at (the CUDA-graph sizes on a GPU; a few on a CPU, where a
 step's cost grows with its tokens, though not in proportion) runs a plain step and a step of
-each block with synthetic requests at SHORT tokens of context; the same at LONG tokens, for one
-batch size, gives what each extra token of context costs a row. Seconds to a few tens of
+each block with synthetic requests at SHORT tokens of context (a block only a choice from the
+drafter's confidence takes: at the batch sizes that draft ahead); the same at LONG tokens, for one
+batch size, gives what each extra token of context costs a row (interpolated between blocks for
+those). Seconds to a few tens of
 seconds on either device, once per model, drafter and device; the fastest of a few runs on a CPU
 (another process's load only ever slows a run down), the median of more on a GPU.
 """

@@ -11,8 +11,8 @@ size that steps run at takes each step it may be asked for in greedy mode: a pla
 a speculating engine, a plain step that catches up a full pending buffer) and each block that
 can be chosen, catching up as a step after that block does and as one after anything else does,
 and with draft-ahead (steps of up to `Decoder.ahead_rows` rows) each block drafting ahead, and verifying the
-drafts kept ahead, as do the blocks only a choice from the drafter's confidence takes
-(`SpecPolicy.confident_only`).
+drafts kept ahead; the blocks only a choice from the drafter's confidence takes
+(`SpecPolicy.confident_only`) only verify drafts kept ahead, at the batch sizes that draft ahead.
 Sampling modes (temperature, top-k / top-p) are still captured when first asked for.
 """
 from __future__ import annotations

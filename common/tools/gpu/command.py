@@ -144,9 +144,9 @@ def _speculative(model: str | None, num: int = 32, variants: tuple[str, ...] = (
     """--spec dflash against plain decoding, both with CUDA graphs, fp32 (the drafter in bf16, as
     --draft-dtype auto runs it): identical outputs, with the drafter as saved, with two refine
     passes (static steps of their own: graph-captured like the first), and drafting ahead with
-    steps that cycle through blocks of 4, 16, plain, 8, 5 and 7 (verifying drafts kept ahead,
-    drafting first after a plain step, and both in one batch as requests join; 5 and 7 as the
-    policy's blocks between take them)."""
+    steps that cycle through blocks of 4, 16, plain, 8, 5, 7 and 6 (verifying drafts kept
+    ahead, drafting first after a plain step, and both in one batch as requests join; 5 to 7
+    as the policy's blocks between take them)."""
     from common.dflash.drafter import Drafter, draft_dtype, shipped_drafter_path
     from common.dflash.proposer import DFlashProposer
     from common.tools.bench.gsm8k_data import DEFAULT_TEST, load
@@ -158,7 +158,7 @@ def _speculative(model: str | None, num: int = 32, variants: tuple[str, ...] = (
     plain = Engine(runner, tok.eos_token_ids)
     proposers, specs = {}, {}
     settings = {"saved": ("", {}, False), "refine": (", 2 refine passes @0.5", {"refine_passes": 2, "refine_threshold": 0.5},
-                                                     False), "ahead": (", drafted ahead, blocks 4/16/plain/8/5/7", {}, True)}
+                                                     False), "ahead": (", drafted ahead, blocks 4/16/plain/8/5/7/6", {}, True)}
     for variant in variants:
         name, refine, ahead = settings[variant]
         drafter = Drafter.load(shipped_drafter_path(model), device="cuda", dtype=draft_dtype("auto", runner.dtype, "cuda"))
@@ -167,7 +167,7 @@ def _speculative(model: str | None, num: int = 32, variants: tuple[str, ...] = (
         specs[name] = Engine(runner, tok.eos_token_ids, proposer=proposers[name], spec=SpecConfig(block=16, ahead=ahead))
         if ahead:
             specs[name].decoder.ahead_rows = 8  # batches of 8 draft ahead too (by default only single requests)
-            specs[name].policy.choose = lambda reqs, choices=itertools.cycle([4, 16, 0, 8, 5, 7]): next(choices)
+            specs[name].policy.choose = lambda reqs, choices=itertools.cycle([4, 16, 0, 8, 5, 7, 6]): next(choices)
     period = tuple(tok.encode("."))
     cases = {
         "greedy": lambda i: SamplingParams(max_new_tokens=96),
