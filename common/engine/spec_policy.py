@@ -73,9 +73,10 @@ BLOCKS = (4, 8, 16)
 # draft-ahead): there each step's block is this block's own, so blocks between those above pay
 # too. A replay of 1,835 recorded verify steps (GSM8K chat, the shipped drafter) at the H200's
 # batch-1 device costs, those between measured blocks interpolated, gave 1.5% more tokens per
-# unit of device time with 5, 6 and 7 added, 2% with every block from 2 to 16 (docs/PERFORMANCE.md,
-# 2026-12-05 (late night)). Each is a CUDA graph and a set of product shapes at each batch size
-# that drafts ahead (one, by default).
+# unit of device time with 5, 6 and 7 added, 2% with every block from 2 to 16; on an H100 the
+# speedup at concurrency 1 went from 1.97x to 2.02x (docs/PERFORMANCE.md, 2026-12-05 (late night)
+# and 2026-12-06). Each is a CUDA graph and a set of product shapes at each batch size that
+# drafts ahead (one, by default).
 CONFIDENT_BLOCKS = (4, 5, 6, 7, 8, 16)
 PRIOR_REACH = 0.5  # before any evidence: P(a draft is right | the ones before it were)
 GLOBAL_STRENGTH = 8.0  # the prior counts as this many verify steps in the estimate over all requests
