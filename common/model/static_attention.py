@@ -13,9 +13,9 @@ ways); kv_start is 0 except for a drafter with a sliding window. Two implementat
           On a CPU one row, long rows or a large gather read the pages in place instead
           (`paged_runs`)
   triton  split-KV flash decoding: each program walks only the pages a row owns, up to its
-          length, for one KV head with all the row's T x (query heads of that KV head) queries
-          at once, over one slice of the context; a second kernel merges the slices by their
-          log-sum-exp
+          length, for one KV head with the row's T x (query heads of that KV head) queries at
+          once (in fp32, in blocks of at most 16: Launch.ieee_block_m), over one slice of the
+          context; a second kernel merges the slices by their log-sum-exp
 """
 from __future__ import annotations
 
@@ -114,6 +114,13 @@ class Launch:
     num_warps: int = 2
     num_stages: int = 2
     fit_merge: bool = True  # the merge kernel's block of slices: the next power of two, not MAX_SPLITS
+    # fp32 caches (exact products, no tensor cores): a row's T x group queries per KV head go to
+    # programs of at most this many, not into one tile of the next power of two. On an H100, fp32,
+    # batch 1, the embedded model's 3 query heads per KV head, a verify block of 6 (18 queries: a
+    # 32-row tile) cost 195 us more a step than one of 5 (16 queries), against 50 us from 4 to 5
+    # (docs/PERFORMANCE.md, 2026-12-06); larger fp32 tiles need more registers than a program of
+    # num_warps warps holds. 0: one program for all of a row's queries.
+    ieee_block_m: int = 16
 
 
 LAUNCH = Launch()
@@ -144,13 +151,19 @@ def static_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, page_table:
     out = torch.empty(rows * T, Hq, d, dtype=q.dtype, device=q.device)
     start = kv_len if kv_start is None else kv_start  # unread when WINDOW is off
     block_d = triton.next_power_of_2(d)
-    _split_kernel[(rows, Hkv, splits)](
+    queries = T * group  # per KV head
+    block_m = max(16, triton.next_power_of_2(queries))
+    ieee = q.dtype == torch.float32
+    if ieee and launch.ieee_block_m:
+        block_m = min(block_m, max(16, launch.ieee_block_m))
+    query_blocks = -(-queries // block_m)
+    _split_kernel[(rows, Hkv * query_blocks, splits)](
         q, k_cache, v_cache, page_table, kv_len, start, part_out, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0), kv_len.stride(0),
         start.stride(0), d ** -0.5 if scale is None else scale, splits,
         T=T, CAUSAL=causal, WINDOW=kv_start is not None, PAGE=page_size, GROUP=group, D=d,
-        BLOCK_M=max(16, triton.next_power_of_2(T * group)), BLOCK_D=block_d, BLOCK_N=launch.block_n,
-        IEEE=q.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages)
+        QUERY_BLOCKS=query_blocks, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=launch.block_n,
+        IEEE=ieee, num_warps=launch.num_warps, num_stages=launch.num_stages)
     _merge_kernel[(rows * T, Hq)](part_out, part_lse, out, out.stride(0), out.stride(1), splits,
                                   D=d, BLOCK_S=max(2, triton.next_power_of_2(splits)) if launch.fit_merge else MAX_SPLITS,
                                   BLOCK_D=block_d)
@@ -166,20 +179,22 @@ if HAS_TRITON:
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_len, stride_start,
                       scale, splits,
                       T: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PAGE: tl.constexpr,
-                      GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-        # One program: row b, KV head h, slice s of the row's keys. Its queries are the row's T
-        # new tokens x the GROUP query heads of h: query m is token m // GROUP, head m % GROUP,
-        # padded to BLOCK_M so that tl.dot can use tensor cores.
+                      GROUP: tl.constexpr, D: tl.constexpr, QUERY_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        # One program: row b, KV head h, block qb of its queries, slice s of the row's keys. The
+        # queries of h are the row's T new tokens x the GROUP query heads of h: query m is token
+        # m // GROUP, head m % GROUP; a program takes queries [qb BLOCK_M, (qb + 1) BLOCK_M),
+        # padded so that tl.dot can use tensor cores.
         b = tl.program_id(0)
-        h = tl.program_id(1)
+        h = tl.program_id(1) // QUERY_BLOCKS
+        qb = tl.program_id(1) % QUERY_BLOCKS
         s = tl.program_id(2)
         length = tl.load(len_ptr + b * stride_len).to(tl.int32)
         per = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
         lo = s * per
         end = tl.minimum(lo + per, length)
 
-        m_idx = tl.arange(0, BLOCK_M)
+        m_idx = qb * BLOCK_M + tl.arange(0, BLOCK_M)
         tok = m_idx // GROUP
         head = h * GROUP + m_idx % GROUP
         m_ok = m_idx < T * GROUP
@@ -228,7 +243,7 @@ if HAS_TRITON:
         # A query that saw no key in this slice has l == 0: weight -inf, so the merge ignores it.
         lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
         o = acc / tl.maximum(l, 1e-30)[:, None]
-        heads = tl.num_programs(1) * GROUP  # Hq
+        heads = tl.num_programs(1) // QUERY_BLOCKS * GROUP  # Hq
         base = ((b * T + tok) * heads + head) * splits + s  # [query, head, s] in the partials
         tl.store(po_ptr + base[:, None] * D + dd[None, :], o, mask=m_ok[:, None] & d_ok[None, :])
         tl.store(plse_ptr + base, lse, mask=m_ok)

@@ -22,11 +22,13 @@ def kernel_check(device: str, dtypes: list[torch.dtype]) -> list[dict]:
     torch.manual_seed(0)
     # (q heads, kv heads, head dim, page size, context lengths, T, causal, window): one-key
     # decode rows, rows that end on a page boundary, long rows, a batch of 32 x 8 KV heads,
-    # verify blocks (causal, T = 16) and draft blocks (both ways, with and without a window).
+    # verify blocks (causal, T = 16, and T = 6, whose 18 queries per KV head take a second block
+    # of queries in fp32) and draft blocks (both ways, with and without a window).
     cases = [(9, 3, 64, 16, [1, 37, 100], 1, True, None), (8, 2, 128, 4, [5, 64, 700], 1, True, None),
              (32, 8, 128, 64, [1, 65, 300, 7], 1, True, None),
              (32, 8, 128, 64, [3 + 9 * i for i in range(32)], 1, True, None),
              (9, 3, 64, 16, [16, 40, 300], 16, True, None), (32, 8, 128, 64, [20, 129, 700], 16, True, None),
+             (9, 3, 64, 16, [16, 40, 300], 6, True, None),
              (9, 3, 64, 16, [16, 40, 300], 16, False, None), (9, 3, 64, 16, [16, 40, 300], 16, False, 24)]
     results = []
     for dtype in dtypes:
