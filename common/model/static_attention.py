@@ -118,8 +118,9 @@ class Launch:
     # programs of at most this many, not into one tile of the next power of two. On an H100, fp32,
     # batch 1, the embedded model's 3 query heads per KV head, a verify block of 6 (18 queries: a
     # 32-row tile) cost 195 us more a step than one of 5 (16 queries), against 50 us from 4 to 5
-    # (docs/PERFORMANCE.md, 2026-12-06); larger fp32 tiles need more registers than a program of
-    # num_warps warps holds. 0: one program for all of a row's queries.
+    # (docs/PERFORMANCE.md, 2026-12-06): the jump is where the tile doubles (exact fp32 products
+    # on a 32-row tile need far more registers than 2 warps hold). Not yet timed on a GPU.
+    # 0: one program for all of a row's queries.
     ieee_block_m: int = 16
 
 
