@@ -119,17 +119,24 @@ class Launch:
     # batch 1, the embedded model's 3 query heads per KV head, a verify block of 6 (18 queries: a
     # 32-row tile) cost 195 us more a step than one of 5 (16 queries), against 50 us from 4 to 5
     # (docs/PERFORMANCE.md, 2026-12-06): the jump is where the tile doubles (exact fp32 products
-    # on a 32-row tile need far more registers than 2 warps hold). Not yet timed on a GPU.
-    # 0: one program for all of a row's queries.
+    # on a 32-row tile need far more registers than 2 warps hold). Not yet timed on a GPU, and
+    # `attention-launch` (bf16) does not vary it. 0: one program for all of a row's queries; else
+    # a power of two of at least 16 (tl.dot's smallest tile).
     ieee_block_m: int = 16
+
+    def __post_init__(self) -> None:
+        m = self.ieee_block_m
+        if m and (m < 16 or m & (m - 1)):
+            raise ValueError(f"Launch.ieee_block_m {m}: 0, or a power of two of at least 16")
 
 
 LAUNCH = Launch()
 
 
 def num_splits(batch: int, kv_heads: int, max_keys: int, launch: Launch) -> int:
-    """Context slices per (row, KV head): about launch.target_programs programs in all, but no more
-    slices than blocks of keys. A runtime argument: one compiled kernel serves them all."""
+    """Context slices per (row, KV head; per block of its queries where they take several):
+    about launch.target_programs programs in all, but no more slices than blocks of keys. A
+    runtime argument: one compiled kernel serves them all."""
     return max(1, min(launch.target_programs // (batch * kv_heads), -(-max_keys // launch.block_n), MAX_SPLITS))
 
 
@@ -144,7 +151,13 @@ def static_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, page_table:
     # columns of one packed buffer); the innermost dimension must not be.
     assert q.stride(2) == 1 and page_table.stride(1) == 1
     group = Hq // Hkv
-    splits = num_splits(rows, Hkv, page_table.shape[1] * page_size, launch)
+    queries = T * group  # per KV head
+    block_m = max(16, triton.next_power_of_2(queries))
+    ieee = q.dtype == torch.float32
+    if ieee and launch.ieee_block_m:
+        block_m = min(block_m, launch.ieee_block_m)
+    query_blocks = -(-queries // block_m)
+    splits = num_splits(rows, Hkv * query_blocks, page_table.shape[1] * page_size, launch)
     k_cache = kv_layer[0].view(-1, Hkv, d)  # [slot, head, dim]
     v_cache = kv_layer[1].view(-1, Hkv, d)
     part_out = torch.empty(rows * T, Hq, splits, d, dtype=torch.float32, device=q.device)
@@ -152,12 +165,6 @@ def static_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, page_table:
     out = torch.empty(rows * T, Hq, d, dtype=q.dtype, device=q.device)
     start = kv_len if kv_start is None else kv_start  # unread when WINDOW is off
     block_d = triton.next_power_of_2(d)
-    queries = T * group  # per KV head
-    block_m = max(16, triton.next_power_of_2(queries))
-    ieee = q.dtype == torch.float32
-    if ieee and launch.ieee_block_m:
-        block_m = min(block_m, max(16, launch.ieee_block_m))
-    query_blocks = -(-queries // block_m)
     _split_kernel[(rows, Hkv * query_blocks, splits)](
         q, k_cache, v_cache, page_table, kv_len, start, part_out, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0), kv_len.stride(0),
@@ -185,7 +192,7 @@ if HAS_TRITON:
         # One program: row b, KV head h, block qb of its queries, slice s of the row's keys. The
         # queries of h are the row's T new tokens x the GROUP query heads of h: query m is token
         # m // GROUP, head m % GROUP; a program takes queries [qb BLOCK_M, (qb + 1) BLOCK_M),
-        # padded so that tl.dot can use tensor cores.
+        # padded to at least 16, tl.dot's smallest tile.
         b = tl.program_id(0)
         h = tl.program_id(1) // QUERY_BLOCKS
         qb = tl.program_id(1) % QUERY_BLOCKS
