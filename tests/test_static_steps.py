@@ -107,3 +107,15 @@ def test_cuda_graphs_match_eager(embedded_weights, embedded_tokenizer, dtype):
         assert outs[1] == outs[0]
     else:  # bf16 kernels differ in rounding: the first tokens must agree
         assert all(a[:8] == b[:8] for a, b in zip(outs[0], outs[1])), outs
+
+
+def test_a_launch_takes_query_blocks_that_tl_dot_can_tile():
+    """fp32 attention's query blocks (Launch.ieee_block_m): 0 (one program for a row's queries)
+    or a power of two of at least 16; anything else is refused before a kernel is built."""
+    from common.model.static_attention import Launch
+
+    for ok in (0, 16, 32):
+        Launch(ieee_block_m=ok)
+    for bad in (8, 24):
+        with pytest.raises(ValueError, match="ieee_block_m"):
+            Launch(ieee_block_m=bad)
