@@ -101,6 +101,16 @@ PRICE_LEAST_KEPT = 0.5  # one timed step moves a price at most halfway, however 
 PRICE_LIMITS = (0.25, 4.0)  # one step's ratio, clamped (a stall of the host is not a price)
 
 
+def between_blocks(values: dict[int, float], block: int) -> float:
+    """values[block] for a block without one: linear between the nearest blocks below and above
+    it that have one (the nearest, if only one side has any); block 0 (plain) is not a neighbour."""
+    lo = max((b for b in values if 0 < b < block), default=None)
+    hi = min((b for b in values if b > block), default=None)
+    if lo is None or hi is None:
+        return values[hi if lo is None else lo]
+    return values[lo] + (values[hi] - values[lo]) * (block - lo) / (hi - lo)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     block: int | None = None  # every step speculates with this block (--spec-block); None: choose
@@ -301,13 +311,7 @@ class SpecPolicy:
         """A choice's price; a block only confidence chooses takes its neighbours' among the
         timed blocks, interpolated (prices follow the machine and the step's code, which the
         neighbours share)."""
-        if block in self.log_price:
-            return self.log_price[block]
-        lo = max((b for b in self.blocks if b < block), default=None)
-        hi = min((b for b in self.blocks if b > block), default=None)
-        if lo is None or hi is None:
-            return self.log_price[hi if lo is None else lo]
-        return self.log_price[lo] + (self.log_price[hi] - self.log_price[lo]) * (block - lo) / (hi - lo)
+        return self.log_price[block] if block in self.log_price else between_blocks(self.log_price, block)
 
     def timed(self, rows: int, block: int, context: float, seconds: float) -> None:
         """A step of `rows` requests at `context` tokens of context each took `seconds` (host

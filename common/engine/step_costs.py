@@ -29,7 +29,7 @@ import torch
 from common.engine.decoder import Decoder
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
-from common.engine.spec_policy import SpecConfig, StepCosts
+from common.engine.spec_policy import SpecConfig, StepCosts, between_blocks
 from common.engine.spec_stats import SpecStats
 from common.kv.seq_cache import SeqCache
 from common.model.cache import building, write_json
@@ -96,18 +96,8 @@ def measure(decoder: Decoder, blocks: list[int], confident: list[int] = ()) -> S
     slope = {b: max(s, slope[0]) for b, s in slope.items()}
     # A block only confidence chooses runs only where steps draft ahead, which may be fewer rows
     # than the slope's: its neighbours' slope, interpolated.
-    slope |= {b: _between(slope, b) for b in confident}
+    slope |= {b: between_blocks(slope, b) for b in confident}
     return StepCosts(short, base, slope, padded=graphs)
-
-
-def _between(values: dict[int, float], block: int) -> float:
-    """values at `block`, linear between the nearest blocks below and above it (the nearest if
-    only one side has any); block 0 (plain) is not a neighbour."""
-    lo = max((b for b in values if 0 < b < block), default=None)
-    hi = min((b for b in values if b > block), default=None)
-    if lo is None or hi is None:
-        return values[hi if lo is None else lo]
-    return values[lo] + (values[hi] - values[lo]) * (block - lo) / (hi - lo)
 
 
 def measured_rows(decoder: Decoder) -> list[int]:
