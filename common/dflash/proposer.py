@@ -37,6 +37,15 @@ from common.model.transformer import apply_rope, linear, rope_cos_sin
 from common.runner.model_runner import ModelRunner
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """host on the device, without the host waiting: a copy from pageable memory first waits
+    for every kernel queued before it (a prefill's), leaving the host idle while they run. The
+    pinned block goes back to torch's cache only once the copy has read it."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def confidence(logits: torch.Tensor) -> torch.Tensor:
     """The log-probability of each row's most likely token, in fp32."""
     logits = logits.float()
@@ -123,10 +132,12 @@ class DFlashProposer(DraftPages):
     def append_context(self, seqs: list[SeqCache], captured: dict[int, torch.Tensor], rows: list[torch.Tensor]) -> None:
         """Append draft KV for committed tokens. captured: layer -> [T, H] from a target
         forward; rows[i]: which of those T rows are seqs[i]'s newly committed tokens, in order."""
-        index = torch.cat(rows).to(self.target.device)
+        positions, slots = self.claim_slots(seqs, [len(r) for r in rows])
+        host = torch.stack([torch.cat(rows), torch.tensor(positions), torch.tensor(slots)])
+        index, positions, slots = _to_device(host, self.target.device)
         with gemv.kept_only():  # a prefill step's rows come in any number: time none of them now
             ctx = self.drafter.fuse({layer: captured[layer][index] for layer in self.capture_layers})
-            self.write_context(ctx, *self.claim_slots(seqs, [len(r) for r in rows]))
+            self.write_context(ctx, positions, slots)
 
     def write_context(self, ctx: torch.Tensor, positions: list[int] | torch.Tensor,
                       slots: list[int] | torch.Tensor) -> None:
