@@ -347,7 +347,9 @@ def test_compose_files_validate_for_every_profile(tmp_path):
         entry = {"prefill": "prefill_svc", "decode": "decode_svc", "replica": "decode_svc", "router": "router_svc"}
         assert svc["entrypoint"][-1] == entry.get(s.role, "mooncake_http_metadata_server")
         assert svc["container_name"] == f"pdflash-{s.name}"
-        assert svc["network_mode"] == "host" and svc["volumes"][0].endswith(":/models:ro")
+        assert svc["network_mode"] == "host"
+        assert sorted(svc["volumes"]) == sorted([f"{cfg['CACHE_DIR']}:/cache:rw", f"{cfg['MODEL_DIR']}:/models:ro"])
+        assert svc["environment"]["XDG_CACHE_HOME"] == "/cache"
         assert svc["ulimits"]["memlock"] == -1
         assert svc["healthcheck"]["test"].endswith(launch.health_probe(s))
         assert svc["environment"]["PDFLASH_ARGS"] == " ".join(s.args)  # shlex.join of plain words
@@ -368,7 +370,7 @@ def test_every_compose_file_validates(tmp_path):
     names = sorted(p.name for p in (REPO / "deploy" / "compose").glob("*.yml"))
     assert names == ["common.yml", "decode.yml", "gpu.yml", "metadata.yml", "prefill.yml", "rdma.yml", "replica.yml",
                      "router.yml"]
-    env = "PDFLASH_NAME=x\nIMAGE=pdflash:cuda\nMODEL_DIR=/data/models\nPDFLASH_ARGS=--port 1\nHEALTH_CHECK=none\n"
+    env = "PDFLASH_NAME=x\nIMAGE=pdflash:cuda\nMODEL_DIR=/data/models\nCACHE_DIR=/var/cache/pdflash\nPDFLASH_ARGS=--port 1\nHEALTH_CHECK=none\n"
     svc = compose_config(tmp_path, ["common.yml"], env, service="base")
     assert svc["image"] == "pdflash:cuda" and svc["command"] == "--port 1"
     shutil.copy(REPO / "deploy" / "compose" / "prefill.yml", tmp_path)

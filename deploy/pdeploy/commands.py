@@ -81,7 +81,7 @@ class ComposeLauncher(Launcher):
     def node_env(self, s: Service) -> str:
         lines = {
             "PDFLASH_NAME": s.name, "IMAGE": self.cfg["IMAGE"], "MODEL_DIR": self.cfg["MODEL_DIR"],
-            "SHM_SIZE": self.cfg["SHM_SIZE"], "START_PERIOD": self.cfg["START_PERIOD"],
+            "SHM_SIZE": self.cfg["SHM_SIZE"], "CACHE_DIR": self.cfg["CACHE_DIR"], "START_PERIOD": self.cfg["START_PERIOD"],
             "HEALTH_CHECK": self.health_probe(s), "PDFLASH_ARGS": shlex.join(s.args),
         }
         lines.update(self.cfg.service_env())
