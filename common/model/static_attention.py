@@ -119,9 +119,10 @@ class Launch:
     # batch 1, the embedded model's 3 query heads per KV head, a verify block of 6 (18 queries: a
     # 32-row tile) cost 195 us more a step than one of 5 (16 queries), against 50 us from 4 to 5
     # (docs/PERFORMANCE.md, 2026-12-06): the jump is where the tile doubles (exact fp32 products
-    # on a 32-row tile need far more registers than 2 warps hold). Not yet timed on a GPU, and
-    # `attention-launch` (bf16) does not vary it. 0: one program for all of a row's queries; else
-    # a power of two of at least 16 (tl.dot's smallest tile).
+    # on a 32-row tile need far more registers than 2 warps hold). With 16 on an H200 (same page),
+    # blocks of 6 to 8 cost 1.45-1.58 ms a step against 1.56-1.73 with 0, and of 16 1.89 against
+    # 2.42; 4 and 5 unchanged. `attention-launch` (bf16) does not vary it. 0: one program for all
+    # of a row's queries; else a power of two of at least 16 (tl.dot's smallest tile).
     ieee_block_m: int = 16
 
     def __post_init__(self) -> None:
