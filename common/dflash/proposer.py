@@ -37,7 +37,7 @@ from common.model.transformer import apply_rope, linear, rope_cos_sin
 from common.runner.model_runner import ModelRunner
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """host on the device, without the host waiting: a copy from pageable memory first waits
     for every kernel queued before it (a prefill's), leaving the host idle while they run. The
     pinned block goes back to torch's cache only once the copy has read it."""
@@ -134,7 +134,7 @@ class DFlashProposer(DraftPages):
         forward; rows[i]: which of those T rows are seqs[i]'s newly committed tokens, in order."""
         positions, slots = self.claim_slots(seqs, [len(r) for r in rows])
         host = torch.stack([torch.cat(rows), torch.tensor(positions), torch.tensor(slots)])
-        index, positions, slots = _to_device(host, self.target.device)
+        index, positions, slots = to_device(host, self.target.device)
         with gemv.kept_only():  # a prefill step's rows come in any number: time none of them now
             ctx = self.drafter.fuse({layer: captured[layer][index] for layer in self.capture_layers})
             self.write_context(ctx, positions, slots)

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from common.dflash.drafter import Drafter
+from common.dflash.proposer import DFlashProposer, to_device
 from common.kv.buffers import RankEndpoint
 from common.model.config import ModelConfig
 from common.parallel.stage import init_ranks, stage_forward
@@ -202,7 +204,9 @@ def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
         elif isinstance(cmd, AppendContext):
             if draft is not None:
                 with torch.inference_mode():
-                    draft.write_context(drafter.fuse_sum(fc_sum[cmd.rows]), cmd.positions, cmd.slots)
+                    host = torch.tensor([cmd.rows, cmd.positions, cmd.slots])
+                    index, positions, slots = to_device(host, runner.device)
+                    draft.write_context(drafter.fuse_sum(fc_sum[index]), positions, slots)
         elif isinstance(cmd, ReadPages):
             holder = runner if cmd.name == "kv" else draft
             replies.put(Reply(("pages", cmd.job, layout.rank), holder and holder.read_pages(cmd.pages)))
@@ -253,9 +257,6 @@ class _Done:
 
 
 def _load_drafter(cmd: LoadDrafter, runner: ModelRunner):
-    from common.dflash.drafter import Drafter
-    from common.dflash.proposer import DFlashProposer
-
     drafter = Drafter.load(cmd.path, device=runner.device, dtype=cmd.dtype)
     layout = runner.layout
     draft = None
