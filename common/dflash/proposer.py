@@ -133,7 +133,7 @@ class DFlashProposer(DraftPages):
         """Append draft KV for committed tokens. captured: layer -> [T, H] from a target
         forward; rows[i]: which of those T rows are seqs[i]'s newly committed tokens, in order."""
         positions, slots = self.claim_slots(seqs, [len(r) for r in rows])
-        host = torch.stack([torch.cat(rows), torch.tensor(positions), torch.tensor(slots)])
+        host = torch.stack([torch.cat(rows), *(torch.tensor(x, dtype=torch.long) for x in (positions, slots))])
         index, positions, slots = to_device(host, self.target.device)
         with gemv.kept_only():  # a prefill step's rows come in any number: time none of them now
             ctx = self.drafter.fuse({layer: captured[layer][index] for layer in self.capture_layers})

@@ -204,7 +204,7 @@ def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
         elif isinstance(cmd, AppendContext):
             if draft is not None:
                 with torch.inference_mode():
-                    host = torch.tensor([cmd.rows, cmd.positions, cmd.slots])
+                    host = torch.tensor([cmd.rows, cmd.positions, cmd.slots], dtype=torch.long)
                     index, positions, slots = to_device(host, runner.device)
                     draft.write_context(drafter.fuse_sum(fc_sum[index]), positions, slots)
         elif isinstance(cmd, ReadPages):
