@@ -151,6 +151,7 @@ def _speculative(model: str | None, num: int = 32, variants: tuple[str, ...] = (
     from common.dflash.proposer import DFlashProposer
     from common.tools.bench.gsm8k_data import DEFAULT_TEST, load
 
+    started = time.perf_counter()
     cfg, tensors, tok = _model(model)
     questions = [it.question for it in load(DEFAULT_TEST)[200:200 + num]]
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
@@ -168,6 +169,10 @@ def _speculative(model: str | None, num: int = 32, variants: tuple[str, ...] = (
         if ahead:
             specs[name].decoder.ahead_rows = 8  # batches of 8 draft ahead too (by default only single requests)
             specs[name].policy.choose = lambda reqs, choices=itertools.cycle([4, 16, 0, 8, 5, 7, 6]): next(choices)
+    # Each engine's start-up captures its graphs and, on a GPU that has not met them, times the
+    # products of every batch and block (minutes at a first start); said here, so that a check
+    # stopped by a time limit shows where it was.
+    print(f"  engines ready after {time.perf_counter() - started:.0f} s", flush=True)
     period = tuple(tok.encode("."))
     cases = {
         "greedy": lambda i: SamplingParams(max_new_tokens=96),
@@ -191,6 +196,7 @@ def _speculative(model: str | None, num: int = 32, variants: tuple[str, ...] = (
                 accepted = sum(r.spec.accepted_drafts for r in got)
                 rows.append({"case": case + name, "concurrency": concurrency, "identical": same, "requests": len(prompts),
                              "accept_length_weighted": 1 + accepted / max(verify, 1)})
+                print(f"  {case}{name}, concurrency {concurrency}: {same}/{len(prompts)} identical", flush=True)
     assert runner.pool.num_free == runner.pool.num_pages
     assert all(p.pool.num_free == p.pool.num_pages for p in proposers.values())
     return rows
