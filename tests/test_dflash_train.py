@@ -533,6 +533,41 @@ def test_soft_labels_are_the_targets_renormalised_top_k(target, dataset, monkeyp
     assert losses[-1] < 0.7 * losses[0], losses
 
 
+def test_capture_bounds_the_tokens_whose_logits_it_keeps(target, dataset, monkeypatch):
+    """With every position's logits asked for, capture runs the target over groups of at most
+    LOGIT_TOKENS tokens (a longer sequence alone), and what it returns does not depend on the
+    grouping: the same greedy tokens and features as one pass over the whole batch (features to
+    rounding: products over fewer rows may sum in another order)."""
+    from common.tools.drafter import objective
+
+    runner, _ = target
+    seqs = dataset[0].sequences(dataset[1])
+    trainer = Trainer(runner, Drafter(drafter_config(parse("--layers", "1", "--block-size", "4"), runner)), lr=0.0,
+                      total_steps=1, anchors=4)
+    batch = make_batch(seqs[:4])
+    lens = [len(t) for t in batch.tokens]
+    calls = []
+    extend = runner.extend
+
+    def counted(caches, tokens, **kw):
+        calls.append(sum(len(t) for t in tokens))
+        return extend(caches, tokens, **kw)
+
+    monkeypatch.setattr(runner, "extend", counted)
+    whole = trainer.capture(batch)
+    assert calls == [sum(lens)]
+    calls.clear()
+    monkeypatch.setattr(objective, "LOGIT_TOKENS", max(lens) + min(lens) - 1)  # no two of the longest fit
+    grouped = trainer.capture(batch)
+    assert len(calls) > 1 and max(calls) <= max(lens) + min(lens) - 1 and sum(calls) == sum(lens)
+    n = batch.lengths
+    for r in range(len(lens)):
+        assert torch.equal(grouped.next_token[r, :n[r]], whole.next_token[r, :n[r]])
+        for layer in whole.feats:
+            torch.testing.assert_close(grouped.feats[layer][r, :n[r]], whole.feats[layer][r, :n[r]], rtol=1e-3,
+                                       atol=1e-3)
+
+
 def test_train_on_pooled_data(target, dataset, tmp_path):
     """--pool adds other data folders' sequences, each distinct sequence once, held-out prompts
     left out; the folders are checked before generation and never written."""

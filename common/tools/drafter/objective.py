@@ -31,6 +31,9 @@ from common.runner.model_runner import ModelRunner
 IGNORE = -100
 SOFT_TOP_K = 16  # the target's most likely next tokens a soft label keeps per position
 TOP_K_ROWS = 4096  # positions whose logits go to fp32 at once to find their top tokens
+# Tokens per target pass when every position's logits are kept: [tokens, vocab] in fp32 is 1.6 GB
+# at 8,192 tokens and 49,152 words, against 14 GB for a whole batch of 64 few-shot sequences.
+LOGIT_TOKENS = 8192
 
 
 @dataclass
@@ -113,13 +116,13 @@ def capture(runner: ModelRunner, batch: Batch, layers: tuple[int, ...], argmax: 
     if top_k:
         out_t.top_ids = torch.zeros(S, L, top_k, dtype=torch.long, device=dev)
         out_t.top_probs = torch.zeros(S, L, top_k, dtype=torch.float32, device=dev)
-    for rows in _groups_that_fit(runner, batch.tokens):
+    logits = argmax or top_k > 0
+    for rows in _groups_that_fit(runner, batch.tokens, LOGIT_TOKENS if logits else None):
         caches = [SeqCache() for _ in rows]
         try:
             for c, r in zip(caches, rows):
                 runner.reserve(c, len(batch.tokens[r]))
-            out = runner.extend(caches, [batch.tokens[r] for r in rows], all_logits=argmax or top_k > 0,
-                                capture_layers=layers)
+            out = runner.extend(caches, [batch.tokens[r] for r in rows], all_logits=logits, capture_layers=layers)
         finally:
             for c in caches:
                 runner.release(c)
@@ -139,19 +142,21 @@ def capture(runner: ModelRunner, batch: Batch, layers: tuple[int, ...], argmax: 
     return out_t
 
 
-def _groups_that_fit(runner: ModelRunner, tokens: list[list[int]]) -> list[list[int]]:
-    """Split the batch so that each group's KV fits in the runner's free pages."""
+def _groups_that_fit(runner: ModelRunner, tokens: list[list[int]], max_tokens: int | None = None) -> list[list[int]]:
+    """Split the batch so that each group's KV fits in the runner's free pages and, if given,
+    each group has at most max_tokens tokens (a longer sequence goes alone)."""
     free = runner.pool.num_free
-    groups, cur, used = [], [], 0
+    groups, cur, used, count = [], [], 0, 0
     for r, t in enumerate(tokens):
         need = runner.pool.pages_for(len(t))
         if need > free:
             raise OutOfPages(f"a sequence of {len(t)} tokens needs {need} KV pages; {free} are free")
-        if used + need > free:
+        if cur and (used + need > free or (max_tokens is not None and count + len(t) > max_tokens)):
             groups.append(cur)
-            cur, used = [], 0
+            cur, used, count = [], 0, 0
         cur.append(r)
         used += need
+        count += len(t)
     return groups + [cur] if cur else groups
 
 
