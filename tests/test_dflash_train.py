@@ -554,18 +554,25 @@ def test_capture_bounds_the_tokens_whose_logits_it_keeps(target, dataset, monkey
         return extend(caches, tokens, **kw)
 
     monkeypatch.setattr(runner, "extend", counted)
+    assert bool(batch.sampled.any())  # sampled answers: capture keeps every position's greedy token
     whole = trainer.capture(batch)
     assert calls == [sum(lens)]
-    calls.clear()
-    monkeypatch.setattr(objective, "LOGIT_TOKENS", max(lens) + min(lens) - 1)  # no two of the longest fit
-    grouped = trainer.capture(batch)
-    assert len(calls) > 1 and max(calls) <= max(lens) + min(lens) - 1 and sum(calls) == sum(lens)
     n = batch.lengths
-    for r in range(len(lens)):
-        assert torch.equal(grouped.next_token[r, :n[r]], whole.next_token[r, :n[r]])
-        for layer in whole.feats:
-            torch.testing.assert_close(grouped.feats[layer][r, :n[r]], whole.feats[layer][r, :n[r]], rtol=1e-3,
-                                       atol=1e-3)
+    # A bound the first two sequences fill exactly (they share a pass), then one below the
+    # shortest sequence (each goes alone).
+    for bound in (lens[0] + lens[1], min(lens) - 1):
+        calls.clear()
+        monkeypatch.setattr(objective, "LOGIT_TOKENS", bound)
+        grouped = trainer.capture(batch)
+        if bound >= min(lens):
+            assert calls[0] == bound and max(calls) <= bound and sum(calls) == sum(lens), calls
+        else:
+            assert calls == lens
+        for r in range(len(lens)):
+            assert torch.equal(grouped.next_token[r, :n[r]], whole.next_token[r, :n[r]])
+            for layer in whole.feats:
+                torch.testing.assert_close(grouped.feats[layer][r, :n[r]], whole.feats[layer][r, :n[r]], rtol=1e-3,
+                                           atol=1e-3)
 
 
 def test_train_on_pooled_data(target, dataset, tmp_path):

@@ -31,8 +31,8 @@ from common.runner.model_runner import ModelRunner
 IGNORE = -100
 SOFT_TOP_K = 16  # the target's most likely next tokens a soft label keeps per position
 TOP_K_ROWS = 4096  # positions whose logits go to fp32 at once to find their top tokens
-# Tokens per target pass when every position's logits are kept: [tokens, vocab] in fp32 is 1.6 GB
-# at 8,192 tokens and 49,152 words, against 14 GB for a whole batch of 64 few-shot sequences.
+# Tokens per target pass when every position's logits are kept: [tokens, vocab] in fp32 is 1.5 GiB
+# at 8,192 tokens and 49,152 words, against 14.4 GiB for a whole batch of 64 few-shot sequences.
 LOGIT_TOKENS = 8192
 
 
