@@ -649,6 +649,17 @@ def test_train_save_and_resume(target, dataset, tmp_path):
     assert snap["step"] == 2 and 0 < snap["trained_response_tokens"] < info["trained_response_tokens"]
     assert Drafter.load(os.path.join(straight, "snapshots", "step-2")).cfg == whole.cfg
 
+    # --train-seed: a sibling on the same data (other batches and anchors); --seed's value by default.
+    same, sibling = str(tmp_path / "same"), str(tmp_path / "sibling")
+    assert train(parse(*common, "--out", same, "--train-seed", "0"), runner, tok) == 0
+    assert train(parse(*common, "--out", sibling, "--train-seed", "5"), runner, tok) == 0
+    for name, w in whole.state_dict().items():
+        assert torch.equal(w, Drafter.load(os.path.join(same, "drafter")).state_dict()[name]), name
+    assert any(not torch.equal(w, Drafter.load(os.path.join(sibling, "drafter")).state_dict()[name])
+               for name, w in whole.state_dict().items())
+    assert "--train-seed 5" in json.load(open(os.path.join(sibling, "train_info.json")))["command"]
+    assert "--train-seed" not in info["command"]
+
     # --init: a run starts from a trained drafter (at learning rate 0 it saves that drafter back).
     tuned = str(tmp_path / "tuned")
     assert train(parse(*common, "--out", tuned, "--init", os.path.join(straight, "drafter"), "--lr", "0"),

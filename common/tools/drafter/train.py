@@ -124,7 +124,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto", help="bf16 autocast (auto: on CUDA only)")
     t.add_argument("--save-dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="drafter file dtype (auto: fp32 if it fits in 40 MB, else bf16)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="seed of the data (samples, few-shot examples, written "
+                   "problems) and, unless --train-seed, of training")
+    t.add_argument("--train-seed", type=int, default=None,
+                   help="seed of the batch order and the anchors (default: --seed); another value trains a sibling "
+                        "on the same data, for `pdflash dflash average`")
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
@@ -207,9 +211,10 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # after generation: the data stays fp32 greedy
     cfg = drafter_config(args, runner)
-    order = EpochOrder(train_seqs, args.batch_size, args.seed)
+    train_seed = args.seed if args.train_seed is None else args.train_seed
+    order = EpochOrder(train_seqs, args.batch_size, train_seed)
     total = args.steps or max(1, round(args.epochs * order.steps_per_epoch))
-    torch.manual_seed(args.seed)
+    torch.manual_seed(train_seed)
     drafter = Drafter(cfg).to(device)
     if args.init:
         added, reads = init_from(drafter, args.init)
@@ -219,7 +224,7 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
     amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
     trainer = Trainer(runner, drafter, lr=args.lr, total_steps=total, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
                       weight_decay=args.weight_decay, gamma=args.gamma, anchors=args.anchors,
-                      grad_clip=args.grad_clip, amp=amp, seed=args.seed,
+                      grad_clip=args.grad_clip, amp=amp, seed=train_seed,
                       greedy_path=args.sampled_labels == "greedy-path", soft_weight=args.soft_labels,
                       refine=args.refine)
     ckpt_path = os.path.join(args.out, "checkpoint.pt")
