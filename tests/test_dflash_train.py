@@ -653,10 +653,11 @@ def test_train_save_and_resume(target, dataset, tmp_path):
     same, sibling = str(tmp_path / "same"), str(tmp_path / "sibling")
     assert train(parse(*common, "--out", same, "--train-seed", "0"), runner, tok) == 0
     assert train(parse(*common, "--out", sibling, "--train-seed", "5"), runner, tok) == 0
+    same_w = Drafter.load(os.path.join(same, "drafter")).state_dict()
+    sibling_w = Drafter.load(os.path.join(sibling, "drafter")).state_dict()
     for name, w in whole.state_dict().items():
-        assert torch.equal(w, Drafter.load(os.path.join(same, "drafter")).state_dict()[name]), name
-    assert any(not torch.equal(w, Drafter.load(os.path.join(sibling, "drafter")).state_dict()[name])
-               for name, w in whole.state_dict().items())
+        assert torch.equal(w, same_w[name]), name
+    assert any(not torch.equal(w, sibling_w[name]) for name, w in whole.state_dict().items())
     assert "--train-seed 5" in json.load(open(os.path.join(sibling, "train_info.json")))["command"]
     assert "--train-seed" not in info["command"]
 
