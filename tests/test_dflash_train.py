@@ -20,7 +20,7 @@ from common.engine.sampling import SamplingParams
 from common.kv.seq_cache import SeqCache
 from common.tools.bench import gsm8k_data
 from common.tools.drafter import sources
-from common.tools.drafter.data import DataStore, GenSettings, Sequence, file_sha256, generate, read_prompts
+from common.tools.drafter.data import DataStore, GenSettings, Part, Sequence, file_sha256, generate, read_prompts
 from common.tools.drafter.evaluate import eval_prompts
 from common.tools.drafter.objective import (
     IGNORE,
@@ -36,7 +36,7 @@ from common.tools.drafter.objective import (
     refine_prefix,
     sample_anchors,
 )
-from common.tools.drafter.train import GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, repeated, train
+from common.tools.drafter.train import GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, repeated, run, train
 from common.tools.drafter.trainer import Trainer
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "fixtures", "dflash_prompts.jsonl")
@@ -258,6 +258,39 @@ def test_data_matches_engine(target, dataset):
     # A changed generation setting must not silently mix into the folder.
     with pytest.raises(ValueError, match="other settings"):
         DataStore(store.folder, settings_for(runner, gen_max_new_tokens=9))
+
+
+def test_data_of_several_processes_equals_one_process(target, dataset, tmp_path):
+    """--gen-workers 2: two spawned processes, each with its own target, write what one process
+    wrote (fp32 greedy answers and seeded samples do not depend on the batch), each only to its
+    own files and only its own prompts; one process then reads their files as its own."""
+    runner, tok = target
+    store, srcs = dataset
+    folder = str(tmp_path / "data")
+    assert run(parse("--data", folder, "--out", str(tmp_path), "--max-seqs", "3", "--samples-per-prompt", "2",
+                     "--sample-temperatures", "0.8,1.1", "--shots", "2", "--gen-max-new-tokens", str(NEW_TOKENS),
+                     "--gen-max-running", "8", "--gen-workers", "2", "--stage", "data")) == 0
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".jsonl"))
+    assert files == ["chat-0000.0of2.jsonl", "chat-0000.1of2.jsonl"]
+    for k, name in enumerate(files):
+        lines = [json.loads(line) for line in open(os.path.join(folder, name))]
+        assert sorted((o["i"], o["k"]) for o in lines) == [(i, j) for i in range(3) if i % 2 == k for j in range(3)]
+    ids = lambda st: {(s.i, s.k): s.ids.tolist() for s in st.sequences(srcs)}  # noqa: E731
+    assert ids(DataStore(folder, settings_for(runner))) == ids(store) and len(ids(store)) == 9
+    again = generate(runner, tok, srcs, DataStore(folder, settings_for(runner)), max_running=8, progress=False)
+    assert again["generated"] == 0 and again["reused"] == 9
+
+    # A torn last line is dropped only by the process that appends to that file: in another
+    # process's file it may be a line being written.
+    torn = os.path.join(folder, files[1])
+    with open(torn, "a") as f:
+        f.write('{"i": 5, "k": 0, "t": 0.0, "prompt_len": 3, "ids": [1, 2')
+    size = os.path.getsize(torn)
+    DataStore(folder, settings_for(runner))
+    DataStore(folder, settings_for(runner), Part(0, 2))
+    assert os.path.getsize(torn) == size
+    assert ids(DataStore(folder, settings_for(runner), Part(1, 2))) == ids(store)
+    assert os.path.getsize(torn) < size and open(torn).read().endswith("\n")
 
 
 def test_fewshot_and_self_written_sources(target, tmp_path, monkeypatch, capsys):

@@ -15,6 +15,10 @@ sources extend the folder; settings that change what a sequence is must match me
 Generation keeps the engine full (batched CUDA-graph decode on a GPU): requests are added in
 batches as others finish, stage-1 sources (prompts the target writes) first, then the shards of
 the other sources in turn, so that a run stopped by its time limit still holds a mix.
+
+Several processes may generate into one folder at once (`Part`): process k of n asks the
+prompts i with i % n == k and appends only to its own shard files (`chat-0003.1of4.jsonl`), so
+no file has two writers; every process reads every file.
 """
 from __future__ import annotations
 
@@ -38,6 +42,22 @@ from common.tools.drafter.sources import Prompt, Source
 SHARD_PROMPTS = 1024
 MIN_WRITTEN_CHARS = 16
 NOTE_EVERY_S = 30.0  # a progress line this often when there is no progress bar
+
+
+@dataclass(frozen=True)
+class Part:
+    """Which prompts a generating process asks, of the n processes sharing a data folder."""
+
+    k: int = 0
+    n: int = 1
+
+    def owns(self, i: int) -> bool:
+        return i % self.n == self.k
+
+    @property
+    def suffix(self) -> str:
+        """What this process's shard file names carry ("" for a process alone)."""
+        return "" if self.n == 1 else f".{self.k}of{self.n}"
 
 
 @dataclass(frozen=True)
@@ -109,8 +129,8 @@ def read_prompts(path: str, field: str = "question", limit: int | None = None) -
 class DataStore:
     """The shards of one data folder: what is there, and appending what is made."""
 
-    def __init__(self, folder: str, settings: GenSettings):
-        self.folder, self.settings = folder, settings
+    def __init__(self, folder: str, settings: GenSettings, part: Part = Part()):
+        self.folder, self.settings, self.part = folder, settings, part
         os.makedirs(folder, exist_ok=True)
         meta_path = os.path.join(folder, "meta.json")
         want = json.loads(json.dumps(asdict(settings)))
@@ -127,7 +147,9 @@ class DataStore:
         self.records: dict[tuple[str, int, int], Sequence | str] = {}  # str: why it was skipped
         for path in _shards(folder):
             good, torn = _read_shard(path, self.records)
-            if torn:  # the last line of a killed run: drop it, so that appends start on a line
+            # A torn last line is a killed run's, or another process's line being written: only
+            # in a file this store appends to is it dropped, so that appends start on a line.
+            if torn and _writer_suffix(path) == part.suffix:
                 with open(path, "w") as f:
                     f.writelines(good)
         self._files: dict[str, object] = {}
@@ -164,7 +186,7 @@ class DataStore:
         self._write(source, i, {"i": i, "k": k, "skipped": why})
 
     def _write(self, source: str, i: int, obj: dict) -> None:
-        name = f"{source}-{i // SHARD_PROMPTS:04d}.jsonl"
+        name = f"{source}-{i // SHARD_PROMPTS:04d}{self.part.suffix}.jsonl"
         f = self._files.get(name)
         if f is None:
             f = self._files[name] = open(os.path.join(self.folder, name), "a")
@@ -181,12 +203,19 @@ class DataStore:
 
 
 def _shards(folder: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(folder, "*-[0-9][0-9][0-9][0-9].jsonl")))
+    return sorted(glob.glob(os.path.join(folder, "*-[0-9][0-9][0-9][0-9].jsonl")) +
+                  glob.glob(os.path.join(folder, "*-[0-9][0-9][0-9][0-9].*of*.jsonl")))
+
+
+def _writer_suffix(path: str) -> str:
+    """"" for `chat-0003.jsonl`, ".1of4" for `chat-0003.1of4.jsonl`."""
+    stem = os.path.basename(path).removesuffix(".jsonl")
+    return stem[stem.index("."):] if "." in stem else ""
 
 
 def _read_shard(path: str, records: dict) -> tuple[list[str], bool]:
     """Add a shard's records; returns its whole lines and whether a torn last line followed them."""
-    source = os.path.basename(path).rsplit("-", 1)[0]
+    source = os.path.basename(path).split(".")[0].rsplit("-", 1)[0]
     good = []
     with open(path) as f:
         for line in f:
@@ -236,9 +265,10 @@ class Job:
 
 
 def pending(sources: list[Source], store: DataStore) -> list[Job]:
-    """The missing (source, i, k), shard by shard across the sources (a mix at any point), each
-    prompt's samples together."""
-    jobs = [Job(src, i, k) for src in sources for i, k in src.keys if (src.name, i, k) not in store]
+    """The missing (source, i, k) of the store's part, shard by shard across the sources (a mix
+    at any point), each prompt's samples together."""
+    jobs = [Job(src, i, k) for src in sources for i, k in src.keys
+            if store.part.owns(i) and (src.name, i, k) not in store]
     return sorted(jobs, key=lambda job: job.i // SHARD_PROMPTS)  # stable: source order, then (i, k)
 
 
@@ -246,7 +276,7 @@ def generate(runner: ModelRunner, tok: Tokenizer, sources: list[Source], store: 
              chunk_size: int = CHUNK_SIZE, time_limit: float | None = None, progress: bool = True) -> dict:
     """Generate every missing sequence of `sources` into `store`: first the sources that write
     prompts, then the rest. Returns stats (tokens/s over the whole run, prefill included)."""
-    stats = {"reused": len(store.sequences(sources)),
+    stats = {"reused": sum(store.part.owns(s.i) for s in store.sequences(sources)),
              "generated": 0, "skipped": 0, "gen_tokens": 0, "gen_seconds": 0.0, "stopped": "done"}
     start = time.perf_counter()
     sizes = tuple(sorted({*BATCH_SIZES, *(n for n in (128, 256, 512) if n <= max_running)}))
@@ -313,7 +343,8 @@ def _run(engine: Engine, tok: Tokenizer, sources: list[Source], store: DataStore
                 bar.set_postfix_str(rate, refresh=False)
                 if not progress and time.perf_counter() - last_note > NOTE_EVERY_S:  # logs, not a terminal
                     last_note = time.perf_counter()
-                    print(f"generate: {stats['generated']} sequences, {stats['gen_tokens']:,} tokens; "
+                    who = f" (part {store.part.k} of {store.part.n})" if store.part.n > 1 else ""
+                    print(f"generate{who}: {stats['generated']} sequences, {stats['gen_tokens']:,} tokens; "
                           f"{'+'.join(x.name for x in sources)} at {rate}", flush=True)
     return True
 

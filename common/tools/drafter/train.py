@@ -34,14 +34,15 @@ from common.runner.model_runner import ModelRunner
 from common.service.loader import ModelOptions, add_model_args, load_model
 from common.tools.bench.gsm8k_data import Item
 from common.tools.drafter import sources
-from common.tools.drafter.data import (DataStore, GenSettings, Sequence, check_pool, data_stats, file_sha256,
+from common.tools.drafter.data import (DataStore, GenSettings, Part, Sequence, check_pool, data_stats, file_sha256,
                                        generate, pooled_sequences, read_prompts)
 from common.tools.drafter.objective import SOFT_TOP_K, Batch, make_batch
 from common.tools.drafter.trainer import (DRAFTING_ONLY, EpochOrder, Trainer, load_checkpoint, rounded, save_checkpoint,
                                           save_drafter)
 
 # Flags that steer one invocation but not what it produces: left out of the reproduce command.
-RUN_CONTROL = {"resume", "stop_at", "time_limit", "no_progress", "log_every", "save_every", "stage", "gen_time_limit"}
+RUN_CONTROL = {"resume", "stop_at", "time_limit", "no_progress", "log_every", "save_every", "stage", "gen_time_limit",
+               "gen_workers"}
 PATHS = {"prompts", "data", "pool", "out", "model", "init"}
 # Prefill tokens a step while generating on CUDA. Answering 7,473 few-shot GSM8K prompts on the
 # H200 (bf16): 3,002 tok/s with steps of 8,192 tokens, 5,052 with 32,768 (docs/PERFORMANCE.md,
@@ -68,6 +69,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         f"{CHUNK_SIZE} on CPU, as serving): the engine refills its batch a quarter at a time, and on "
                         "CUDA each prefill step costs host time whatever its size, so larger steps are fewer; a "
                         "step's activations grow with it (lower it where memory is short)")
+    d.add_argument("--gen-workers", type=int, default=1,
+                   help="generating processes sharing the device, each with its own target and engine over every "
+                        "Nth prompt: on a GPU one's host work overlaps the others' device work (each holds its own "
+                        "KV pages for --gen-max-running requests)")
     d.add_argument("--samples-per-prompt", type=int, default=0, help="K sampled answers per prompt besides the greedy one")
     d.add_argument("--sample-temperatures", default="0.8",
                    help="comma-separated; sampled answer k uses the ((k-1) mod n)-th")
@@ -145,11 +150,48 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     read_prompts(args.prompts, args.prompt_field, 1)  # fail on a bad prompt file before loading the model
+    gen = None
+    if args.gen_workers > 1 and args.stage != "train":  # before this process holds the device
+        gen = generate_in_workers(args)
+        if not _data_complete(args, gen):
+            return 0
+    runner, tok = load_model(_model_options(args))
+    return train(args, runner, tok, gen)
+
+
+def _model_options(args) -> ModelOptions:
     # Room for prompts up to 512 tokens at full batch (few-shot prompts: up to 1280).
     ctx_tokens = (1280 if "fewshot" in _formats(args) else 512) + args.gen_max_new_tokens
     pages = args.kv_pages or max(_max_running(args), args.batch_size) * -(-ctx_tokens // args.page_size) + 1
-    runner, tok = load_model(ModelOptions(args.model, args.dtype, args.device, args.page_size, pages))
-    return train(args, runner, tok)
+    return ModelOptions(args.model, args.dtype, args.device, args.page_size, pages)
+
+
+def generate_in_workers(args: argparse.Namespace) -> dict:
+    """--gen-workers N: N processes, each with its own target and engine on the device, generate
+    into the data folder at once, process k asking the prompts i with i % N == k. One's host
+    work (scheduling, stop strings, the shards) overlaps the others' device work."""
+    import multiprocessing
+
+    n = args.gen_workers
+    print(f"generation: {n} processes, each its own engine over every {n}th prompt", flush=True)
+    start = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(n) as pool:
+        parts = pool.starmap(_generate_part, [(args, k) for k in range(n)])
+    seconds = round(time.perf_counter() - start, 2)  # the processes' start and model loading included
+    gen = {key: sum(part[key] for part in parts) for key in ("reused", "generated", "skipped", "gen_tokens")}
+    return gen | {"gen_seconds": seconds, "gen_tok_per_s": round(gen["gen_tokens"] / max(seconds, 1e-9), 1),
+                  "stopped": "done" if all(part["stopped"] == "done" for part in parts) else "time limit",
+                  "workers": n, "parts": parts}
+
+
+def _generate_part(args: argparse.Namespace, k: int) -> dict:
+    """Process k of --gen-workers (a spawned process: it loads its own target)."""
+    if torch.device(args.device).type == "cpu":  # the processes share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.gen_workers))
+    runner, tok = load_model(_model_options(args))
+    _, _, store, srcs = data_sources(args, runner.cfg.name, tok, Part(k, args.gen_workers))
+    return generate(runner, tok, srcs, store, max_running=_max_running(args), chunk_size=_chunk_size(args),
+                    time_limit=args.gen_time_limit, progress=False)
 
 
 def _max_running(args) -> int:
@@ -160,38 +202,25 @@ def _chunk_size(args) -> int:
     return args.gen_chunk_size or (GEN_CHUNK_SIZE if torch.device(args.device).type == "cuda" else CHUNK_SIZE)
 
 
-def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
-    """The whole command on an already loaded target (tests pass theirs)."""
+def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None = None) -> int:
+    """The whole command on an already loaded target (tests pass theirs); `gen`: what
+    generate_in_workers made (this process then generates nothing)."""
     t_start = time.perf_counter()
     _check_args(args)
     os.makedirs(args.out, exist_ok=True)
-    data_dir = args.data or os.path.join(args.out, "data")
+    data_dir = _data_dir(args)
     device = runner.device
     print(f"reproduce: {reproduce_command(args)}", flush=True)
 
     # ---- 1. data ------------------------------------------------------------------------
-    rows = read_prompts(args.prompts, args.prompt_field, args.max_seqs)
-    settings = GenSettings(model=runner.cfg.name, prompts=os.path.basename(args.prompts),
-                           prompts_sha256=file_sha256(args.prompts), prompt_field=args.prompt_field, shots=args.shots,
-                           gen_max_new_tokens=args.gen_max_new_tokens, sample_temperatures=_temperatures(args),
-                           sample_top_p=args.sample_top_p, seed=args.seed)
-    for folder in _pool_folders(args):  # before generation, which may take hours
-        check_pool(folder, settings)
-    store = DataStore(data_dir, settings)
-    items = [Item(r[args.prompt_field], r["answer"]) for r in rows] if "fewshot" in _formats(args) else None
-    srcs = sources.build(tok, [str(r[args.prompt_field]) for r in rows], items, formats=_formats(args),
-                         shots=args.shots, samples=args.samples_per_prompt, self_math=args.self_math,
-                         self_chat=args.self_chat, seed=args.seed, written=lambda name, i: store.written(name, i, tok))
-    gen = {"generated": 0, "gen_seconds": 0.0, "stopped": "not run (--stage train)"}
-    if args.stage != "train":
-        gen = generate(runner, tok, srcs, store, max_running=_max_running(args), chunk_size=_chunk_size(args),
-                       time_limit=args.gen_time_limit, progress=not args.no_progress)
-        print(f"generation: {gen['generated']} sequences, {gen['gen_tokens']:,} tokens in {gen['gen_seconds']} s "
-              f"({gen['gen_tok_per_s']:,.0f} tok/s), {gen['reused']} reused, {gen['skipped']} skipped; {gen['stopped']}",
-              flush=True)
-        if args.stage == "data" or gen["stopped"] != "done":
-            print("data not complete: run again to go on" if gen["stopped"] != "done" else "data done", flush=True)
-            return 0
+    rows, settings, store, srcs = data_sources(args, runner.cfg.name, tok)
+    if gen is None:
+        gen = {"generated": 0, "gen_seconds": 0.0, "stopped": "not run (--stage train)"}
+        if args.stage != "train":
+            gen = generate(runner, tok, srcs, store, max_running=_max_running(args), chunk_size=_chunk_size(args),
+                           time_limit=args.gen_time_limit, progress=not args.no_progress)
+            if not _data_complete(args, gen):
+                return 0
     seqs = [s for s in store.sequences(srcs) if s.response_len >= 2]  # an anchor needs a token after it
     held_out = set(range(len(rows) - args.eval_prompts, len(rows))) if args.eval_prompts else set()
     asks_file = ("chat", "fewshot")  # sources whose prompt i is the file's prompt i
@@ -273,6 +302,41 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok) -> int:
         print(f"stopped at step {info['steps']['done']}/{total} ({stop_reason}); add --resume to continue", flush=True)
     print(f"reproduce: {reproduce_command(args)}", flush=True)
     return 0
+
+
+def _data_dir(args) -> str:
+    return args.data or os.path.join(args.out, "data")
+
+
+def data_sources(args: argparse.Namespace, model_name: str, tok, part: Part = Part()
+                 ) -> tuple[list[dict], GenSettings, DataStore, list[sources.Source]]:
+    """The prompt file's rows, the data settings, the data folder (for `part`'s writes) and the
+    sources of this command's data."""
+    rows = read_prompts(args.prompts, args.prompt_field, args.max_seqs)
+    settings = GenSettings(model=model_name, prompts=os.path.basename(args.prompts),
+                           prompts_sha256=file_sha256(args.prompts), prompt_field=args.prompt_field, shots=args.shots,
+                           gen_max_new_tokens=args.gen_max_new_tokens, sample_temperatures=_temperatures(args),
+                           sample_top_p=args.sample_top_p, seed=args.seed)
+    for folder in _pool_folders(args):  # before generation, which may take hours
+        check_pool(folder, settings)
+    store = DataStore(_data_dir(args), settings, part)
+    items = [Item(r[args.prompt_field], r["answer"]) for r in rows] if "fewshot" in _formats(args) else None
+    srcs = sources.build(tok, [str(r[args.prompt_field]) for r in rows], items, formats=_formats(args),
+                         shots=args.shots, samples=args.samples_per_prompt, self_math=args.self_math,
+                         self_chat=args.self_chat, seed=args.seed, written=lambda name, i: store.written(name, i, tok))
+    return rows, settings, store, srcs
+
+
+def _data_complete(args, gen: dict) -> bool:
+    """Report a generation run; whether training may follow it."""
+    workers = f" by {gen['workers']} processes" if gen.get("workers") else ""
+    print(f"generation: {gen['generated']} sequences, {gen['gen_tokens']:,} tokens in {gen['gen_seconds']} s{workers} "
+          f"({gen['gen_tok_per_s']:,.0f} tok/s), {gen['reused']} reused, {gen['skipped']} skipped; {gen['stopped']}",
+          flush=True)
+    if args.stage == "data" or gen["stopped"] != "done":
+        print("data not complete: run again to go on" if gen["stopped"] != "done" else "data done", flush=True)
+        return False
+    return True
 
 
 def loop(args, trainer: Trainer, order: EpochOrder, eval_batches: list[Batch], start: int, total: int,
@@ -483,7 +547,7 @@ def _check_args(args) -> None:
         raise ValueError("--greedy-repeat must be at least 1")
     _repeats(args.source_repeat or "")
     for name in ("batch_size", "anchors", "block_size", "layers", "gen_max_new_tokens", "gen_chunk_size", "log_every",
-                 "save_every"):
+                 "save_every", "gen_workers"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     if args.block_size < 2:
