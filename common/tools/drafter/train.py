@@ -173,7 +173,8 @@ def generate_in_workers(args: argparse.Namespace) -> dict:
     import multiprocessing
 
     n = args.gen_workers
-    print(f"generation: {n} processes, each its own engine over every {n}th prompt", flush=True)
+    print(f"generation: {n} processes, each with its own engine; process k asks the prompts i with i % {n} == k",
+          flush=True)
     start = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(n) as pool:
         parts = pool.starmap(_generate_part, [(args, k) for k in range(n)])
@@ -333,6 +334,9 @@ def _data_complete(args, gen: dict) -> bool:
     print(f"generation: {gen['generated']} sequences, {gen['gen_tokens']:,} tokens in {gen['gen_seconds']} s{workers} "
           f"({gen['gen_tok_per_s']:,.0f} tok/s), {gen['reused']} reused, {gen['skipped']} skipped; {gen['stopped']}",
           flush=True)
+    for k, part in enumerate(gen.get("parts", ())):  # each from its engine's start, after its model loaded
+        print(f"  part {k}: {part['generated']} sequences, {part['gen_tokens']:,} tokens in {part['gen_seconds']} s "
+              f"({part['gen_tok_per_s']:,.0f} tok/s); {part['stopped']}", flush=True)
     if args.stage == "data" or gen["stopped"] != "done":
         print("data not complete: run again to go on" if gen["stopped"] != "done" else "data done", flush=True)
         return False
