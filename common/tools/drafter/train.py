@@ -3,7 +3,8 @@
   1. data      the target answers prompts through the Engine (batched, CUDA graphs on a GPU):
                the prompt file as chat turns and in the users' few-shot format, plus problems and
                questions it writes itself, each greedy and sampled; sharded and resumable in
-               OUT/data/ (see common.tools.drafter.data and .sources)
+               OUT/data/ (see common.tools.drafter.data and .sources); with --gen-workers N,
+               N processes generate at once, each with its own engine on the device
   2. training  the frozen target runs once over each sequence and its capture layers feed the
                drafter; random anchors in the response, all blocks of a batch in one forward
                (see common.tools.drafter.objective); AdamW, warmup + cosine, bf16 autocast on CUDA
