@@ -267,9 +267,10 @@ def test_data_of_several_processes_equals_one_process(target, dataset, tmp_path)
     runner, tok = target
     store, srcs = dataset
     folder = str(tmp_path / "data")
-    assert run(parse("--data", folder, "--out", str(tmp_path), "--max-seqs", "3", "--samples-per-prompt", "2",
-                     "--sample-temperatures", "0.8,1.1", "--shots", "2", "--gen-max-new-tokens", str(NEW_TOKENS),
-                     "--gen-max-running", "8", "--gen-workers", "2", "--stage", "data")) == 0
+    argv = ["--data", folder, "--out", str(tmp_path), "--max-seqs", "3", "--samples-per-prompt", "2",
+            "--sample-temperatures", "0.8,1.1", "--shots", "2", "--gen-max-running", "8", "--gen-workers", "2",
+            "--stage", "data"]
+    assert run(parse(*argv, "--gen-max-new-tokens", str(NEW_TOKENS))) == 0
     files = sorted(f for f in os.listdir(folder) if f.endswith(".jsonl"))
     assert files == ["chat-0000.0of2.jsonl", "chat-0000.1of2.jsonl"]
     for k, name in enumerate(files):
@@ -291,6 +292,10 @@ def test_data_of_several_processes_equals_one_process(target, dataset, tmp_path)
     assert os.path.getsize(torn) == size
     assert ids(DataStore(folder, settings_for(runner), Part(1, 2))) == ids(store)
     assert os.path.getsize(torn) < size and open(torn).read().endswith("\n")
+
+    # A process's failure stops the command with its error (here: the folder holds other settings).
+    with pytest.raises(RuntimeError, match="generating process 0 failed: ValueError: .* other settings"):
+        run(parse(*argv, "--gen-max-new-tokens", str(NEW_TOKENS + 1)))
 
 
 def test_fewshot_and_self_written_sources(target, tmp_path, monkeypatch, capsys):

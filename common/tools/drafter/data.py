@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -142,8 +143,9 @@ class DataStore:
                 raise ValueError(f"data folder {folder!r} was generated with other settings "
                                  f"(folder vs now: {diff}); use another --data/--out or delete it")
         else:
-            with open(meta_path, "w") as f:
+            with open(meta_path + f".{os.getpid()}", "w") as f:
                 json.dump(want, f, indent=1)
+            os.replace(meta_path + f".{os.getpid()}", meta_path)  # whole: other processes may be reading it
         self.records: dict[tuple[str, int, int], Sequence | str] = {}  # str: why it was skipped
         for path in _shards(folder):
             good, torn = _read_shard(path, self.records)
@@ -204,11 +206,11 @@ class DataStore:
 
 def _shards(folder: str) -> list[str]:
     return sorted(glob.glob(os.path.join(folder, "*-[0-9][0-9][0-9][0-9].jsonl")) +
-                  glob.glob(os.path.join(folder, "*-[0-9][0-9][0-9][0-9].*of*.jsonl")))
+                  glob.glob(os.path.join(folder, "*-[0-9][0-9][0-9][0-9].[0-9]*of[0-9]*.jsonl")))
 
 
 def _writer_suffix(path: str) -> str:
-    """"" for `chat-0003.jsonl`, ".1of4" for `chat-0003.1of4.jsonl`."""
+    """The Part suffix in a shard's name: ".1of4" in `chat-0003.1of4.jsonl`, "" in `chat-0003.jsonl`."""
     stem = os.path.basename(path).removesuffix(".jsonl")
     return stem[stem.index("."):] if "." in stem else ""
 
@@ -273,14 +275,18 @@ def pending(sources: list[Source], store: DataStore) -> list[Job]:
 
 
 def generate(runner: ModelRunner, tok: Tokenizer, sources: list[Source], store: DataStore, *, max_running: int,
-             chunk_size: int = CHUNK_SIZE, time_limit: float | None = None, progress: bool = True) -> dict:
+             chunk_size: int = CHUNK_SIZE, time_limit: float | None = None, progress: bool = True,
+             on_engine: Callable[[], None] | None = None) -> dict:
     """Generate every missing sequence of `sources` into `store`: first the sources that write
-    prompts, then the rest. Returns stats (tokens/s over the whole run, prefill included)."""
+    prompts, then the rest; `on_engine` is called once the engine is built (its graphs captured,
+    its kernels chosen). Returns stats (tokens/s over the whole run, prefill included)."""
     stats = {"reused": sum(store.part.owns(s.i) for s in store.sequences(sources)),
              "generated": 0, "skipped": 0, "gen_tokens": 0, "gen_seconds": 0.0, "stopped": "done"}
     start = time.perf_counter()
     sizes = tuple(sorted({*BATCH_SIZES, *(n for n in (128, 256, 512) if n <= max_running)}))
     engine = Engine(runner, tok.eos_token_ids, max_running=max_running, batch_sizes=sizes, chunk_size=chunk_size)
+    if on_engine is not None:
+        on_engine()
     deadline = None if time_limit is None else start + time_limit
     for stage in ([s for s in sources if s.writes], [s for s in sources if not s.writes]):
         if stage and not _run(engine, tok, stage, store, stats, deadline, progress):

@@ -151,13 +151,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     read_prompts(args.prompts, args.prompt_field, 1)  # fail on a bad prompt file before loading the model
-    gen = None
+    started, gen = time.perf_counter(), None
     if args.gen_workers > 1 and args.stage != "train":  # before this process holds the device
         gen = generate_in_workers(args)
         if not _data_complete(args, gen):
             return 0
     runner, tok = load_model(_model_options(args))
-    return train(args, runner, tok, gen)
+    return train(args, runner, tok, gen, started if gen is not None else None)
 
 
 def _model_options(args) -> ModelOptions:
@@ -170,30 +170,65 @@ def _model_options(args) -> ModelOptions:
 def generate_in_workers(args: argparse.Namespace) -> dict:
     """--gen-workers N: N processes, each with its own target and engine on the device, generate
     into the data folder at once, process k asking the prompts i with i % N == k. One's host
-    work (scheduling, stop strings, the shards) overlaps the others' device work."""
+    work (scheduling, stop strings, the shards) overlaps the others' device work. The first
+    failure (an exception, or a process that dies) stops them all and is raised here."""
     import multiprocessing
+    import queue
 
     n = args.gen_workers
     print(f"generation: {n} processes, each with its own engine; process k asks the prompts i with i % {n} == k",
           flush=True)
     start = time.perf_counter()
-    with multiprocessing.get_context("spawn").Pool(n) as pool:
-        parts = pool.starmap(_generate_part, [(args, k) for k in range(n)])
+    ctx = multiprocessing.get_context("spawn")
+    results, engine_ready = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_generate_part, args=(args, k, results, engine_ready), daemon=True) for k in range(n)]
+    parts: dict[int, dict] = {}
+    try:
+        for proc in procs:
+            proc.start()
+        while len(parts) < n:
+            try:
+                k, part = results.get(timeout=5.0)
+            except queue.Empty:
+                dead = [(k, p.exitcode) for k, p in enumerate(procs) if k not in parts and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"generating process {dead[0][0]} exited with code {dead[0][1]}") from None
+                continue
+            if isinstance(part, str):
+                raise RuntimeError(f"generating process {k} failed: {part.strip().splitlines()[-1]}\n{part}")
+            parts[k] = part
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
     seconds = round(time.perf_counter() - start, 2)  # the processes' start and model loading included
-    gen = {key: sum(part[key] for part in parts) for key in ("reused", "generated", "skipped", "gen_tokens")}
+    ordered = [parts[k] for k in range(n)]
+    gen = {key: sum(part[key] for part in ordered) for key in ("reused", "generated", "skipped", "gen_tokens")}
     return gen | {"gen_seconds": seconds, "gen_tok_per_s": round(gen["gen_tokens"] / max(seconds, 1e-9), 1),
-                  "stopped": "done" if all(part["stopped"] == "done" for part in parts) else "time limit",
-                  "workers": n, "parts": parts}
+                  "stopped": "done" if all(part["stopped"] == "done" for part in ordered) else "time limit",
+                  "workers": n, "parts": ordered}
 
 
-def _generate_part(args: argparse.Namespace, k: int) -> dict:
-    """Process k of --gen-workers (a spawned process: it loads its own target)."""
-    if torch.device(args.device).type == "cpu":  # the processes share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.gen_workers))
-    runner, tok = load_model(_model_options(args))
-    _, _, store, srcs = data_sources(args, runner.cfg.name, tok, Part(k, args.gen_workers))
-    return generate(runner, tok, srcs, store, max_running=_max_running(args), chunk_size=_chunk_size(args),
-                    time_limit=args.gen_time_limit, progress=False)
+def _generate_part(args: argparse.Namespace, k: int, results, engine_ready) -> None:
+    """Process k of --gen-workers (spawned: it loads its own target); puts (k, stats), or (k, the
+    traceback) if it fails. Process 0 builds its engine first: on a GPU that times the kernel
+    choices for each product shape and keeps them on disk, and the others then read them
+    instead of timing them again while the device is shared (choices that later runs keep)."""
+    import traceback
+
+    try:
+        if torch.device(args.device).type == "cpu":  # the processes share the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.gen_workers))
+        if k > 0:
+            engine_ready.wait()
+        runner, tok = load_model(_model_options(args))
+        _, _, store, srcs = data_sources(args, runner.cfg.name, tok, Part(k, args.gen_workers))
+        stats = generate(runner, tok, srcs, store, max_running=_max_running(args), chunk_size=_chunk_size(args),
+                         time_limit=args.gen_time_limit, progress=False, on_engine=engine_ready.set)
+        results.put((k, stats))
+    except Exception:  # reported, not raised: the parent stops the others and raises it
+        results.put((k, traceback.format_exc()))
 
 
 def _max_running(args) -> int:
@@ -204,10 +239,12 @@ def _chunk_size(args) -> int:
     return args.gen_chunk_size or (GEN_CHUNK_SIZE if torch.device(args.device).type == "cuda" else CHUNK_SIZE)
 
 
-def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None = None) -> int:
+def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None = None,
+          started: float | None = None) -> int:
     """The whole command on an already loaded target (tests pass theirs); `gen`: what
-    generate_in_workers made (this process then generates nothing)."""
-    t_start = time.perf_counter()
+    generate_in_workers made (this process then generates nothing), from `started` on (so that
+    --time-limit and the times recorded count that generation, as they count this process's)."""
+    t_start = time.perf_counter() if started is None else started
     _check_args(args)
     os.makedirs(args.out, exist_ok=True)
     data_dir = _data_dir(args)
