@@ -298,6 +298,21 @@ def test_data_of_several_processes_equals_one_process(target, dataset, tmp_path)
         run(parse(*argv, "--gen-max-new-tokens", str(NEW_TOKENS + 1)))
 
 
+def test_self_written_prompts_in_several_processes(target, tmp_path):
+    """With --gen-workers a stage-2 source's prompt i is answered by the process that wrote it
+    in stage 1: every record (answers, and prompts skipped as cut off) is the one process's."""
+    runner, tok = target
+    argv = ["--max-seqs", "1", "--self-math", "4", "--gen-max-new-tokens", str(NEW_TOKENS), "--shots", "2",
+            "--sample-temperatures", "0.8,1.1", "--gen-max-running", "8", "--stage", "data"]
+    assert run(parse(*argv, "--data", str(tmp_path / "two"), "--out", str(tmp_path), "--gen-workers", "2")) == 0
+    assert run(parse(*argv, "--data", str(tmp_path / "one"), "--out", str(tmp_path))) == 0
+    records = lambda name: DataStore(str(tmp_path / name), settings_for(runner)).records  # noqa: E731
+    flat = lambda recs: {key: r if isinstance(r, str) else r.ids.tolist() for key, r in recs.items()}  # noqa: E731
+    two, one = flat(records("two")), flat(records("one"))
+    assert two == one and {key[0] for key in one} == {"chat", "self-math-q", "self-math"}
+    assert len([key for key in one if key[0] == "self-math"]) == 4
+
+
 def test_fewshot_and_self_written_sources(target, tmp_path, monkeypatch, capsys):
     """The few-shot source asks in the users' format (other questions of the file as worked
     examples, then the question, plain completion with the format's stop strings); a stage-2
