@@ -269,7 +269,7 @@ def test_data_of_several_processes_equals_one_process(target, dataset, tmp_path)
     folder = str(tmp_path / "data")
     argv = ["--data", folder, "--out", str(tmp_path), "--max-seqs", "3", "--samples-per-prompt", "2",
             "--sample-temperatures", "0.8,1.1", "--shots", "2", "--gen-max-running", "8", "--gen-workers", "2",
-            "--stage", "data"]
+            "--kv-pages", "48", "--stage", "data"]
     assert run(parse(*argv, "--gen-max-new-tokens", str(NEW_TOKENS))) == 0
     files = sorted(f for f in os.listdir(folder) if f.endswith(".jsonl"))
     assert files == ["chat-0000.0of2.jsonl", "chat-0000.1of2.jsonl"]
@@ -303,9 +303,9 @@ def test_self_written_prompts_in_several_processes(target, tmp_path):
     in stage 1: every record (answers, and prompts skipped as cut off) is the one process's."""
     runner, tok = target
     argv = ["--max-seqs", "1", "--self-math", "4", "--gen-max-new-tokens", str(NEW_TOKENS), "--shots", "2",
-            "--sample-temperatures", "0.8,1.1", "--gen-max-running", "8", "--stage", "data"]
+            "--sample-temperatures", "0.8,1.1", "--gen-max-running", "8", "--kv-pages", "48", "--stage", "data"]
     assert run(parse(*argv, "--data", str(tmp_path / "two"), "--out", str(tmp_path), "--gen-workers", "2")) == 0
-    assert run(parse(*argv, "--data", str(tmp_path / "one"), "--out", str(tmp_path))) == 0
+    assert train(parse(*argv, "--data", str(tmp_path / "one"), "--out", str(tmp_path)), runner, tok) == 0
     records = lambda name: DataStore(str(tmp_path / name), settings_for(runner)).records  # noqa: E731
     flat = lambda recs: {key: r if isinstance(r, str) else r.ids.tolist() for key, r in recs.items()}  # noqa: E731
     two, one = flat(records("two")), flat(records("one"))

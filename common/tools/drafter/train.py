@@ -156,14 +156,17 @@ def run(args: argparse.Namespace) -> int:
         gen = generate_in_workers(args)
         if not _data_complete(args, gen):
             return 0
-    runner, tok = load_model(_model_options(args))
+    generating = gen is None and args.stage != "train"
+    runner, tok = load_model(_model_options(args, max(_max_running(args) * generating, args.batch_size)))
     return train(args, runner, tok, gen, started if gen is not None else None)
 
 
-def _model_options(args) -> ModelOptions:
-    # Room for prompts up to 512 tokens at full batch (few-shot prompts: up to 1280).
+def _model_options(args, rows: int) -> ModelOptions:
+    """The target, with KV pages for `rows` sequences at once (the generation batch, the
+    training batch, or the larger where one process does both), unless --kv-pages says."""
+    # Room for prompts up to 512 tokens (few-shot prompts: up to 1280).
     ctx_tokens = (1280 if "fewshot" in _formats(args) else 512) + args.gen_max_new_tokens
-    pages = args.kv_pages or max(_max_running(args), args.batch_size) * -(-ctx_tokens // args.page_size) + 1
+    pages = args.kv_pages or rows * -(-ctx_tokens // args.page_size) + 1
     return ModelOptions(args.model, args.dtype, args.device, args.page_size, pages)
 
 
@@ -222,7 +225,7 @@ def _generate_part(args: argparse.Namespace, k: int, results, engine_ready) -> N
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.gen_workers))
         if k > 0:
             engine_ready.wait()
-        runner, tok = load_model(_model_options(args))
+        runner, tok = load_model(_model_options(args, _max_running(args)))
         _, _, store, srcs = data_sources(args, runner.cfg.name, tok, Part(k, args.gen_workers))
         stats = generate(runner, tok, srcs, store, max_running=_max_running(args), chunk_size=_chunk_size(args),
                          time_limit=args.gen_time_limit, progress=False, on_engine=engine_ready.set)
