@@ -262,20 +262,26 @@ def test_data_matches_engine(target, dataset):
 
 def test_data_of_several_processes_equals_one_process(target, dataset, tmp_path):
     """--gen-workers 2: two spawned processes, each with its own target, write what one process
-    wrote (fp32 greedy answers and seeded samples do not depend on the batch), each only to its
-    own files and only its own prompts; one process then reads their files as its own."""
+    writes (fp32 greedy answers and seeded samples do not depend on the batch), each only to its
+    own files and only its own prompts, a written problem answered by the process that wrote it;
+    one process then reads their files as its own."""
     runner, tok = target
     store, srcs = dataset
     folder = str(tmp_path / "data")
-    argv = ["--data", folder, "--out", str(tmp_path), "--max-seqs", "3", "--samples-per-prompt", "2",
-            "--sample-temperatures", "0.8,1.1", "--shots", "2", "--gen-max-running", "8", "--gen-workers", "2",
-            "--kv-pages", "48", "--stage", "data"]
-    assert run(parse(*argv, "--gen-max-new-tokens", str(NEW_TOKENS))) == 0
+    argv = ["--out", str(tmp_path), "--max-seqs", "3", "--samples-per-prompt", "2", "--self-math", "4",
+            "--sample-temperatures", "0.8,1.1", "--shots", "2", "--gen-max-running", "8", "--kv-pages", "48",
+            "--stage", "data"]
+    assert run(parse(*argv, "--data", folder, "--gen-workers", "2", "--gen-max-new-tokens", str(NEW_TOKENS))) == 0
     files = sorted(f for f in os.listdir(folder) if f.endswith(".jsonl"))
-    assert files == ["chat-0000.0of2.jsonl", "chat-0000.1of2.jsonl"]
-    for k, name in enumerate(files):
-        lines = [json.loads(line) for line in open(os.path.join(folder, name))]
-        assert sorted((o["i"], o["k"]) for o in lines) == [(i, j) for i in range(3) if i % 2 == k for j in range(3)]
+    assert files == [f"{src}-0000.{k}of2.jsonl" for src in ("chat", "self-math", "self-math-q") for k in (0, 1)]
+    for name in files:
+        k = int(name.split(".")[1][0])
+        assert all(json.loads(line)["i"] % 2 == k for line in open(os.path.join(folder, name)))
+    one = str(tmp_path / "one")
+    assert train(parse(*argv, "--data", one, "--gen-max-new-tokens", str(NEW_TOKENS)), runner, tok) == 0
+    flat = lambda path, part=Part(): {key: r if isinstance(r, str) else r.ids.tolist()  # noqa: E731
+                                      for key, r in DataStore(path, settings_for(runner), part).records.items()}
+    assert flat(folder) == flat(one) and len([key for key in flat(one) if key[0] == "self-math"]) == 4 * 3
     ids = lambda st: {(s.i, s.k): s.ids.tolist() for s in st.sequences(srcs)}  # noqa: E731
     assert ids(DataStore(folder, settings_for(runner))) == ids(store) and len(ids(store)) == 9
     again = generate(runner, tok, srcs, DataStore(folder, settings_for(runner)), max_running=8, progress=False)
@@ -283,34 +289,19 @@ def test_data_of_several_processes_equals_one_process(target, dataset, tmp_path)
 
     # A torn last line is dropped only by the process that appends to that file: in another
     # process's file it may be a line being written.
-    torn = os.path.join(folder, files[1])
+    torn = os.path.join(folder, "chat-0000.1of2.jsonl")
     with open(torn, "a") as f:
         f.write('{"i": 5, "k": 0, "t": 0.0, "prompt_len": 3, "ids": [1, 2')
     size = os.path.getsize(torn)
     DataStore(folder, settings_for(runner))
     DataStore(folder, settings_for(runner), Part(0, 2))
     assert os.path.getsize(torn) == size
-    assert ids(DataStore(folder, settings_for(runner), Part(1, 2))) == ids(store)
+    assert flat(folder, Part(1, 2)) == flat(one)
     assert os.path.getsize(torn) < size and open(torn).read().endswith("\n")
 
     # A process's failure stops the command with its error (here: the folder holds other settings).
     with pytest.raises(RuntimeError, match="generating process 0 failed: ValueError: .* other settings"):
-        run(parse(*argv, "--gen-max-new-tokens", str(NEW_TOKENS + 1)))
-
-
-def test_self_written_prompts_in_several_processes(target, tmp_path):
-    """With --gen-workers a stage-2 source's prompt i is answered by the process that wrote it
-    in stage 1: every record (answers, and prompts skipped as cut off) is the one process's."""
-    runner, tok = target
-    argv = ["--max-seqs", "1", "--self-math", "4", "--gen-max-new-tokens", str(NEW_TOKENS), "--shots", "2",
-            "--sample-temperatures", "0.8,1.1", "--gen-max-running", "8", "--kv-pages", "48", "--stage", "data"]
-    assert run(parse(*argv, "--data", str(tmp_path / "two"), "--out", str(tmp_path), "--gen-workers", "2")) == 0
-    assert train(parse(*argv, "--data", str(tmp_path / "one"), "--out", str(tmp_path)), runner, tok) == 0
-    records = lambda name: DataStore(str(tmp_path / name), settings_for(runner)).records  # noqa: E731
-    flat = lambda recs: {key: r if isinstance(r, str) else r.ids.tolist() for key, r in recs.items()}  # noqa: E731
-    two, one = flat(records("two")), flat(records("one"))
-    assert two == one and {key[0] for key in one} == {"chat", "self-math-q", "self-math"}
-    assert len([key for key in one if key[0] == "self-math"]) == 4
+        run(parse(*argv, "--data", folder, "--gen-workers", "2", "--gen-max-new-tokens", str(NEW_TOKENS + 1)))
 
 
 def test_fewshot_and_self_written_sources(target, tmp_path, monkeypatch, capsys):
