@@ -36,6 +36,7 @@ from common.engine.decoder import BATCH_SIZES
 from common.engine.engine import CHUNK_SIZE, Engine
 from common.engine.request import Request
 from common.engine.sampling import InvalidRequest
+from common.model.cache import write_json
 from common.model.tokenizer import IncrementalDecoder, Tokenizer
 from common.runner.model_runner import ModelRunner
 from common.tools.drafter.sources import Prompt, Source
@@ -142,16 +143,14 @@ class DataStore:
             if diff:
                 raise ValueError(f"data folder {folder!r} was generated with other settings "
                                  f"(folder vs now: {diff}); use another --data/--out or delete it")
-        else:
-            with open(meta_path + f".{os.getpid()}", "w") as f:
-                json.dump(want, f, indent=1)
-            os.replace(meta_path + f".{os.getpid()}", meta_path)  # whole: other processes may be reading it
+        elif not write_json(meta_path, want):  # whole, in one rename: other processes may be reading it
+            raise OSError(f"cannot write {meta_path!r}")
         self.records: dict[tuple[str, int, int], Sequence | str] = {}  # str: why it was skipped
         for path in _shards(folder):
             good, torn = _read_shard(path, self.records)
             # A torn last line is a killed run's, or another process's line being written: only
             # in a file this store appends to is it dropped, so that appends start on a line.
-            if torn and _writer_suffix(path) == part.suffix:
+            if torn and _shard_name(path)[1] == part.suffix:
                 with open(path, "w") as f:
                     f.writelines(good)
         self._files: dict[str, object] = {}
@@ -209,15 +208,16 @@ def _shards(folder: str) -> list[str]:
                   glob.glob(os.path.join(folder, "*-[0-9][0-9][0-9][0-9].[0-9]*of[0-9]*.jsonl")))
 
 
-def _writer_suffix(path: str) -> str:
-    """The Part suffix in a shard's name: ".1of4" in `chat-0003.1of4.jsonl`, "" in `chat-0003.jsonl`."""
-    stem = os.path.basename(path).removesuffix(".jsonl")
-    return stem[stem.index("."):] if "." in stem else ""
+def _shard_name(path: str) -> tuple[str, str]:
+    """A shard's source and Part suffix: ("chat", ".1of4") for `chat-0003.1of4.jsonl`, ("chat", "")
+    for `chat-0003.jsonl`."""
+    stem, dot, suffix = os.path.basename(path).removesuffix(".jsonl").partition(".")
+    return stem.rsplit("-", 1)[0], dot + suffix
 
 
 def _read_shard(path: str, records: dict) -> tuple[list[str], bool]:
     """Add a shard's records; returns its whole lines and whether a torn last line followed them."""
-    source = os.path.basename(path).split(".")[0].rsplit("-", 1)[0]
+    source = _shard_name(path)[0]
     good = []
     with open(path) as f:
         for line in f:

@@ -157,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         if not _data_complete(args, gen):
             return 0
     generating = gen is None and args.stage != "train"
-    runner, tok = load_model(_model_options(args, max(_max_running(args) * generating, args.batch_size)))
+    rows = max(_max_running(args), args.batch_size) if generating else args.batch_size
+    runner, tok = load_model(_model_options(args, rows))
     return train(args, runner, tok, gen, started if gen is not None else None)
 
 
