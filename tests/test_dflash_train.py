@@ -567,21 +567,48 @@ def test_soft_labels_are_the_targets_renormalised_top_k(target, dataset, monkeyp
         logits = runner.extend([cache], [ids], all_logits=True).logits.float()
     finally:
         runner.release(cache)
-    n = len(ids)
-    top = logits.topk(SOFT_TOP_K, dim=-1)
-    assert torch.equal(targets.top_ids[1, :n], top.indices)
-    torch.testing.assert_close(targets.top_probs[1, :n], torch.softmax(top.values, -1))
-    torch.testing.assert_close(targets.top_probs[1, :n].sum(-1), torch.ones(n))
-    assert torch.equal(targets.top_ids[1, :n, 0], targets.next_token[1, :n])
+    p, n = int(batch.prompt_lens[1]) - 1, len(ids)  # from the position before the response
+    top = logits[p:].topk(SOFT_TOP_K, dim=-1)
+    assert torch.equal(targets.top_ids[1, p:n], top.indices)
+    assert not targets.top_ids[1, :p].any() and not targets.top_probs[1, :p].any()
+    torch.testing.assert_close(targets.top_probs[1, p:n], torch.softmax(top.values, -1))
+    torch.testing.assert_close(targets.top_probs[1, p:n].sum(-1), torch.ones(n - p))
+    assert torch.equal(targets.top_ids[1, p:n, 0], targets.next_token[1, p:n])
     losses = losses_on_one_batch(trainer, batch, targets)
     assert losses[-1] < 0.7 * losses[0], losses
 
 
-def test_capture_bounds_the_tokens_whose_logits_it_keeps(target, dataset, monkeypatch):
-    """With every position's logits asked for, capture runs the target over groups of at most
-    LOGIT_TOKENS tokens (a longer sequence alone), and what it returns does not depend on the
-    grouping: the same greedy tokens and features as one pass over the whole batch (features to
-    rounding: products over fewer rows may sum in another order)."""
+def test_draft_layers_from_the_targets_layers(target):
+    """--init-from-target copies the named target layers into the draft layers (q/k/v split
+    into q and the shared k/v), the final norm too, and leaves fc random; a wrong count fails."""
+    from common.tools.drafter.train import init_from_target
+
+    runner, _ = target
+    model = runner.model
+    drafter = Drafter(drafter_config(parse("--layers", "2"), runner))
+    fc = drafter.fc.weight.clone()
+    init_from_target(drafter, model, [28, 3])
+    for ours, i in zip(drafter.layers, (28, 3)):
+        theirs = model.layers[i]
+        qkv = torch.cat([ours.self_attn.q_proj.weight, ours.self_attn.kv_proj.weight])
+        assert torch.equal(qkv, theirs.self_attn.qkv_proj.weight.float())
+        for name in ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "input_layernorm",
+                     "post_attention_layernorm"):
+            assert torch.equal(ours.get_submodule(name).weight, theirs.get_submodule(name).weight.float()), name
+        assert torch.equal(ours.self_attn.q_norm.weight, torch.ones_like(ours.self_attn.q_norm.weight))
+    assert torch.equal(drafter.norm.weight, model.norm.weight.float())
+    assert torch.equal(drafter.fc.weight, fc)
+    with pytest.raises(ValueError, match="want 2 layers"):
+        init_from_target(drafter, model, [28])
+
+
+def test_capture_runs_the_lm_head_only_where_labels_read_it(target, dataset, monkeypatch):
+    """capture asks the target's LM head only for sampled answers, from the position before their
+    response to their end (where a label can read its greedy choice), in passes of at most
+    LOGIT_ROWS such rows (a sequence that asks more goes alone). There its greedy tokens are
+    those of the target's logits over the whole sequence; elsewhere they are 0; and neither they
+    nor the features depend on the grouping (features to rounding: products over fewer rows may
+    sum in another order)."""
     from common.tools.drafter import objective
 
     runner, _ = target
@@ -589,34 +616,42 @@ def test_capture_bounds_the_tokens_whose_logits_it_keeps(target, dataset, monkey
     trainer = Trainer(runner, Drafter(drafter_config(parse("--layers", "1", "--block-size", "4"), runner)), lr=0.0,
                       total_steps=1, anchors=4)
     batch = make_batch(seqs[:4])
+    sampled, plens = batch.sampled.tolist(), batch.prompt_lens.tolist()
+    assert any(sampled) and not all(sampled)
     lens = [len(t) for t in batch.tokens]
+    asks = [n - p + 1 if s else 0 for n, p, s in zip(lens, plens, sampled)]
     calls = []
     extend = runner.extend
 
     def counted(caches, tokens, **kw):
-        calls.append(sum(len(t) for t in tokens))
+        calls.append((sum(len(t) for t in tokens), len(kw["logit_rows"])))
         return extend(caches, tokens, **kw)
 
     monkeypatch.setattr(runner, "extend", counted)
-    assert bool(batch.sampled.any())  # sampled answers: capture keeps every position's greedy token
     whole = trainer.capture(batch)
-    assert calls == [sum(lens)]
-    n = batch.lengths
-    # A bound the first two sequences fill exactly (they share a pass), then one below the
-    # shortest sequence (each goes alone).
-    for bound in (lens[0] + lens[1], min(lens) - 1):
+    assert calls == [(sum(lens), sum(asks))]
+    for r, ids in enumerate(batch.tokens):
+        cache = SeqCache()
+        runner.reserve(cache, len(ids))
+        try:
+            greedy = extend([cache], [ids], all_logits=True).logits.argmax(-1)
+        finally:
+            runner.release(cache)
+        expected = torch.zeros(batch.ids.shape[1], dtype=torch.long)
+        if sampled[r]:
+            expected[plens[r] - 1:lens[r]] = greedy[plens[r] - 1:]
+        assert torch.equal(whole.next_token[r], expected)
+    big = max(asks)
+    for bound in (big, big - 1):  # the sampled answers one per pass, then the largest alone over it
         calls.clear()
-        monkeypatch.setattr(objective, "LOGIT_TOKENS", bound)
+        monkeypatch.setattr(objective, "LOGIT_ROWS", bound)
         grouped = trainer.capture(batch)
-        if bound >= min(lens):
-            assert calls[0] == bound and max(calls) <= bound and sum(calls) == sum(lens), calls
-        else:
-            assert calls == lens
-        for r in range(len(lens)):
-            assert torch.equal(grouped.next_token[r, :n[r]], whole.next_token[r, :n[r]])
-            for layer in whole.feats:
-                torch.testing.assert_close(grouped.feats[layer][r, :n[r]], whole.feats[layer][r, :n[r]], rtol=1e-3,
-                                           atol=1e-3)
+        assert sum(t for t, _ in calls) == sum(lens) and sum(n for _, n in calls) == sum(asks)
+        assert all(n <= bound or (n in asks and t in lens) for t, n in calls), calls
+        assert len(calls) > 1
+        assert torch.equal(grouped.next_token, whole.next_token)
+        for layer in whole.feats:
+            torch.testing.assert_close(grouped.feats[layer], whole.feats[layer], rtol=1e-3, atol=1e-3)
 
 
 def test_train_on_pooled_data(target, dataset, tmp_path):

@@ -200,19 +200,22 @@ class ModelRunner:
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def extend(self, seqs: list[SeqCache], tokens: list[list[int]], *, all_logits: bool = False,
-               capture_layers: tuple[int, ...] = (), logits_of: list[int] | None = None) -> ExtendOutput:
+               capture_layers: tuple[int, ...] = (), logits_of: list[int] | None = None,
+               logit_rows: list[int] | None = None) -> ExtendOutput:
         """Append tokens[i] to seqs[i] (pages must be reserved) and run the model over them.
         Returns logits of each request's last new token (only requests `logits_of`, if given),
-        or of every new token if all_logits."""
+        of every new token if all_logits, or of the new tokens at `logit_rows` (indices into all
+        requests' new tokens, in order) if given."""
         counts = [len(t) for t in tokens]
         self._check_room(seqs, counts)
         graphs = self.prefill_graphs
-        if graphs is not None and not all_logits and graphs.fits([s.length for s in seqs], counts):
+        if graphs is not None and not all_logits and logit_rows is None and graphs.fits([s.length for s in seqs], counts):
             hidden, captured = graphs.run(seqs[0].pages, tokens[0], capture_layers)
             seqs[0].length += counts[0]
             return ExtendOutput(self.model.logits(hidden[:0] if logits_of == [] else hidden), captured)
         ends = torch.tensor(counts).cumsum(0) - 1
-        rows = None if all_logits else ends.tolist() if logits_of is None else ends[logits_of].tolist()
+        rows = (None if all_logits else logit_rows if logit_rows is not None
+                else ends.tolist() if logits_of is None else ends[logits_of].tolist())
         batch = StepBatch([s.length for s in seqs], counts, [list(s.pages) for s in seqs],
                           [t for ts in tokens for t in ts], rows,
                           [s.state_slot for s in seqs] if self.state_pool is not None else None)

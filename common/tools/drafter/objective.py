@@ -31,9 +31,8 @@ from common.runner.model_runner import ModelRunner
 IGNORE = -100
 SOFT_TOP_K = 16  # the target's most likely next tokens a soft label keeps per position
 TOP_K_ROWS = 4096  # positions whose logits go to fp32 at once to find their top tokens
-# Tokens per target pass when every position's logits are kept: [tokens, vocab] in fp32 is 1.5 GiB
-# at 8,192 tokens and 49,152 words, against 14.4 GiB for a whole batch of 64 few-shot sequences.
-LOGIT_TOKENS = 8192
+# Rows of logits per target pass: [rows, vocab] in fp32 is 1.5 GiB at 8,192 rows and 49,152 words.
+LOGIT_ROWS = 8192
 
 
 @dataclass
@@ -106,7 +105,10 @@ def capture(runner: ModelRunner, batch: Batch, layers: tuple[int, ...], argmax: 
             top_k: int = 0) -> Targets:
     """Run the frozen target over every sequence once: the residual stream after each capture
     layer, padded to [S, L, H] (ordinary tensors, usable under autograd), and if asked its
-    greedy next token and its top_k next tokens with their probabilities at every position."""
+    greedy next token (sampled answers) and its top_k next tokens with their probabilities
+    (every sequence) at the positions a label can read: prompt_len - 1 .. length - 1. Elsewhere
+    they stay 0: no block starts in a prompt, and the LM head over every prompt token would cost
+    more than the rest of the pass (a few-shot prompt is about 1,000 tokens, its answer 100)."""
     S, L = batch.ids.shape
     dev = runner.device
     out_t = Targets({layer: torch.zeros(S, L, runner.cfg.hidden_size, dtype=runner.dtype, device=dev)
@@ -116,13 +118,17 @@ def capture(runner: ModelRunner, batch: Batch, layers: tuple[int, ...], argmax: 
     if top_k:
         out_t.top_ids = torch.zeros(S, L, top_k, dtype=torch.long, device=dev)
         out_t.top_probs = torch.zeros(S, L, top_k, dtype=torch.float32, device=dev)
-    logits = argmax or top_k > 0
-    for rows in _groups_that_fit(runner, batch.tokens, LOGIT_TOKENS if logits else None):
+    sampled, plens = batch.sampled.tolist(), batch.prompt_lens.tolist()
+    wanted = [range(max(plens[r] - 1, 0), len(t)) if top_k or (argmax and sampled[r]) else range(0)
+              for r, t in enumerate(batch.tokens)]
+    for rows in _groups_that_fit(runner, batch.tokens, [len(w) for w in wanted], LOGIT_ROWS):
         caches = [SeqCache() for _ in rows]
+        starts = np.cumsum([0] + [len(batch.tokens[r]) for r in rows[:-1]]).tolist()
+        logit_rows = [start + p for start, r in zip(starts, rows) for p in wanted[r]]
         try:
             for c, r in zip(caches, rows):
                 runner.reserve(c, len(batch.tokens[r]))
-            out = runner.extend(caches, [batch.tokens[r] for r in rows], all_logits=logits, capture_layers=layers)
+            out = runner.extend(caches, [batch.tokens[r] for r in rows], capture_layers=layers, logit_rows=logit_rows)
         finally:
             for c in caches:
                 runner.release(c)
@@ -132,31 +138,37 @@ def capture(runner: ModelRunner, batch: Batch, layers: tuple[int, ...], argmax: 
         for layer in layers:
             # A copy into ordinary tensors: inference-mode tensors cannot enter autograd.
             out_t.feats[layer][row_of, pos] = out.captured[layer]
+        if not logit_rows:
+            continue
+        at_rows = torch.tensor(logit_rows, device=dev)
+        seq_at, pos_at = row_of[at_rows], pos[at_rows]
         if argmax:
-            out_t.next_token[row_of, pos] = out.logits.argmax(-1)
-        for a in range(0, len(row_of), TOP_K_ROWS) if top_k else ():  # in slices: an fp32 copy of all logits is GBs
-            top = out.logits[a:a + TOP_K_ROWS].float().topk(top_k, dim=-1)
-            at = row_of[a:a + TOP_K_ROWS], pos[a:a + TOP_K_ROWS]
+            # Only sampled answers' labels read it; the greedy answers' own tokens are its choices.
+            out_t.next_token[seq_at, pos_at] = out.logits.argmax(-1)
+        for a in range(0, len(logit_rows), TOP_K_ROWS) if top_k else ():  # in slices: fp32 top-k of all is GBs
+            top = out.logits[a:a + TOP_K_ROWS].topk(top_k, dim=-1)
+            at = seq_at[a:a + TOP_K_ROWS], pos_at[a:a + TOP_K_ROWS]
             out_t.top_ids[at] = top.indices
             out_t.top_probs[at] = top.values.softmax(-1)  # softmax over the K = renormalised
     return out_t
 
 
-def _groups_that_fit(runner: ModelRunner, tokens: list[list[int]], max_tokens: int | None = None) -> list[list[int]]:
-    """Split the batch so that each group's KV fits in the runner's free pages and, if given,
-    each group has at most max_tokens tokens (a longer sequence goes alone)."""
+def _groups_that_fit(runner: ModelRunner, tokens: list[list[int]], logit_rows: list[int],
+                     max_logit_rows: int) -> list[list[int]]:
+    """Split the batch so that each group's KV fits in the runner's free pages and each group
+    asks for at most max_logit_rows rows of logits (a sequence that asks more goes alone)."""
     free = runner.pool.num_free
     groups, cur, used, count = [], [], 0, 0
     for r, t in enumerate(tokens):
         need = runner.pool.pages_for(len(t))
         if need > free:
             raise OutOfPages(f"a sequence of {len(t)} tokens needs {need} KV pages; {free} are free")
-        if cur and (used + need > free or (max_tokens is not None and count + len(t) > max_tokens)):
+        if cur and (used + need > free or count + logit_rows[r] > max_logit_rows):
             groups.append(cur)
             cur, used, count = [], 0, 0
         cur.append(r)
         used += need
-        count += len(t)
+        count += logit_rows[r]
     return groups + [cur] if cur else groups
 
 

@@ -121,7 +121,9 @@ def _case(text: str) -> tuple[int, int, int, int]:
 
 
 def _batch(cfg, seqs: int, length: int, prompt: int, device: torch.device) -> Batch:
-    """Sequences of slightly different lengths (as a length-sorted batch has), random tokens."""
+    """Sequences of slightly different lengths (as a length-sorted batch has), random tokens;
+    every other one a sampled answer (T 0.7), whose labels need the target's greedy choices, as
+    about half of `dflash train`'s data is."""
     g = np.random.default_rng(0)
-    return make_batch([Sequence("chat", i, 0, prompt, g.integers(3, cfg.vocab_size, max(prompt + 2, length - (i % 8) * 8))
-                                .astype(np.int32)) for i in range(seqs)], device)
+    return make_batch([Sequence("chat", i, i % 2, prompt, g.integers(3, cfg.vocab_size, max(prompt + 2, length - (i % 8) * 8))
+                                .astype(np.int32), temperature=0.7 * (i % 2)) for i in range(seqs)], device)

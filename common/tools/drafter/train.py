@@ -94,6 +94,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="start from this drafter folder's weights, e.g. to train a shipped drafter on more data; "
                         "same shape, or more --layers (added after its own, starting as the identity), or more "
                         "--capture-layers (their features start with zero weight)")
+    m.add_argument("--init-from-target", default=None, metavar="LAYERS",
+                   help="comma-separated target layers, one per draft layer: each draft layer starts as a copy of "
+                        "that layer of the target (its q/k norms at 1), the final norm as the target's (Llama-style "
+                        "targets; default: random)")
     m.add_argument("--layers", type=int, default=2, help="draft layers")
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--mask-token-id", type=int, default=16, help="MASK token (16 = <empty_output> in SmolLM2, unused in chat)")
@@ -288,6 +292,11 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
     total = args.steps or max(1, round(args.epochs * order.steps_per_epoch))
     torch.manual_seed(train_seed)
     drafter = Drafter(cfg).to(device)
+    if args.init and args.init_from_target:
+        raise ValueError("--init and --init-from-target: give one")
+    if args.init_from_target:
+        init_from_target(drafter, runner.model, _layer_list(args.init_from_target, "--init-from-target"))
+        print(f"initialised the draft layers from the target's layers {args.init_from_target}", flush=True)
     if args.init:
         added, reads = init_from(drafter, args.init)
         grew = (f", with {added} new layer{'s' * (added > 1)} after its own" if added else "") + \
@@ -490,13 +499,40 @@ def init_from(drafter: Drafter, folder: str) -> tuple[int, tuple[int, ...]]:
     return ours.num_layers - theirs.num_layers, tuple(x for x in ours.capture_layers if x not in theirs.capture_layers)
 
 
+def init_from_target(drafter: Drafter, model: torch.nn.Module, layers: list[int]) -> None:
+    """Draft layer i starts as target layer layers[i]: its norms, projections and MLP (the
+    target's one q/k/v matrix split into the drafter's q and shared k/v ones); q/k norms at 1,
+    the final norm the target's. fc, which reads the captured features, stays random."""
+    if len(layers) != len(drafter.layers) or any(not 0 <= i < len(model.layers) for i in layers):
+        raise ValueError(f"--init-from-target {layers}: want {len(drafter.layers)} layers of the target's "
+                         f"0..{len(model.layers) - 1}")
+    with torch.no_grad():
+        for ours, i in zip(drafter.layers, layers):
+            theirs = model.layers[i]
+            qkv = getattr(getattr(theirs.self_attn, "qkv_proj", None), "weight", None)
+            q_rows = ours.self_attn.q_proj.weight.shape[0]
+            if qkv is None or qkv.shape != (q_rows + ours.self_attn.kv_proj.weight.shape[0], qkv.shape[1]) \
+                    or getattr(theirs.self_attn.qkv_proj, "bias", None) is not None \
+                    or theirs.mlp.gate_up_proj.weight.shape != ours.mlp.gate_up_proj.weight.shape:
+                raise ValueError(f"--init-from-target: the target's layer {i} is not a draft layer's shape "
+                                 "(a Llama-style layer without q/k/v bias)")
+            ours.self_attn.q_proj.weight.copy_(qkv[:q_rows])
+            ours.self_attn.kv_proj.weight.copy_(qkv[q_rows:])
+            ours.self_attn.o_proj.weight.copy_(theirs.self_attn.o_proj.weight)
+            ours.mlp.gate_up_proj.weight.copy_(theirs.mlp.gate_up_proj.weight)
+            ours.mlp.down_proj.weight.copy_(theirs.mlp.down_proj.weight)
+            ours.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
+            ours.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
+        drafter.norm.weight.copy_(model.norm.weight)
+
+
 def drafter_config(args, runner: ModelRunner) -> DrafterConfig:
     target = runner.cfg
     if not 0 <= args.mask_token_id < target.vocab_size:
         raise ValueError(f"--mask-token-id {args.mask_token_id} is outside the vocabulary (0..{target.vocab_size - 1})")
     extra = {}
     if args.capture_layers:
-        layers = tuple(int(x) for x in args.capture_layers.split(","))
+        layers = tuple(_layer_list(args.capture_layers, "--capture-layers"))
         if any(not 0 <= x < target.num_layers for x in layers):
             raise ValueError(f"--capture-layers {layers}: the target has layers 0..{target.num_layers - 1}")
         extra["capture_layers"] = layers
@@ -570,6 +606,13 @@ def _repeats(text: str) -> dict[str, int]:
             raise ValueError(f"--source-repeat {part!r}: want SOURCE=N with N >= 1, SOURCE one of {', '.join(sources.NAMES)}")
         repeats[name] = int(n)
     return repeats
+
+
+def _layer_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: want comma-separated layer numbers, e.g. 26,27,28,29") from None
 
 
 def _formats(args) -> tuple[str, ...]:
