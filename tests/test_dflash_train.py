@@ -239,6 +239,22 @@ def dataset(target, tmp_path_factory):
     return DataStore(folder, settings), srcs
 
 
+def test_time_limit_counts_from_the_first_process_start(target, tmp_path):
+    """generate's --gen-time-limit counts from `since` where given (process 0's start, so that the
+    processes of --gen-workers, which start later, stop with it): a limit already spent there
+    generates nothing, where the same limit from now generates the answer."""
+    import time
+
+    runner, tok = target
+    srcs = chat_sources(tok, [read_prompts(PROMPTS, "question", 1)[0]["question"]], 0)
+    late = generate(runner, tok, srcs, DataStore(str(tmp_path / "late"), settings_for(runner)), max_running=8,
+                    time_limit=600, since=time.time() - 601, progress=False)
+    assert late["stopped"] == "time limit" and late["generated"] == 0
+    now = generate(runner, tok, srcs, DataStore(str(tmp_path / "now"), settings_for(runner)), max_running=8,
+                   time_limit=600, progress=False)
+    assert now["stopped"] == "done" and now["generated"] == 1
+
+
 def test_data_matches_engine(target, dataset):
     runner, tok = target
     store, srcs = dataset
@@ -576,30 +592,6 @@ def test_soft_labels_are_the_targets_renormalised_top_k(target, dataset, monkeyp
     assert torch.equal(targets.top_ids[1, p:n, 0], targets.next_token[1, p:n])
     losses = losses_on_one_batch(trainer, batch, targets)
     assert losses[-1] < 0.7 * losses[0], losses
-
-
-def test_draft_layers_from_the_targets_layers(target):
-    """--init-from-target copies the named target layers into the draft layers (q/k/v split
-    into q and the shared k/v), the final norm too, and leaves fc random; a wrong count fails."""
-    from common.tools.drafter.train import init_from_target
-
-    runner, _ = target
-    model = runner.model
-    drafter = Drafter(drafter_config(parse("--layers", "2"), runner))
-    fc = drafter.fc.weight.clone()
-    init_from_target(drafter, model, [28, 3])
-    for ours, i in zip(drafter.layers, (28, 3)):
-        theirs = model.layers[i]
-        qkv = torch.cat([ours.self_attn.q_proj.weight, ours.self_attn.kv_proj.weight])
-        assert torch.equal(qkv, theirs.self_attn.qkv_proj.weight.float())
-        for name in ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "input_layernorm",
-                     "post_attention_layernorm"):
-            assert torch.equal(ours.get_submodule(name).weight, theirs.get_submodule(name).weight.float()), name
-        assert torch.equal(ours.self_attn.q_norm.weight, torch.ones_like(ours.self_attn.q_norm.weight))
-    assert torch.equal(drafter.norm.weight, model.norm.weight.float())
-    assert torch.equal(drafter.fc.weight, fc)
-    with pytest.raises(ValueError, match="want 2 layers"):
-        init_from_target(drafter, model, [28])
 
 
 def test_capture_runs_the_lm_head_only_where_labels_read_it(target, dataset, monkeypatch):

@@ -275,19 +275,22 @@ def pending(sources: list[Source], store: DataStore) -> list[Job]:
 
 
 def generate(runner: ModelRunner, tok: Tokenizer, sources: list[Source], store: DataStore, *, max_running: int,
-             chunk_size: int = CHUNK_SIZE, time_limit: float | None = None, progress: bool = True,
-             on_engine: Callable[[], None] | None = None) -> dict:
+             chunk_size: int = CHUNK_SIZE, time_limit: float | None = None, since: float | None = None,
+             progress: bool = True, on_engine: Callable[[], None] | None = None) -> dict:
     """Generate every missing sequence of `sources` into `store`: first the sources that write
     prompts, then the rest; `on_engine` is called once the engine is built (its graphs captured,
-    its kernels chosen). Returns stats (tokens/s over the whole run, prefill included)."""
+    its kernels chosen). time_limit counts from now, engine building included, or from `since`
+    (a time.time() of another process's start: the processes of --gen-workers stop together).
+    Returns stats (tokens/s over the whole run, prefill included)."""
     stats = {"reused": sum(store.part.owns(s.i) for s in store.sequences(sources)),
              "generated": 0, "skipped": 0, "gen_tokens": 0, "gen_seconds": 0.0, "stopped": "done"}
     start = time.perf_counter()
+    late = 0.0 if since is None else time.time() - since
     sizes = tuple(sorted({*BATCH_SIZES, *(n for n in (128, 256, 512) if n <= max_running)}))
     engine = Engine(runner, tok.eos_token_ids, max_running=max_running, batch_sizes=sizes, chunk_size=chunk_size)
     if on_engine is not None:
         on_engine()
-    deadline = None if time_limit is None else start + time_limit
+    deadline = None if time_limit is None else start + time_limit - late
     for stage in ([s for s in sources if s.writes], [s for s in sources if not s.writes]):
         if stage and not _run(engine, tok, stage, store, stats, deadline, progress):
             stats["stopped"] = "time limit"

@@ -83,7 +83,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="train also on the finished sequences of these data folders (other runs' --data, of the same "
                         "model and prompt file; read, never written); a sequence already in the data counts once")
     d.add_argument("--gen-time-limit", type=float, default=None,
-                   help="stop generating after this many seconds (what finished is kept; run again to go on)")
+                   help="stop generating after this many seconds (what finished is kept; run again to go on); with "
+                        "--gen-workers, counted from the first process's start: all stop together")
     d.add_argument("--eval-prompts", type=int, default=0, help="hold out the last N prompts; report their loss/acc")
     d.add_argument("--source-repeat", default=None,
                    help="comma-separated SOURCE=N: an epoch sees that source's sequences N times (e.g. chat=2)")
@@ -94,10 +95,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="start from this drafter folder's weights, e.g. to train a shipped drafter on more data; "
                         "same shape, or more --layers (added after its own, starting as the identity), or more "
                         "--capture-layers (their features start with zero weight)")
-    m.add_argument("--init-from-target", default=None, metavar="LAYERS",
-                   help="comma-separated target layers, one per draft layer: each draft layer starts as a copy of "
-                        "that layer of the target (its q/k norms at 1), the final norm as the target's (Llama-style "
-                        "targets; default: random)")
     m.add_argument("--layers", type=int, default=2, help="draft layers")
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--mask-token-id", type=int, default=16, help="MASK token (16 = <empty_output> in SmolLM2, unused in chat)")
@@ -188,8 +185,9 @@ def generate_in_workers(args: argparse.Namespace) -> dict:
           flush=True)
     start = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
-    results, engine_ready = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_generate_part, args=(args, k, results, engine_ready), daemon=True) for k in range(n)]
+    results, engine_ready, started = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
+    procs = [ctx.Process(target=_generate_part, args=(args, k, results, engine_ready, started), daemon=True)
+             for k in range(n)]
     parts: dict[int, dict] = {}
     try:
         for proc in procs:
@@ -218,11 +216,13 @@ def generate_in_workers(args: argparse.Namespace) -> dict:
                   "workers": n, "parts": ordered}
 
 
-def _generate_part(args: argparse.Namespace, k: int, results, engine_ready) -> None:
+def _generate_part(args: argparse.Namespace, k: int, results, engine_ready, started) -> None:
     """Process k of --gen-workers (spawned: it loads its own target); puts (k, stats), or (k, the
     traceback) if it fails. Process 0 builds its engine first: on a GPU that times the kernel
     choices for each product shape and keeps them on disk, and the others then read them
-    instead of timing them again while the device is shared (choices that later runs keep)."""
+    instead of timing them again while the device is shared (choices that later runs keep).
+    --gen-time-limit counts from process 0's start (`started`, a time.time()), as for one
+    process: the others, which start later, stop with it."""
     import traceback
 
     try:
@@ -232,8 +232,11 @@ def _generate_part(args: argparse.Namespace, k: int, results, engine_ready) -> N
             engine_ready.wait()
         runner, tok = load_model(_model_options(args, _max_running(args)))
         _, _, store, srcs = data_sources(args, runner.cfg.name, tok, Part(k, args.gen_workers))
+        if k == 0:
+            started.value = time.time()
         stats = generate(runner, tok, srcs, store, max_running=_max_running(args), chunk_size=_chunk_size(args),
-                         time_limit=args.gen_time_limit, progress=False, on_engine=engine_ready.set)
+                         time_limit=args.gen_time_limit, since=started.value, progress=False,
+                         on_engine=engine_ready.set)
         results.put((k, stats))
     except Exception:  # reported, not raised: the parent stops the others and raises it
         results.put((k, traceback.format_exc()))
@@ -292,11 +295,6 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
     total = args.steps or max(1, round(args.epochs * order.steps_per_epoch))
     torch.manual_seed(train_seed)
     drafter = Drafter(cfg).to(device)
-    if args.init and args.init_from_target:
-        raise ValueError("--init and --init-from-target: give one")
-    if args.init_from_target:
-        init_from_target(drafter, runner.model, _layer_list(args.init_from_target, "--init-from-target"))
-        print(f"initialised the draft layers from the target's layers {args.init_from_target}", flush=True)
     if args.init:
         added, reads = init_from(drafter, args.init)
         grew = (f", with {added} new layer{'s' * (added > 1)} after its own" if added else "") + \
@@ -499,40 +497,13 @@ def init_from(drafter: Drafter, folder: str) -> tuple[int, tuple[int, ...]]:
     return ours.num_layers - theirs.num_layers, tuple(x for x in ours.capture_layers if x not in theirs.capture_layers)
 
 
-def init_from_target(drafter: Drafter, model: torch.nn.Module, layers: list[int]) -> None:
-    """Draft layer i starts as target layer layers[i]: its norms, projections and MLP (the
-    target's one q/k/v matrix split into the drafter's q and shared k/v ones); q/k norms at 1,
-    the final norm the target's. fc, which reads the captured features, stays random."""
-    if len(layers) != len(drafter.layers) or any(not 0 <= i < len(model.layers) for i in layers):
-        raise ValueError(f"--init-from-target {layers}: want {len(drafter.layers)} layers of the target's "
-                         f"0..{len(model.layers) - 1}")
-    with torch.no_grad():
-        for ours, i in zip(drafter.layers, layers):
-            theirs = model.layers[i]
-            qkv = getattr(getattr(theirs.self_attn, "qkv_proj", None), "weight", None)
-            q_rows = ours.self_attn.q_proj.weight.shape[0]
-            if qkv is None or qkv.shape != (q_rows + ours.self_attn.kv_proj.weight.shape[0], qkv.shape[1]) \
-                    or getattr(theirs.self_attn.qkv_proj, "bias", None) is not None \
-                    or theirs.mlp.gate_up_proj.weight.shape != ours.mlp.gate_up_proj.weight.shape:
-                raise ValueError(f"--init-from-target: the target's layer {i} is not a draft layer's shape "
-                                 "(a Llama-style layer without q/k/v bias)")
-            ours.self_attn.q_proj.weight.copy_(qkv[:q_rows])
-            ours.self_attn.kv_proj.weight.copy_(qkv[q_rows:])
-            ours.self_attn.o_proj.weight.copy_(theirs.self_attn.o_proj.weight)
-            ours.mlp.gate_up_proj.weight.copy_(theirs.mlp.gate_up_proj.weight)
-            ours.mlp.down_proj.weight.copy_(theirs.mlp.down_proj.weight)
-            ours.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
-            ours.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
-        drafter.norm.weight.copy_(model.norm.weight)
-
-
 def drafter_config(args, runner: ModelRunner) -> DrafterConfig:
     target = runner.cfg
     if not 0 <= args.mask_token_id < target.vocab_size:
         raise ValueError(f"--mask-token-id {args.mask_token_id} is outside the vocabulary (0..{target.vocab_size - 1})")
     extra = {}
     if args.capture_layers:
-        layers = tuple(_layer_list(args.capture_layers, "--capture-layers"))
+        layers = tuple(int(x) for x in args.capture_layers.split(","))
         if any(not 0 <= x < target.num_layers for x in layers):
             raise ValueError(f"--capture-layers {layers}: the target has layers 0..{target.num_layers - 1}")
         extra["capture_layers"] = layers
@@ -606,13 +577,6 @@ def _repeats(text: str) -> dict[str, int]:
             raise ValueError(f"--source-repeat {part!r}: want SOURCE=N with N >= 1, SOURCE one of {', '.join(sources.NAMES)}")
         repeats[name] = int(n)
     return repeats
-
-
-def _layer_list(text: str, flag: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} {text!r}: want comma-separated layer numbers, e.g. 26,27,28,29") from None
 
 
 def _formats(args) -> tuple[str, ...]:
