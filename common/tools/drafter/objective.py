@@ -30,7 +30,7 @@ from common.runner.model_runner import ModelRunner
 
 IGNORE = -100
 SOFT_TOP_K = 16  # the target's most likely next tokens a soft label keeps per position
-TOP_K_ROWS = 4096  # positions whose logits go to fp32 at once to find their top tokens
+TOP_K_ROWS = 4096  # logit rows whose top tokens are found at once (a top-k over all of them takes GBs)
 # Rows of logits per target pass: [rows, vocab] in fp32 is 1.5 GiB at 8,192 rows and 49,152 words.
 LOGIT_ROWS = 8192
 
