@@ -646,6 +646,40 @@ def test_capture_runs_the_lm_head_only_where_labels_read_it(target, dataset, mon
             torch.testing.assert_close(grouped.feats[layer], whole.feats[layer], rtol=1e-3, atol=1e-3)
 
 
+def test_dense_capture_equals_the_paged_one(target, dataset, monkeypatch):
+    """Where capture runs the target as one dense causal pass over the padded batch
+    (DENSE_DEVICES; forced here on the CPU), its greedy and top next tokens equal those of the
+    pass through the KV cache and its features agree to rounding at every real position.
+    Runners of MLA or KDA layers never run dense (only the cache path keeps their state)."""
+    from types import SimpleNamespace
+
+    from common.model.shapes import SHAPES
+    from common.runner.layout import RankLayout
+    from common.runner.model_runner import ModelRunner
+    from common.tools.drafter import objective
+
+    runner, _ = target
+    batch = make_batch(dataset[0].sequences(dataset[1])[:4])
+    assert len(set(batch.lengths.tolist())) > 1  # padding to the longest is exercised
+    layers = (1, 14, 28)
+    paged = objective.capture(runner, batch, layers, argmax=True, top_k=4)
+    calls = []
+    dense_pass = runner.forward_dense
+    monkeypatch.setattr(runner, "forward_dense", lambda *a: calls.append(a) or dense_pass(*a))
+    monkeypatch.setattr(objective, "DENSE_DEVICES", (runner.device.type,))
+    dense = objective.capture(runner, batch, layers, argmax=True, top_k=4)
+    assert len(calls) == 1
+    assert torch.equal(dense.next_token, paged.next_token)
+    assert torch.equal(dense.top_ids, paged.top_ids)
+    torch.testing.assert_close(dense.top_probs, paged.top_probs, rtol=1e-4, atol=1e-5)
+    real = torch.arange(batch.ids.shape[1])[None, :] < batch.lengths[:, None]
+    for layer in layers:
+        torch.testing.assert_close(dense.feats[layer][real], paged.feats[layer][real], rtol=1e-3, atol=1e-3)
+    for shape in ("deepseek-small", "kimi-linear-small"):
+        assert not ModelRunner.runs_dense.fget(SimpleNamespace(cfg=SHAPES[shape], layout=RankLayout()))
+    assert runner.runs_dense
+
+
 def test_train_on_pooled_data(target, dataset, tmp_path):
     """--pool adds other data folders' sequences, each distinct sequence once, held-out prompts
     left out; the folders are checked before generation and never written."""

@@ -50,6 +50,10 @@ class AttnMeta:
     # A verify block: KDA layers leave every state slot as it was and keep the block's inputs
     # (HybridCache.block) until the step knows how many tokens it commits (common.model.kda).
     state_block: bool = False
+    # A dense batch (ModelRunner.forward_dense): the T tokens are dense_rows sequences padded to
+    # one length, each from position 0, with no cache: plain causal attention, nothing written.
+    # Padding lies at each sequence's end, where causal attention keeps it from the real tokens.
+    dense_rows: int = 0
 
 
 def cache_slot(pages: list[int], pos: int, page_size: int) -> int:
@@ -126,6 +130,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_layer: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
     """q [T, Hq, d], k/v [T, Hkv, d] for the new tokens. Writes k/v into the cache, then
     returns attention output [T, Hq, d]."""
+    if meta.dense_rows:
+        return dense_causal(q, k, v, meta.dense_rows)
     k_cache = kv_layer[0].view(-1, *k.shape[1:])
     v_cache = kv_layer[1].view(-1, *v.shape[1:])
     k_cache.index_copy_(0, meta.write_slots, k)
@@ -137,6 +143,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal=True)
         return out[0].transpose(0, 1)
     return attend_cached(q, kv_layer, meta)
+
+
+def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
+    """Causal attention of each of `rows` equal-length sequences laid end to end in q/k/v
+    [T, heads, d] over its own tokens: [T, Hq, d]."""
+    as_rows = lambda x: x.view(rows, -1, *x.shape[1:]).transpose(1, 2)
+    return sdpa(as_rows(q), as_rows(k), as_rows(v), causal=True).transpose(1, 2).reshape(q.shape)
 
 
 def attend_cached(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttnMeta,

@@ -5,6 +5,8 @@ This is the interface the services drive (an SGLang-backed runner can implement 
                      (on a GPU one short fresh prompt replays a CUDA graph: prefill_graphs.py)
   forward_static()   T new tokens for each of a batch's rows through fixed shapes: decode (T = 1)
                      and speculative verify (T = B) steps, which CUDA graphs capture and replay
+  forward_dense()    a padded batch of whole sequences in one causal pass without the cache (the
+                     frozen target of drafter training; plain attention only: runs_dense)
   reserve()/release() grow or free a request's pages (and its state slot, models with KDA layers);
                      truncate() cut its cache back to a length
   commit_block()     after a verify step, keep each row's accepted prefix in its state slot
@@ -229,6 +231,35 @@ class ModelRunner:
     def forward(self, batch: StepBatch, capture_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Final-normed hidden states of the batch's logit rows, and the captured layers."""
         return self.model(self.token_tensor(batch), self.cache, self.attn_meta(batch), capture_layers)
+
+    @property
+    def runs_dense(self) -> bool:
+        """Whether forward_dense can run: the whole model in this process, and every attention
+        layer plain (MLA keeps a latent and KDA a recurrent state, which only the cache path has)."""
+        return self.cfg.mla is None and self.cfg.kda is None and self.layout.world == 1
+
+    @torch.no_grad()
+    def forward_dense(self, ids: torch.Tensor, hidden_rows: torch.Tensor, capture_layers: tuple[int, ...]
+                      ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The model over sequences ids [S, L], each from position 0 and padded at its end, in
+        one causal pass without the KV cache (training's frozen target: nothing is kept). Returns
+        the final-normed hidden states of the flattened rows `hidden_rows` and each capture layer's
+        residual stream [S, L, hidden]. Under no_grad, not inference mode: the outputs enter the
+        drafter's autograd graph as constants, without a copy."""
+        if not self.runs_dense:
+            raise RuntimeError("forward_dense needs a whole model of plain attention layers (runs_dense)")
+        S, L = ids.shape
+        if L > self.cfg.max_position:
+            raise ValueError(f"sequences of {L} tokens exceed the model context ({self.cfg.max_position})")
+        positions = torch.arange(L, device=self.device).repeat(S)
+        meta = AttnMeta(positions, positions[:0], hidden_rows, dense_rows=S)
+        with gemv.kept_only():
+            hidden, captured = self.model(ids.flatten(), self.cache, meta, capture_layers)
+        return hidden, {layer: h.view(S, L, -1) for layer, h in captured.items()}
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final-normed hidden states."""
+        return self.model.logits(hidden)
 
     def attn_meta(self, batch: StepBatch) -> AttnMeta:
         meta = build_attn_meta(batch.starts, batch.counts, batch.page_tables, self.page_size,
