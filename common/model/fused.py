@@ -47,9 +47,16 @@ def disabled() -> Iterator[None]:
         _enabled = before
 
 
+def runs_on(t: torch.Tensor) -> bool:
+    """Whether a Triton kernel can run on t: CUDA, or any tensor under Triton's interpreter,
+    with Triton installed and the kernels not disabled."""
+    return _enabled and HAS_TRITON and (t.is_cuda or _INTERPRETED)
+
+
 def active(*tensors: torch.Tensor) -> bool:
-    """Whether the fused kernels run for these inputs."""
-    if not (_enabled and HAS_TRITON and (tensors[0].is_cuda or _INTERPRETED)):
+    """Whether the fused kernels run for these inputs: they can (runs_on) and autograd does not
+    need the graph (these kernels have no backward)."""
+    if not runs_on(tensors[0]):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 

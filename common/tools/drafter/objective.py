@@ -29,6 +29,7 @@ from common.dflash.drafter import Drafter
 from common.kv.page_pool import OutOfPages
 from common.kv.seq_cache import SeqCache
 from common.runner.model_runner import ModelRunner
+from common.tools.drafter.cross_entropy import token_cross_entropy
 
 IGNORE = -100
 SOFT_TOP_K = 16  # the target's most likely next tokens a soft label keeps per position
@@ -321,10 +322,11 @@ def block_soft_labels(targets: Targets, anchors: torch.Tensor, block_size: int) 
 def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, gamma: float,
                soft: tuple[torch.Tensor, torch.Tensor] | None = None, soft_weight: float = 0.0,
                scored: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted cross-entropy over labelled block positions, through the target's LM head. With
-    soft = block_soft_labels(...) and soft_weight w, a position's label is (1 - w) x its hard
-    label + w x the target's renormalised top-K distribution there: the loss is then, up to a
-    constant, a KL divergence from that mixture, and near-ties of the target stop being one-hot.
+    """Weighted cross-entropy over labelled block positions, through the target's LM head
+    (token_cross_entropy: on a GPU, without an fp32 copy of the logits). With soft =
+    block_soft_labels(...) and soft_weight w, a position's label is (1 - w) x its hard label +
+    w x the target's renormalised top-K distribution there: the loss is then, up to a constant,
+    a KL divergence from that mixture, and near-ties of the target stop being one-hot.
     Metrics (detached): acc1 = accuracy of the first draft position; accepted = mean length of
     the correct draft prefix per block (what a greedy verify would accept). An ignored position
     ends the prefix, so with greedy-path labels a sampled answer's blocks count only up to where
@@ -336,15 +338,17 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     k = torch.arange(1, B, device=hidden.device, dtype=torch.float32)
     weight = torch.exp(-(k - 1) / gamma).expand(S, A, B - 1)[valid]
     logits = F.linear(hidden[:, :, 1:][valid], lm_head)
-    logp = F.log_softmax(logits.float(), dim=-1)
-    ce = -logp.gather(1, lab[valid][:, None])[:, 0]
-    if soft is not None and soft_weight:
-        ids, probs = (x[:, :, 1:][valid] for x in soft)
-        ce = (1 - soft_weight) * ce - soft_weight * (probs * logp.gather(1, ids)).sum(-1)
+    ids = lab[valid][:, None]
+    token_weights = torch.ones(ids.shape, device=hidden.device)
+    if soft is not None and soft_weight:  # the hard label's weight 1 - w, then the top-K's w x p
+        soft_ids, probs = (x[:, :, 1:][valid] for x in soft)
+        ids = torch.cat([ids, soft_ids], 1)
+        token_weights = torch.cat([(1 - soft_weight) * token_weights, soft_weight * probs], 1)
+    ce, top = token_cross_entropy(logits, ids, token_weights)
     loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
     with torch.no_grad():
         correct = torch.zeros_like(valid)
-        correct[valid] = logits.argmax(-1) == lab[valid]
+        correct[valid] = top == lab[valid]
         used = valid[:, :, 0] if scored is None else valid[:, :, 0] & scored
         accepted = correct.long().cumprod(-1).sum(-1)[used].float()
         metrics = {"loss": loss.detach(),
