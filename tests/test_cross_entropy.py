@@ -36,8 +36,8 @@ def _inputs(R: int, V: int, T: int, dtype: torch.dtype, seed: int = 0
     return logits.to(DEVICE, dtype), ids.to(DEVICE), weights.to(DEVICE)
 
 
-def _old(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The formula block_loss used: weighted -log_softmax(logits.float()) at the ids."""
+def _log_softmax_ce(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The reference: weighted -log_softmax(logits.float()) at the ids."""
     return -(weights * F.log_softmax(logits.float(), -1).gather(1, ids)).sum(-1)
 
 
@@ -79,16 +79,16 @@ def test_plain_path_matches_log_softmax(T):
     if T == 1:
         weights = torch.ones_like(weights)
     ce, top, grad = _grad(_plain, logits, ids, weights)
-    want, _, want_grad = _grad(_old, logits, ids, weights)
+    want, _, want_grad = _grad(_log_softmax_ce, logits, ids, weights)
     torch.testing.assert_close(ce, want)
     torch.testing.assert_close(grad, want_grad)
     assert torch.equal(top, logits.argmax(-1))
 
 
-def _old_block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, gamma: float,
+def _reference_block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, gamma: float,
                     soft: tuple[torch.Tensor, torch.Tensor], soft_weight: float, scored: torch.Tensor
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """block_loss as it was before the fused cross-entropy."""
+    """block_loss written plainly: an fp32 log-softmax over the logits, then its weighted picks."""
     S, A, B, H = hidden.shape
     lab = labels[:, :, 1:]
     valid = lab != IGNORE
@@ -111,7 +111,7 @@ def _old_block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.T
 
 @pytest.mark.parametrize("soft_weight", [0.0, 0.3])
 @pytest.mark.parametrize("path", ["plain", pytest.param("kernels", marks=KERNELS_RUN)])
-def test_block_loss_matches_old_formula(path, soft_weight):
+def test_block_loss_matches_the_log_softmax_formula(path, soft_weight):
     S, A, B, H, V, K = 2, 3, 5, 16, 3000, 4
     g = torch.Generator().manual_seed(1)
     hidden, lm_head = torch.randn(S, A, B, H, generator=g), torch.randn(V, H, generator=g)
@@ -139,7 +139,7 @@ def test_block_loss_matches_old_formula(path, soft_weight):
             loss, metrics, h_grad, w_grad = run(block_loss)
     else:
         loss, metrics, h_grad, w_grad = run(block_loss)
-    want, want_metrics, want_h, want_w = run(_old_block_loss)
+    want, want_metrics, want_h, want_w = run(_reference_block_loss)
     torch.testing.assert_close(loss, want)
     torch.testing.assert_close(metrics["loss"], want)
     assert {k: metrics[k].item() for k in want_metrics} == {k: v.item() for k, v in want_metrics.items()}
@@ -158,7 +158,7 @@ def test_checks_catch_wrong_results():
     # The bf16 gradient with the label terms added to the rounded softmax term (two roundings):
     # row 0's label is confident, so softmax - 1 there is lost to the first rounding.
     x = logits.bfloat16()
-    want = _grad(_old, x, ids, weights)[2]
+    want = _grad(_log_softmax_ce, x, ids, weights)[2]
     c = torch.linspace(0.5, 2.0, 6)
     twice = (F.softmax(x.float(), -1) * (c * weights.sum(-1))[:, None]).bfloat16()
     twice.scatter_add_(1, ids, -(c[:, None] * weights).bfloat16())
@@ -183,7 +183,7 @@ def test_kernels_match_plain_path(R, V, T, dtype):
     assert torch.equal(top, want_top)
     _assert_grad_close(grad, want_grad)
     # And against the fp32 log-softmax's gradient (rounded once, for bf16): label columns included.
-    _assert_grad_close(grad, _grad(_old, logits, ids, weights)[2])
+    _assert_grad_close(grad, _grad(_log_softmax_ce, logits, ids, weights)[2])
 
 
 @KERNELS_RUN
@@ -224,3 +224,19 @@ def test_strided_inputs():
     ce, top, grad = _grad(token_cross_entropy, wide, spaced_ids, weights_t)
     want, want_top, want_grad = _grad(token_cross_entropy, logits, ids, weights)
     assert torch.equal(ce, want) and torch.equal(top, want_top) and torch.equal(grad, want_grad)
+
+
+@KERNELS_RUN
+def test_minus_infinity_logits():
+    """-inf logits (a masked vocabulary) count as probability 0, also where a row's whole first
+    block is -inf: there the running maximum starts at -inf and exp(-inf - -inf) is NaN."""
+    logits, ids, weights = _inputs(3, FORWARD_BLOCK + 500, 2, torch.float32, seed=5)
+    logits[1, :FORWARD_BLOCK] = float("-inf")
+    logits[2, ::3] = float("-inf")
+    ids[1:] = FORWARD_BLOCK + 1 + 3 * torch.arange(2, device=ids.device)  # labels on finite logits
+    ce, top, grad = _grad(token_cross_entropy, logits, ids, weights)
+    want, want_top, want_grad = _grad(_plain, logits, ids, weights)
+    assert torch.isfinite(ce).all() and torch.isfinite(grad).all()
+    torch.testing.assert_close(ce, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(top, want_top)
+    _assert_grad_close(grad, want_grad)

@@ -649,11 +649,14 @@ def test_capture_runs_the_lm_head_only_where_labels_read_it(target, dataset, mon
 def test_dense_capture_equals_the_paged_one(target, dataset, monkeypatch):
     """Where capture runs the target as one dense causal pass over the padded batch
     (DENSE_DEVICES; forced here on the CPU), its greedy and top next tokens equal those of the
-    pass through the KV cache and its features agree to rounding at every real position.
-    Runners of MLA or KDA layers never run dense (only the cache path keeps their state)."""
+    pass through the KV cache and its features agree to rounding at every real position, with
+    the LM head in one slice or in several, greedy tokens alone or with the top tokens. Only a
+    plain decoder in one process runs dense (MLA and KDA keep state only the cache path has)."""
     from types import SimpleNamespace
 
+    from common.model.architectures import build_on_meta
     from common.model.shapes import SHAPES
+    from common.model.transformer import no_reduce
     from common.runner.layout import RankLayout
     from common.runner.model_runner import ModelRunner
     from common.tools.drafter import objective
@@ -662,22 +665,31 @@ def test_dense_capture_equals_the_paged_one(target, dataset, monkeypatch):
     batch = make_batch(dataset[0].sequences(dataset[1])[:4])
     assert len(set(batch.lengths.tolist())) > 1  # padding to the longest is exercised
     layers = (1, 14, 28)
-    paged = objective.capture(runner, batch, layers, argmax=True, top_k=4)
     calls = []
     dense_pass = runner.forward_dense
     monkeypatch.setattr(runner, "forward_dense", lambda *a: calls.append(a) or dense_pass(*a))
-    monkeypatch.setattr(objective, "DENSE_DEVICES", (runner.device.type,))
-    dense = objective.capture(runner, batch, layers, argmax=True, top_k=4)
-    assert len(calls) == 1
-    assert torch.equal(dense.next_token, paged.next_token)
-    assert torch.equal(dense.top_ids, paged.top_ids)
-    torch.testing.assert_close(dense.top_probs, paged.top_probs, rtol=1e-4, atol=1e-5)
     real = torch.arange(batch.ids.shape[1])[None, :] < batch.lengths[:, None]
-    for layer in layers:
-        torch.testing.assert_close(dense.feats[layer][real], paged.feats[layer][real], rtol=1e-3, atol=1e-3)
-    for shape in ("deepseek-small", "kimi-linear-small"):
-        assert not ModelRunner.runs_dense.fget(SimpleNamespace(cfg=SHAPES[shape], layout=RankLayout()))
+    for logit_rows, top_k in ((objective.LOGIT_ROWS, 4), (7, 4), (7, 0)):
+        monkeypatch.setattr(objective, "LOGIT_ROWS", logit_rows)
+        monkeypatch.setattr(objective, "TOP_K_ROWS", 3)
+        monkeypatch.setattr(objective, "DENSE_DEVICES", ())
+        paged = objective.capture(runner, batch, layers, argmax=True, top_k=top_k)
+        monkeypatch.setattr(objective, "DENSE_DEVICES", (runner.device.type,))
+        calls.clear()
+        dense = objective.capture(runner, batch, layers, argmax=True, top_k=top_k)
+        assert len(calls) == 1
+        assert torch.equal(dense.next_token, paged.next_token) and bool(paged.next_token.any())
+        if top_k:
+            assert torch.equal(dense.top_ids, paged.top_ids)
+            torch.testing.assert_close(dense.top_probs, paged.top_probs, rtol=1e-4, atol=1e-5)
+        for layer in layers:
+            torch.testing.assert_close(dense.feats[layer][real], paged.feats[layer][real], rtol=1e-3, atol=1e-3)
     assert runner.runs_dense
+    runs_dense = lambda model, layout: ModelRunner.runs_dense.fget(SimpleNamespace(model=model, layout=layout))
+    for layout in (RankLayout(tp=2), RankLayout(pp=2)):
+        assert not runs_dense(runner.model, layout)
+    for shape in ("deepseek-small", "kimi-linear-small"):
+        assert not runs_dense(build_on_meta(SHAPES[shape], no_reduce), RankLayout())
 
 
 def test_train_on_pooled_data(target, dataset, tmp_path):

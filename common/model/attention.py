@@ -23,7 +23,8 @@ class AttnMeta:
     positions: torch.Tensor  # [T] absolute position of each new token
     write_slots: torch.Tensor  # [T] cache slot that receives each new token's K/V
     logit_rows: torch.Tensor | None  # rows whose final hidden state is returned (None = all)
-    # Padded per-request view used by the general path; unused when `fresh_causal` or `extend`.
+    # Padded per-request view used by the general path; unused when `fresh_causal`, `extend` or
+    # `dense_rows`.
     q_index: torch.Tensor | None = None  # [B, maxQ] row of T for each padded query; None: no padding
     kv_pages: torch.Tensor | None = None  # [B, maxPages] pages each request reads (scratch-padded)
     max_kv: int = 0  # keys read per request: the first max_kv slots of its kv_pages
@@ -128,8 +129,8 @@ def build_attn_meta(starts: list[int], counts: list[int], page_tables: list[list
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_layer: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-    """q [T, Hq, d], k/v [T, Hkv, d] for the new tokens. Writes k/v into the cache, then
-    returns attention output [T, Hq, d]."""
+    """q [T, Hq, d], k/v [T, Hkv, d] for the new tokens. Writes k/v into the cache (not for a
+    dense batch, which has none), then returns attention output [T, Hq, d]."""
     if meta.dense_rows:
         return dense_causal(q, k, v, meta.dense_rows)
     k_cache = kv_layer[0].view(-1, *k.shape[1:])

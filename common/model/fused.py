@@ -152,7 +152,7 @@ if HAS_TRITON:
     @triton.jit
     def _norm_kernel(h_ptr, d_ptr, w_ptr, s_ptr, out_ptr, stride_h, stride_d, stride_out, n, eps,
                      ADD: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2**31 (a dense pass's rows)
         cols = tl.arange(0, BLOCK)
         ok = cols < n
         x = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0)
@@ -168,7 +168,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, stride_row, width, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2**31 (a dense pass's rows)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < width
         gate = tl.load(gu_ptr + row * stride_row + cols, mask=ok, other=0.0).to(tl.float32)

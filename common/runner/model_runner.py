@@ -31,7 +31,7 @@ from common.model.kimi_linear import HybridCache
 from common.model.shapes import RandomWeights, fill_random_
 from common.model.static_attention import StaticAttn, default_backend
 from common.model.architectures import build_on_meta, to_empty
-from common.model.transformer import Reduce, no_reduce
+from common.model.transformer import Reduce, Transformer, no_reduce
 from common.runner.describe import KDA_STATE_PARTS, CacheAddrs, describe_rank
 from common.runner.layout import RankLayout
 from common.runner.prefill_graphs import PrefillGraphs
@@ -234,9 +234,10 @@ class ModelRunner:
 
     @property
     def runs_dense(self) -> bool:
-        """Whether forward_dense can run: the whole model in this process, and every attention
-        layer plain (MLA keeps a latent and KDA a recurrent state, which only the cache path has)."""
-        return self.cfg.mla is None and self.cfg.kda is None and self.layout.world == 1
+        """Whether forward_dense can run: the whole model in this process, and a plain decoder
+        (MLA keeps a latent and KDA a recurrent state, which only the cache path has; a model class
+        added later runs dense only once it says here that it can)."""
+        return type(self.model) is Transformer and self.layout.world == 1
 
     @torch.no_grad()
     def forward_dense(self, ids: torch.Tensor, hidden_rows: torch.Tensor, capture_layers: tuple[int, ...]
@@ -257,9 +258,11 @@ class ModelRunner:
             hidden, captured = self.model(ids.flatten(), self.cache, meta, capture_layers)
         return hidden, {layer: h.view(S, L, -1) for layer, h in captured.items()}
 
+    @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of final-normed hidden states."""
-        return self.model.logits(hidden)
+        """fp32 logits of final-normed hidden states (any number of rows: no product is timed)."""
+        with gemv.kept_only():
+            return self.model.logits(hidden)
 
     def attn_meta(self, batch: StepBatch) -> AttnMeta:
         meta = build_attn_meta(batch.starts, batch.counts, batch.page_tables, self.page_size,

@@ -97,7 +97,10 @@ if fused.HAS_TRITON:
             first = tl.min(tl.where(x == block_max, start + cols, V), 0)
             best = tl.where(block_max > m, first, best)  # ties keep the earlier block's index
             new_m = tl.maximum(m, block_max)
-            total = total * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)
+            # While every logit so far is -inf, exp(-inf - -inf) would be NaN: their terms are 0.
+            alive = new_m > float("-inf")
+            rescale = tl.where(alive, tl.exp(m - new_m), 1.0)
+            total = total * rescale + tl.sum(tl.where(alive, tl.exp(x - new_m), 0.0), 0)
             m = new_m
         tl.store(lse_ptr + row, m + tl.log(total))
         tl.store(top_ptr + row, best.to(tl.int64))

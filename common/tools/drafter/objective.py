@@ -34,7 +34,8 @@ from common.tools.drafter.cross_entropy import token_cross_entropy
 IGNORE = -100
 SOFT_TOP_K = 16  # the target's most likely next tokens a soft label keeps per position
 TOP_K_ROWS = 4096  # logit rows whose top tokens are found at once (a top-k over all of them takes GBs)
-# Rows of logits per target pass: [rows, vocab] in fp32 is 1.5 GiB at 8,192 rows and 49,152 words.
+# Rows of logits per pass of the target's LM head: [rows, vocab] in fp32 is 1.5 GiB at 8,192 rows
+# and 49,152 words.
 LOGIT_ROWS = 8192
 # Devices where capture runs the target as one dense causal pass (ModelRunner.forward_dense). On a
 # CPU the cache path is as fast (4.9 s against 5.4 s dense for a test batch on 2 cores) and the
@@ -124,7 +125,8 @@ def capture(runner: ModelRunner, batch: Batch, layers: tuple[int, ...], argmax: 
     they stay 0: no block starts in a prompt, and the LM head over every prompt token would cost
     more than the rest of the pass (a few-shot prompt is about 1,000 tokens, its answer 100).
     Where the runner can (plain attention, DENSE_DEVICES) one dense causal pass over the padded
-    batch, else through the KV cache in groups that fit it."""
+    batch, else through the KV cache in groups that fit it. Past a sequence's end the features
+    are the padding's own (dense) or 0 (cache): no block reads them."""
     S, L = batch.ids.shape
     dev = runner.device
     wanted = _logit_positions(batch, argmax, top_k)
