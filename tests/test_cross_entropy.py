@@ -86,9 +86,10 @@ def test_plain_path_matches_log_softmax(T):
 
 
 def _reference_block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, gamma: float,
-                    soft: tuple[torch.Tensor, torch.Tensor], soft_weight: float, scored: torch.Tensor
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """block_loss written plainly: an fp32 log-softmax over the logits, then its weighted picks."""
+                          soft: tuple[torch.Tensor, torch.Tensor], soft_weight: float, scored: torch.Tensor
+                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The oracle for block_loss, written out on its own (not shared with it, so that a slip in
+    either shows): an fp32 log-softmax over the logits, then its weighted picks."""
     S, A, B, H = hidden.shape
     lab = labels[:, :, 1:]
     valid = lab != IGNORE
