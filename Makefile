@@ -50,8 +50,20 @@ setup: $(BIN)/.installed
 run: setup
 	$(BIN)/pdflash up $(ARGS)
 
-test: setup
+# The GPU kernels (Triton) are tested on the CPU too, under Triton's interpreter, which must be
+# switched on before the kernels are defined: a second run of their test files. Triton comes
+# with a CUDA build of torch; the CPU build needs it installed (here, for the tests only).
+TRITON_SPEC ?= triton==3.9.0
+KERNEL_TESTS := tests/test_cross_entropy.py tests/test_fused_gemv.py tests/test_verdict.py
+
+$(BIN)/.kernel-tests: $(BIN)/.installed
+	@$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/uv pip install -q --python $(BIN)/python "$(TRITON_SPEC)" || \
+	  $(BIN)/pip install -q $(PIP_FLAGS) "$(TRITON_SPEC)"
+	touch $@
+
+test: setup $(BIN)/.kernel-tests
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup --no-loadscope-reorder $(ARGS)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(KERNEL_TESTS)
 
 protos: setup
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/pdflash.proto

@@ -228,6 +228,8 @@ def test_strided_inputs():
 
 
 @KERNELS_RUN
+# Under the interpreter (numpy) the masked-off lanes still compute -inf - -inf, then are dropped.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
 def test_minus_infinity_logits():
     """-inf logits (a masked vocabulary) count as probability 0, also where a row's whole first
     block is -inf: there the running maximum starts at -inf and exp(-inf - -inf) is NaN."""
