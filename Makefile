@@ -58,7 +58,8 @@ KERNEL_TESTS := tests/test_cross_entropy.py tests/test_fused_gemv.py tests/test_
 
 $(BIN)/.kernel-tests: $(BIN)/.installed
 	@$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/uv pip install -q --python $(BIN)/python "$(TRITON_SPEC)" || \
-	  $(BIN)/pip install -q $(PIP_FLAGS) "$(TRITON_SPEC)"
+	  $(BIN)/pip install -q $(PIP_FLAGS) "$(TRITON_SPEC)" || \
+	  echo "warning: could not install $(TRITON_SPEC): the kernel tests skip (they need Triton)"
 	touch $@
 
 test: setup $(BIN)/.kernel-tests
