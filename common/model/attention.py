@@ -139,16 +139,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_cache.index_copy_(0, meta.write_slots, v)
     if meta.static is not None:
         return meta.static.attend(q, kv_layer)
-    if meta.fresh_causal:
-        # 4-D inputs: with 3-D ones PyTorch's CPU SDPA falls back to its (much slower) math path.
-        out = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal=True)
-        return out[0].transpose(0, 1)
+    if meta.fresh_causal:  # one request from position 0: its new tokens are all its keys
+        return dense_causal(q, k, v, 1)
     return attend_cached(q, kv_layer, meta)
 
 
 def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
     """Causal attention of each of `rows` equal-length sequences laid end to end in q/k/v
-    [T, heads, d] over its own tokens: [T, Hq, d]."""
+    [T, heads, d] over its own tokens: [T, Hq, d]. The inputs go to SDPA as 4-D views: with 3-D
+    ones PyTorch's CPU SDPA falls back to its (much slower) math path."""
     as_rows = lambda x: x.view(rows, -1, *x.shape[1:]).transpose(1, 2)
     return sdpa(as_rows(q), as_rows(k), as_rows(v), causal=True).transpose(1, 2).reshape(q.shape)
 
