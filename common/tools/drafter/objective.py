@@ -289,22 +289,23 @@ def draft_hidden(drafter: Drafter, embed: torch.Tensor, feats: dict[int, torch.T
         block_ids = torch.where(given != IGNORE, given, block_ids)
     block_ids[:, :, 0] = first
     pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).clamp(max=cos.shape[0] - 1).flatten()
-    mask = block_attention_mask(anchors, L, B, cfg.sliding_window)
-    rep = cfg.num_heads // cfg.num_kv_heads
+    # GQA with the query heads of a KV head folded into its query rows (SDPA's memory-efficient
+    # kernel takes a mask, not enable_gqa): Q [S, kv_heads, rep * A*B, d] against K/V as they
+    # are, instead of K/V copied rep times; the mask repeats along the rows, once per step.
+    H, Hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rep = H // Hkv
+    mask = block_attention_mask(anchors, L, B, cfg.sliding_window).repeat(1, 1, rep, 1)
 
     block_cos, block_sin = cos[pos], sin[pos]
 
     def attend(i: int, h: torch.Tensor) -> torch.Tensor:
         q, k, v = drafter.layers[i].self_attn.qkv(h, block_cos, block_sin)
         ck, cv = ctx_kv[i]
-        # GQA by repeating K/V heads (SDPA's memory-efficient kernel takes a mask, not enable_gqa).
-        keys = torch.cat([ck.view(S, L, *ck.shape[1:]), k.view(S, A * B, *k.shape[1:])], 1)
-        vals = torch.cat([cv.view(S, L, *cv.shape[1:]), v.view(S, A * B, *v.shape[1:])], 1)
-        keys = keys.repeat_interleave(rep, dim=2).transpose(1, 2)
-        vals = vals.repeat_interleave(rep, dim=2).transpose(1, 2)
-        qs = q.view(S, A * B, *q.shape[1:]).transpose(1, 2)
+        keys = torch.cat([ck.view(S, L, Hkv, d), k.view(S, A * B, Hkv, d)], 1).transpose(1, 2)
+        vals = torch.cat([cv.view(S, L, Hkv, d), v.view(S, A * B, Hkv, d)], 1).transpose(1, 2)
+        qs = q.view(S, A * B, Hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(S, Hkv, rep * A * B, d)
         out = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask)
-        return out.transpose(1, 2).reshape(S * A * B, *q.shape[1:])
+        return out.view(S, Hkv, rep, A * B, d).permute(0, 3, 1, 2, 4).reshape(S * A * B, H, d)
 
     x = F.embedding(block_ids.flatten(), embed)
     return drafter.blocks(x, attend).view(S, A, B, -1)
