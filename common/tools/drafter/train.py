@@ -218,22 +218,22 @@ def generate_in_workers(args: argparse.Namespace) -> dict:
 
 def _generate_part(args: argparse.Namespace, k: int, results, engine_ready, started) -> None:
     """Process k of --gen-workers (spawned: it loads its own target); puts (k, stats), or (k, the
-    traceback) if it fails. Process 0 builds its engine first: on a GPU that times the kernel
-    choices for each product shape and keeps them on disk, and the others then read them
-    instead of timing them again while the device is shared (choices that later runs keep).
-    --gen-time-limit counts from process 0's start (`started`, a time.time()), as for one
-    process: the others, which start later, stop with it."""
+    traceback) if it fails. Every process loads its target at once, then process 0 builds its
+    engine first: on a GPU that times the kernel choices for each product shape and keeps them
+    on disk, and the others then read them instead of timing them again while the device is
+    shared (choices that later runs keep). --gen-time-limit counts from process 0's start
+    (`started`, a time.time()), as for one process: the others, which start later, stop with it."""
     import traceback
 
     try:
         if torch.device(args.device).type == "cpu":  # the processes share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.gen_workers))
-        if k > 0:
-            engine_ready.wait()
         runner, tok = load_model(_model_options(args, _max_running(args)))
         _, _, store, srcs = data_sources(args, runner.cfg.name, tok, Part(k, args.gen_workers))
         if k == 0:
             started.value = time.time()
+        else:
+            engine_ready.wait()
         stats = generate(runner, tok, srcs, store, max_running=_max_running(args), chunk_size=_chunk_size(args),
                          time_limit=args.gen_time_limit, since=started.value, progress=False,
                          on_engine=engine_ready.set)
