@@ -29,13 +29,19 @@ def weight_config_diff(a: DrafterConfig, b: DrafterConfig) -> dict:
     return {k: (v, getattr(b, k)) for k, v in asdict(a).items() if k not in DRAFTING_ONLY and getattr(b, k) != v}
 
 
+def wants_compile(choice: str, device: torch.device | str) -> bool:
+    """--compile auto/on/off: auto compiles on CUDA only (on a CPU the products dominate a step,
+    and compiling costs a minute of a 2-core machine)."""
+    return choice == "on" or (choice == "auto" and torch.device(device).type == "cuda")
+
+
 class Trainer:
     """The drafter, its optimizer and one training step. The target stays frozen."""
 
     def __init__(self, runner: ModelRunner, drafter: Drafter, *, lr: float, total_steps: int, warmup: float = 0.04,
                  min_lr_ratio: float = 0.0, weight_decay: float = 0.01, gamma: float = 7.0, anchors: int = 32,
                  grad_clip: float = 1.0, amp: bool = False, seed: int = 0,
-                 greedy_path: bool = False, soft_weight: float = 0.0, refine: float = 0.0):
+                 greedy_path: bool = False, soft_weight: float = 0.0, refine: float = 0.0, compile: bool = False):
         self.runner, self.drafter = runner, drafter
         self.device = runner.device
         self.amp = amp
@@ -48,6 +54,10 @@ class Trainer:
         self.gamma, self.anchors, self.grad_clip, self.seed = gamma, anchors, grad_clip, seed
         self.greedy_path, self.soft_weight = greedy_path, soft_weight
         self.refine = refine  # the share of blocks trained as a refine pass sees them
+        # torch.compile fuses the drafter's elementwise work (norms, RoPE, SiLU, the GQA copies),
+        # forward and backward, which in eager mode is about a third of a step's GPU time. Shapes
+        # vary with each batch's length: compiled once for symbolic shapes, not per length.
+        self.draft_hidden = torch.compile(draft_hidden, dynamic=True) if compile else draft_hidden
         self.opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                                      fused=self.device.type == "cuda")
 
@@ -78,8 +88,11 @@ class Trainer:
             start = refine_prefix(labels, self.refine, generator, block_tokens(batch, anchors, cfg.block_size))
             given, labels = labels.masked_fill(~start, IGNORE), labels.masked_fill(start, IGNORE)
             scored = ~start.any(-1)
+        # Held-out evaluation (no autograd) runs eager: a few batches now and then, and without
+        # autograd the inference kernels run, which the compiled training pass never meets.
+        draft = self.draft_hidden if torch.is_grad_enabled() else draft_hidden
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            hidden = draft_hidden(self.drafter, self.embed, targets.feats, batch, anchors, self.rope, given)
+            hidden = draft(self.drafter, self.embed, targets.feats, batch, anchors, self.rope, given)
             return block_loss(hidden, labels, self.lm_head, self.gamma, soft, self.soft_weight, scored)
 
     def step(self, batch: Batch, step: int) -> dict[str, torch.Tensor]:
