@@ -55,9 +55,11 @@ class Trainer:
         self.greedy_path, self.soft_weight = greedy_path, soft_weight
         self.refine = refine  # the share of blocks trained as a refine pass sees them
         # torch.compile fuses the drafter's elementwise work (norms, RoPE, SiLU, the GQA copies),
-        # forward and backward, which in eager mode is about a third of a step's GPU time. Shapes
-        # vary with each batch's length: compiled once for symbolic shapes, not per length.
-        self.draft_hidden = torch.compile(draft_hidden, dynamic=True) if compile else draft_hidden
+        # forward and backward, which in eager mode is about a third of a step's GPU time. Only
+        # the batch's sequences and length vary (marked dynamic in loss()); every other size,
+        # the weights' too, stays a constant, so that no guard relates a length to them.
+        self.compiled = compile
+        self.draft_hidden = torch.compile(draft_hidden) if compile else draft_hidden
         self.opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                                      fused=self.device.type == "cuda")
 
@@ -91,6 +93,12 @@ class Trainer:
         # Held-out evaluation (no autograd) runs eager: a few batches now and then, and without
         # autograd the inference kernels run, which the compiled training pass never meets.
         draft = self.draft_hidden if torch.is_grad_enabled() else draft_hidden
+        if self.compiled:
+            for t in (batch.ids, *targets.feats.values()):
+                torch._dynamo.maybe_mark_dynamic(t, (0, 1))
+            for t in (anchors, given):
+                if t is not None:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             hidden = draft(self.drafter, self.embed, targets.feats, batch, anchors, self.rope, given)
             return block_loss(hidden, labels, self.lm_head, self.gamma, soft, self.soft_weight, scored)
