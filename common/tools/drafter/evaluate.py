@@ -33,6 +33,7 @@ from common.engine.engine import Engine
 from common.engine.request import Request
 from common.engine.sampling import SamplingParams
 from common.engine.spec_policy import SpecConfig
+from common.model import gemv
 from common.model.tokenizer import IncrementalDecoder, Tokenizer
 from common.runner.model_runner import ModelRunner
 from common.service.loader import ModelOptions, add_model_args, load_model
@@ -129,19 +130,9 @@ def plain_outputs(runner: ModelRunner, tok: Tokenizer, prompts, max_new_tokens: 
         return [r.output_ids for r in _run(engine, tok, prompts, max_new_tokens, concurrency)]
 
 
-def run(args: argparse.Namespace) -> int:
-    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
-    dtypes = [d.strip() for d in args.draft_dtype.split(",") if d.strip()]
-    if not dtypes or set(dtypes) - set(DRAFT_DTYPES):
-        raise ValueError(f"--draft-dtype {args.draft_dtype!r}: expected a comma-separated list of {', '.join(DRAFT_DTYPES)}")
-    refines = refine_settings(args.refine)
-    if min(args.num, args.max_new_tokens, args.concurrency) < 1:
-        raise ValueError("--num, --max-new-tokens and --concurrency must be at least 1")
-    opts = ModelOptions.from_args(args)
-    if not opts.kv_pages:  # every request in flight with its longest prompt (few-shot ~900 tokens) and a block
-        per = -(-(1200 + args.max_new_tokens + 32) // opts.page_size)
-        opts = dataclasses.replace(opts, kv_pages=args.concurrency * per + 8)
-    runner, tok = load_model(opts)
+def measure(args: argparse.Namespace, runner: ModelRunner, tok: Tokenizer, sets: list[str], dtypes: list[str],
+            refines: list[dict]) -> dict:
+    """Every drafter x dtype x refine setting on every set: the command's eval.json."""
     prompts = {name: eval_prompts(tok, name, args.num, args.offset, args.shots) for name in sets}
     plain = {} if args.no_compare else {
         name: plain_outputs(runner, tok, p, args.max_new_tokens, args.concurrency) for name, p in prompts.items()}
@@ -169,6 +160,27 @@ def run(args: argparse.Namespace) -> int:
             print(f"{path} ({label}): {name}: accept length {r['accept_length_weighted']:.2f} over "
                   f"{r['verify_steps']} verify steps, {r['prompts']} prompts{same}", flush=True)
         result["drafters"].append(row)
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    dtypes = [d.strip() for d in args.draft_dtype.split(",") if d.strip()]
+    if not dtypes or set(dtypes) - set(DRAFT_DTYPES):
+        raise ValueError(f"--draft-dtype {args.draft_dtype!r}: expected a comma-separated list of {', '.join(DRAFT_DTYPES)}")
+    refines = refine_settings(args.refine)
+    if min(args.num, args.max_new_tokens, args.concurrency) < 1:
+        raise ValueError("--num, --max-new-tokens and --concurrency must be at least 1")
+    opts = ModelOptions.from_args(args)
+    if not opts.kv_pages:  # every request in flight with its longest prompt (few-shot ~900 tokens) and a block
+        per = -(-(1200 + args.max_new_tokens + 32) // opts.page_size)
+        opts = dataclasses.replace(opts, kv_pages=args.concurrency * per + 8)
+    runner, tok = load_model(opts)
+    # This command measures accept lengths, not speed: no product's kernel is timed here
+    # (gemv.kept_only; choices kept on disk are taken, else cuBLAS). On a fresh GPU timing adds
+    # seconds per product shape (the fp32 target's, the drafter's) to the first engines' start.
+    with gemv.kept_only():
+        result = measure(args, runner, tok, sets, dtypes, refines)
     report.write_json(os.path.join(args.out, "eval.json"), result)
     print(f"saved {args.out}/eval.json")
     fp32 = runner.dtype == torch.float32

@@ -84,7 +84,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "model and prompt file; read, never written); a sequence already in the data counts once")
     d.add_argument("--gen-time-limit", type=float, default=None,
                    help="stop generating after this many seconds (what finished is kept; run again to go on); with "
-                        "--gen-workers, counted from the first process's start: all stop together")
+                        "--gen-workers, counted from the command's start: all stop together")
     d.add_argument("--eval-prompts", type=int, default=0, help="hold out the last N prompts; report their loss/acc")
     d.add_argument("--source-repeat", default=None,
                    help="comma-separated SOURCE=N: an epoch sees that source's sequences N times (e.g. chat=2)")
@@ -188,9 +188,8 @@ def generate_in_workers(args: argparse.Namespace) -> dict:
           flush=True)
     start = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
-    results, engine_ready, started = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
-    procs = [ctx.Process(target=_generate_part, args=(args, k, results, engine_ready, started), daemon=True)
-             for k in range(n)]
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_generate_part, args=(args, k, results, time.time()), daemon=True) for k in range(n)]
     parts: dict[int, dict] = {}
     try:
         for proc in procs:
@@ -219,13 +218,10 @@ def generate_in_workers(args: argparse.Namespace) -> dict:
                   "workers": n, "parts": ordered}
 
 
-def _generate_part(args: argparse.Namespace, k: int, results, engine_ready, started) -> None:
+def _generate_part(args: argparse.Namespace, k: int, results, started: float) -> None:
     """Process k of --gen-workers (spawned: it loads its own target); puts (k, stats), or (k, the
-    traceback) if it fails. Every process loads its target at once, then process 0 builds its
-    engine first: on a GPU that times the kernel choices for each product shape and keeps them
-    on disk, and the others then read them instead of timing them again while the device is
-    shared (choices that later runs keep). --gen-time-limit counts from process 0's start
-    (`started`, a time.time()), as for one process: the others, which start later, stop with it."""
+    traceback) if it fails. --gen-time-limit counts from the command's start (`started`, a
+    time.time()), model loading included: all processes stop together."""
     import traceback
 
     try:
@@ -233,13 +229,8 @@ def _generate_part(args: argparse.Namespace, k: int, results, engine_ready, star
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.gen_workers))
         runner, tok = load_model(_model_options(args, _max_running(args)))
         _, _, store, srcs = data_sources(args, runner.cfg.name, tok, Part(k, args.gen_workers))
-        if k == 0:
-            started.value = time.time()
-        else:
-            engine_ready.wait()
         stats = generate(runner, tok, srcs, store, max_running=_max_running(args), chunk_size=_chunk_size(args),
-                         time_limit=args.gen_time_limit, since=started.value, progress=False,
-                         on_engine=engine_ready.set)
+                         time_limit=args.gen_time_limit, since=started, progress=False)
         results.put((k, stats))
     except Exception:  # reported, not raised: the parent stops the others and raises it
         results.put((k, traceback.format_exc()))
