@@ -18,7 +18,7 @@ from common.model.shapes import SHAPES, RandomWeights
 from common.runner.model_runner import ModelRunner
 from common.tools.drafter.data import Sequence
 from common.tools.drafter.objective import Batch, make_batch
-from common.tools.drafter.trainer import Trainer, wants_compile
+from common.tools.drafter.trainer import Trainer
 
 DEFAULT_CASES = "32x32x450x150,64x32x450x150,128x32x450x150,32x64x450x150,32x32x1150x1000"
 
@@ -32,8 +32,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=6, help="timed steps per case (after 2 warm-up steps)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-kernels", action="store_true", help="skip the per-kernel table (CUDA)")
-    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                   help="torch.compile the drafter, as `dflash train --compile` (auto: on CUDA only)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the drafter, as `dflash train --compile`")
     p.add_argument("--out", default=os.path.join("bench-out", "dflash-profile.json"))
 
 
@@ -47,8 +46,7 @@ def run(args: argparse.Namespace) -> int:
     # Targets too shallow for the DFlash rule's five layers (the smoke-test shape) capture them all.
     capture = {} if cfg.num_layers >= 5 else {"capture_layers": tuple(range(cfg.num_layers))}
     drafter = Drafter(DrafterConfig.for_target(cfg, num_layers=args.layers, **capture)).to(runner.device)
-    compiled = wants_compile(args.compile, args.device)
-    trainer = Trainer(runner, drafter, lr=6e-4, total_steps=1000, amp=cuda, compile=compiled)
+    trainer = Trainer(runner, drafter, lr=6e-4, total_steps=1000, amp=cuda, compile=args.compile)
     rows = []
     for seqs, anchors, length, prompt in cases:
         trainer.anchors = anchors
@@ -58,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
               f"{row['seq_per_s']:6.0f} seq/s | capture {row['capture_ms']:6.1f}, drafter+loss {row['forward_ms']:6.1f}, "
               f"backward {row['backward_ms']:6.1f}, optimizer {row['optimizer_ms']:5.1f} ms", flush=True)
     result = {"shape": args.shape, "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "torch": torch.__version__, "draft_layers": args.layers, "compiled": compiled,
+              "torch": torch.__version__, "draft_layers": args.layers, "compiled": args.compile,
               "cases": rows}
     if cuda and not args.no_kernels:
         seqs, anchors, length, prompt = cases[0]

@@ -29,12 +29,6 @@ def weight_config_diff(a: DrafterConfig, b: DrafterConfig) -> dict:
     return {k: (v, getattr(b, k)) for k, v in asdict(a).items() if k not in DRAFTING_ONLY and getattr(b, k) != v}
 
 
-def wants_compile(choice: str, device: torch.device | str) -> bool:
-    """--compile auto/on/off: auto compiles on CUDA only (on a CPU the products dominate a step,
-    and compiling costs a minute of a 2-core machine)."""
-    return choice == "on" or (choice == "auto" and torch.device(device).type == "cuda")
-
-
 class Trainer:
     """The drafter, its optimizer and one training step. The target stays frozen."""
 
