@@ -130,9 +130,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--grad-clip", type=float, default=1.0)
     t.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto", help="bf16 autocast (auto: on CUDA only)")
     t.add_argument("--compile", action="store_true",
-                   help="torch.compile the drafter's forward and backward: on an H100 a step 1.25-1.47x faster once "
-                        "compiled, after about 110 s of compiling (in each process: a resumed run compiles again) "
-                        "and, in one 7,000-step run, about 120 s of recompiles; for long runs")
+                   help="torch.compile the drafter's forward and backward: on an H100 a step 1.23x faster once "
+                        "compiled (1.25-1.47x in `dflash profile`), after about 115 s of compiling (a resumed run "
+                        "compiles again) and, in one 7,000-step run, about 120 s of recompiles: for runs past about "
+                        "12,000 steps")
     t.add_argument("--save-dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="drafter file dtype (auto: fp32 if it fits in 40 MB, else bf16)")
     t.add_argument("--seed", type=int, default=0, help="seed of the data (samples, few-shot examples, written "
