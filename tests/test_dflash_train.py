@@ -172,8 +172,10 @@ def test_sources_and_greedy_answers_weighted_up_by_repetition():
     assert count == {("chat", i, 0): 6 for i in range(2)} | {("chat", i, 1): 3 for i in range(2)} | \
         {("fewshot", i, 0): 2 for i in range(2)} | {("fewshot", i, 1): 1 for i in range(2)}
     assert repeated(seqs, {}, 1) == seqs
-    with pytest.raises(ValueError, match="source-repeat"):
-        train(parse("--source-repeat", "poetry=2"), None, None)
+    assert repeated(seqs, {"fewshot": 0}, 1) == [s for s in seqs if s.source == "chat"]
+    for bad in ("poetry=2", "chat=-1", "chat"):
+        with pytest.raises(ValueError, match="source-repeat"):
+            train(parse("--source-repeat", bad), None, None)
     with pytest.raises(ValueError, match="soft-labels must be between 0 and 1"):
         train(parse("--soft-labels", "1.5"), None, None)
     with pytest.raises(ValueError, match="gen-chunk-size must be positive"):
@@ -749,6 +751,9 @@ def test_train_on_pooled_data(target, dataset, tmp_path):
     words = shlex.split(info["command"])
     assert [os.path.abspath(f) for f in words[words.index("--pool") + 1].split(",")] == [pool, pool2]
     assert {name: open(os.path.join(pool, name), "rb").read() for name in os.listdir(pool)} == before
+    # A source repeated 0 times is not trained on, from the pools neither: here every sequence is chat's.
+    with pytest.raises(ValueError, match="every source repeated 0"):
+        train(parse(*common, "--source-repeat", "chat=0", "--pool", pool, "--out", out), runner, tok)
 
     # Checked before generation: --stage data never trains.
     for key in ("model", "prompts_sha256", "prompt_field"):

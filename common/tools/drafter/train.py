@@ -87,7 +87,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "--gen-workers, counted from the command's start: all stop together")
     d.add_argument("--eval-prompts", type=int, default=0, help="hold out the last N prompts; report their loss/acc")
     d.add_argument("--source-repeat", default=None,
-                   help="comma-separated SOURCE=N: an epoch sees that source's sequences N times (e.g. chat=2)")
+                   help="comma-separated SOURCE=N: an epoch sees that source's sequences N times (e.g. chat=2); N=0 "
+                        "leaves a source out of training (self-math-q=0: the written problems only pose self-math's "
+                        "questions)")
     d.add_argument("--greedy-repeat", type=int, default=1,
                    help="an epoch sees each greedy answer this many times (the engine verifies at T=0)")
     m = p.add_argument_group("drafter")
@@ -271,13 +273,17 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
     held_out = set(range(len(rows) - args.eval_prompts, len(rows))) if args.eval_prompts else set()
     asks_file = ("chat", "fewshot")  # sources whose prompt i is the file's prompt i
     held = lambda s: s.source in asks_file and s.i in held_out
-    pooled = [s for s in _pooled(args, settings, seqs) if not held(s)]
-    train_seqs = [s for s in seqs if not held(s)] + pooled
+    source_repeat = _repeats(args.source_repeat or "")
+    # A source repeated 0 times is generated (its texts may pose another source's prompts) but not trained on.
+    trained = lambda s: not held(s) and source_repeat.get(s.source, 1) > 0
+    pooled = [s for s in _pooled(args, settings, seqs) if trained(s)]
+    train_seqs = [s for s in seqs if trained(s)] + pooled
     eval_seqs = [s for s in seqs if held(s) and s.k == 0]
     if not train_seqs:
-        raise ValueError("no training sequences (every answer is shorter than 2 tokens?)")
+        raise ValueError("no training sequences (every answer is shorter than 2 tokens, or every source repeated 0 "
+                         "times?)")
     stats = data_stats(train_seqs)
-    train_seqs = repeated(train_seqs, _repeats(args.source_repeat or ""), args.greedy_repeat)
+    train_seqs = repeated(train_seqs, source_repeat, args.greedy_repeat)
     pool_note = f", {len(pooled)} of them from --pool" if pooled else ""
     print(f"data: {data_dir}: {stats['sequences']} training sequences{pool_note}, {stats['response_tokens']:,} response "
           f"tokens ({', '.join(f'{k} {v:,}' for k, v in stats['response_tokens_by_source'].items())})", flush=True)
@@ -569,8 +575,8 @@ def _repeats(text: str) -> dict[str, int]:
     repeats = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, n = part.partition("=")
-        if name not in sources.NAMES or not n.isdigit() or int(n) < 1:
-            raise ValueError(f"--source-repeat {part!r}: want SOURCE=N with N >= 1, SOURCE one of {', '.join(sources.NAMES)}")
+        if name not in sources.NAMES or not n.isdigit():
+            raise ValueError(f"--source-repeat {part!r}: want SOURCE=N with N >= 0, SOURCE one of {', '.join(sources.NAMES)}")
         repeats[name] = int(n)
     return repeats
 
