@@ -875,23 +875,24 @@ def test_train_save_and_resume(target, dataset, tmp_path):
 
 
 def test_eval_command(target, tmp_path):
-    """`pdflash dflash eval` through the CLI on the users' few-shot format (stop strings), the
-    shipped drafter in both dtypes (--draft-dtype fp32,bf16), each as saved and with two refine
-    passes (--refine), against plain decoding: identical outputs, accept lengths."""
+    """`pdflash dflash eval` through the CLI on the users' few-shot format (stop strings) and then
+    GSM8K chat on the same engines, the shipped drafter in both dtypes (--draft-dtype fp32,bf16),
+    each as saved and with two refine passes (--refine), against plain decoding: identical
+    outputs, accept lengths."""
     from common.tools.cli import main
 
     out = str(tmp_path / "eval")
     # One exemplar: the format and its stop strings are what is tested, not five exemplars' prefill.
-    assert main(["dflash", "eval", "--device", "cpu", "--sets", "fewshot", "--shots", "1", "--num", "2",
+    assert main(["dflash", "eval", "--device", "cpu", "--sets", "fewshot,gsm8k", "--shots", "1", "--num", "2",
                  "--max-new-tokens", "10", "--concurrency", "2", "--page-size", "16", "--draft-dtype", "fp32,bf16",
                  "--refine", "saved,2@0.4", "--out", out]) == 0
     result = json.load(open(os.path.join(out, "eval.json")))
     assert [(row["draft_dtype"], row["refine_passes"]) for row in result["drafters"]] == [
         ("float32", 0), ("float32", 2), ("bfloat16", 0), ("bfloat16", 2)]
     for row in result["drafters"]:
-        r = row["sets"]["fewshot"]
-        assert r["prompts"] == 2 and r["identical"] == 2 and r["verify_steps"] > 0
-        assert sum(r["accept_histogram"]) == r["verify_steps"] and r["accept_length_weighted"] >= 1.0
+        for r in (row["sets"]["fewshot"], row["sets"]["gsm8k"]):
+            assert r["prompts"] == 2 and r["identical"] == 2 and r["verify_steps"] > 0
+            assert sum(r["accept_histogram"]) == r["verify_steps"] and r["accept_length_weighted"] >= 1.0
 
 
 def test_profile_command(tmp_path, capsys):

@@ -102,14 +102,19 @@ def _run(engine: Engine, tok: Tokenizer, prompts, max_new_tokens: int, concurren
     return reqs
 
 
-@torch.inference_mode()
-def evaluate(runner: ModelRunner, tok: Tokenizer, drafter: Drafter, prompts, *, max_new_tokens: int = 256,
-             concurrency: int = 16, plain: list[list[int]] | None = None) -> dict:
-    """Weighted accept length of `drafter` on these prompts; with `plain` (the outputs of plain
-    decoding), also how many outputs are identical."""
+def spec_engine(runner: ModelRunner, tok: Tokenizer, drafter: Drafter, concurrency: int) -> Engine:
+    """An engine that speculates with `drafter` at its whole block every step (no policy choice:
+    the accept length is the drafter's alone)."""
     proposer = DFlashProposer(drafter, runner, runner.pool.num_pages)
-    engine = Engine(runner, tok.eos_token_ids, max_running=concurrency, proposer=proposer,
-                    spec=SpecConfig(block=drafter.cfg.block_size))
+    return Engine(runner, tok.eos_token_ids, max_running=concurrency, proposer=proposer,
+                  spec=SpecConfig(block=drafter.cfg.block_size))
+
+
+@torch.inference_mode()
+def evaluate(engine: Engine, tok: Tokenizer, prompts, *, max_new_tokens: int = 256, concurrency: int = 16,
+             plain: list[list[int]] | None = None) -> dict:
+    """Weighted accept length of a speculating engine's drafter on these prompts; with `plain`
+    (the outputs of plain decoding), also how many outputs are identical."""
     start = time.perf_counter()
     reqs = _run(engine, tok, prompts, max_new_tokens, concurrency)
     seconds = time.perf_counter() - start
@@ -124,18 +129,20 @@ def evaluate(runner: ModelRunner, tok: Tokenizer, drafter: Drafter, prompts, *, 
     return result
 
 
-def plain_outputs(runner: ModelRunner, tok: Tokenizer, prompts, max_new_tokens: int, concurrency: int) -> list[list[int]]:
+@torch.inference_mode()
+def plain_outputs(runner: ModelRunner, tok: Tokenizer, prompts: dict[str, list], max_new_tokens: int,
+                  concurrency: int) -> dict[str, list[list[int]]]:
+    """Each set's outputs of plain decoding, from one engine."""
     engine = Engine(runner, tok.eos_token_ids, max_running=concurrency)
-    with torch.inference_mode():
-        return [r.output_ids for r in _run(engine, tok, prompts, max_new_tokens, concurrency)]
+    return {name: [r.output_ids for r in _run(engine, tok, p, max_new_tokens, concurrency)]
+            for name, p in prompts.items()}
 
 
 def measure(args: argparse.Namespace, runner: ModelRunner, tok: Tokenizer, sets: list[str], dtypes: list[str],
             refines: list[dict]) -> dict:
     """Every drafter x dtype x refine setting on every set: the command's eval.json."""
     prompts = {name: eval_prompts(tok, name, args.num, args.offset, args.shots) for name in sets}
-    plain = {} if args.no_compare else {
-        name: plain_outputs(runner, tok, p, args.max_new_tokens, args.concurrency) for name, p in prompts.items()}
+    plain = {} if args.no_compare else plain_outputs(runner, tok, prompts, args.max_new_tokens, args.concurrency)
     paths = args.draft_model or [shipped_drafter_path(args.model)]
     result = {"bench": "dflash-eval", "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
               "max_new_tokens": args.max_new_tokens, "provenance": report.provenance(args), "drafters": []}
@@ -152,8 +159,9 @@ def measure(args: argparse.Namespace, runner: ModelRunner, tok: Tokenizer, sets:
             with open(info_path) as f:
                 info = json.load(f)
             row["trained_response_tokens"] = info.get("trained_response_tokens")
+        engine = spec_engine(runner, tok, drafter, args.concurrency)  # one for every set: its graphs captured once
         for name, p in prompts.items():
-            row["sets"][name] = evaluate(runner, tok, drafter, p, max_new_tokens=args.max_new_tokens,
+            row["sets"][name] = evaluate(engine, tok, p, max_new_tokens=args.max_new_tokens,
                                          concurrency=args.concurrency, plain=plain.get(name))
             r = row["sets"][name]
             same = f", identical {r['identical']}/{r['prompts']}" if "identical" in r else ""
