@@ -242,12 +242,24 @@ def dataset(target, tmp_path_factory):
     return DataStore(folder, settings), srcs
 
 
-def test_time_limit_counts_from_the_first_process_start(target, tmp_path):
-    """generate's --gen-time-limit counts from `since` where given (process 0's start, so that the
-    processes of --gen-workers, which start later, stop with it): a limit already spent there
-    generates nothing, where the same limit from now generates the answer."""
+def test_time_limit_counts_from_since_and_no_kernel_is_timed(target, tmp_path, monkeypatch):
+    """generate's --gen-time-limit counts from `since` where given (the command's start, so that
+    the processes of --gen-workers stop together): a limit already spent there generates nothing,
+    where the same limit from now generates the answer. Its engines are built with no product's
+    kernel timed (gemv.kept_only)."""
     import time
 
+    from common.model import gemv
+    from common.tools.drafter import data
+
+    timing = []
+
+    class Recording(Engine):
+        def __init__(self, *a, **kw):
+            timing.append(gemv._timing)
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(data, "Engine", Recording)
     runner, tok = target
     srcs = chat_sources(tok, [read_prompts(PROMPTS, "question", 1)[0]["question"]], 0)
     late = generate(runner, tok, srcs, DataStore(str(tmp_path / "late"), settings_for(runner)), max_running=8,
@@ -256,6 +268,7 @@ def test_time_limit_counts_from_the_first_process_start(target, tmp_path):
     now = generate(runner, tok, srcs, DataStore(str(tmp_path / "now"), settings_for(runner)), max_running=8,
                    time_limit=600, progress=False)
     assert now["stopped"] == "done" and now["generated"] == 1
+    assert timing == [False, False] and gemv._timing
 
 
 def test_data_matches_engine(target, dataset):
@@ -888,12 +901,24 @@ def test_train_save_and_resume(target, dataset, tmp_path):
         train(parse(*other, "--out", str(tmp_path / "other"), "--init", os.path.join(straight, "drafter")), runner, tok)
 
 
-def test_eval_command(target, tmp_path):
+def test_eval_command(target, tmp_path, monkeypatch):
     """`pdflash dflash eval` through the CLI on the users' few-shot format (stop strings) and then
     GSM8K chat on the same engines, the shipped drafter in both dtypes (--draft-dtype fp32,bf16),
     each as saved and with two refine passes (--refine), against plain decoding: identical
-    outputs, accept lengths."""
+    outputs, accept lengths. One plain engine and one per drafter, built with no product's kernel
+    timed (gemv.kept_only)."""
+    from common.model import gemv
     from common.tools.cli import main
+    from common.tools.drafter import evaluate
+
+    timing = []
+
+    class Recording(Engine):
+        def __init__(self, *a, **kw):
+            timing.append(gemv._timing)
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(evaluate, "Engine", Recording)
 
     out = str(tmp_path / "eval")
     # One exemplar: the format and its stop strings are what is tested, not five exemplars' prefill.
@@ -907,6 +932,7 @@ def test_eval_command(target, tmp_path):
         for r in (row["sets"]["fewshot"], row["sets"]["gsm8k"]):
             assert r["prompts"] == 2 and r["identical"] == 2 and r["verify_steps"] > 0
             assert sum(r["accept_histogram"]) == r["verify_steps"] and r["accept_length_weighted"] >= 1.0
+    assert timing == [False] * (1 + 4)
 
 
 def test_profile_command(tmp_path, capsys):

@@ -168,6 +168,7 @@ def measure(args: argparse.Namespace, runner: ModelRunner, tok: Tokenizer, sets:
             print(f"{path} ({label}): {name}: accept length {r['accept_length_weighted']:.2f} over "
                   f"{r['verify_steps']} verify steps, {r['prompts']} prompts{same}", flush=True)
         result["drafters"].append(row)
+        del engine, drafter  # freed before the next drafter's engine is built
     return result
 
 

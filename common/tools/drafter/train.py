@@ -83,8 +83,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="train also on the finished sequences of these data folders (other runs' --data, of the same "
                         "model and prompt file; read, never written); a sequence already in the data counts once")
     d.add_argument("--gen-time-limit", type=float, default=None,
-                   help="stop generating after this many seconds (what finished is kept; run again to go on); with "
-                        "--gen-workers, counted from the command's start: all stop together")
+                   help="stop generating after this many seconds (what finished is kept; run again to go on), "
+                        "counted from generation's start, its engine's building included; with --gen-workers from "
+                        "the command's start, the processes' model loading included: all stop together")
     d.add_argument("--eval-prompts", type=int, default=0, help="hold out the last N prompts; report their loss/acc")
     d.add_argument("--source-repeat", default=None,
                    help="comma-separated SOURCE=N: an epoch sees that source's sequences N times (e.g. chat=2); N=0 "
@@ -132,10 +133,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--grad-clip", type=float, default=1.0)
     t.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto", help="bf16 autocast (auto: on CUDA only)")
     t.add_argument("--compile", action="store_true",
-                   help="torch.compile the drafter's forward and backward: on an H100 a step 1.23x faster once "
-                        "compiled (1.25-1.47x in `dflash profile`), after about 115 s of compiling (a resumed run "
-                        "compiles again) and, in one 7,000-step run, about 120 s of recompiles: for runs past about "
-                        "12,000 steps")
+                   help="torch.compile the drafter's forward and backward. Measured on an H100 with every size "
+                        "dynamic (since: only the batch's, not measured yet): a step 1.23x faster once compiled "
+                        "(1.25-1.47x in `dflash profile`), after about 115 s of compiling (a resumed run compiles "
+                        "again) and, in one 7,000-step run, about 120 s of recompiles: for runs past about 12,000 "
+                        "steps. train_info.json records the graphs compiled")
     t.add_argument("--save-dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="drafter file dtype (auto: fp32 if it fits in 40 MB, else bf16)")
     t.add_argument("--seed", type=int, default=0, help="seed of the data (samples, few-shot examples, written "
@@ -192,8 +194,8 @@ def generate_in_workers(args: argparse.Namespace) -> dict:
           flush=True)
     start = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_generate_part, args=(args, k, results, time.time()), daemon=True) for k in range(n)]
+    results, started = ctx.Queue(), time.time()
+    procs = [ctx.Process(target=_generate_part, args=(args, k, results, started), daemon=True) for k in range(n)]
     parts: dict[int, dict] = {}
     try:
         for proc in procs:
@@ -278,7 +280,7 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
     trained = lambda s: not held(s) and source_repeat.get(s.source, 1) > 0
     pooled = [s for s in _pooled(args, settings, seqs) if trained(s)]
     train_seqs = [s for s in seqs if trained(s)] + pooled
-    eval_seqs = [s for s in seqs if held(s) and s.k == 0]
+    eval_seqs = [s for s in seqs if held(s) and s.k == 0 and source_repeat.get(s.source, 1) > 0]
     if not train_seqs:
         raise ValueError("no training sequences (every answer is shorter than 2 tokens, or every source repeated 0 "
                          "times?)")
@@ -345,6 +347,10 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
+    if args.compile:  # more than one: recompiled (from the 9th on, dynamo runs new shapes eager)
+        from torch._dynamo.utils import counters
+
+        info["compiled_graphs"] = counters["stats"]["unique_graphs"]
     for path in (os.path.join(args.out, "train_info.json"), os.path.join(drafter_dir, "train_info.json")):
         with open(path, "w") as f:
             json.dump(info, f, indent=2, default=str)

@@ -48,8 +48,8 @@ class Trainer:
         self.gamma, self.anchors, self.grad_clip, self.seed = gamma, anchors, grad_clip, seed
         self.greedy_path, self.soft_weight = greedy_path, soft_weight
         self.refine = refine  # the share of blocks trained as a refine pass sees them
-        # torch.compile fuses the drafter's elementwise work (norms, RoPE, SiLU, the GQA copies),
-        # forward and backward, which in eager mode is about a third of a step's GPU time. Only
+        # torch.compile fuses the drafter's elementwise work (norms, RoPE, SiLU), forward and
+        # backward, which in eager mode is about a third of a step's GPU time. Only
         # the batch's sequences and length vary (marked dynamic in loss()); every other size,
         # the weights' too, stays a constant, so that no guard relates a length to them.
         self.compiled = compile
