@@ -242,6 +242,22 @@ def dataset(target, tmp_path_factory):
     return DataStore(folder, settings), srcs
 
 
+def engines_record_timing(module, monkeypatch) -> list[bool]:
+    """module.Engine replaced by one that records, as each is built, whether gemv may time
+    kernels then (False inside gemv.kept_only)."""
+    from common.model import gemv
+
+    timing = []
+
+    class Recording(Engine):
+        def __init__(self, *a, **kw):
+            timing.append(gemv._timing)
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(module, "Engine", Recording)
+    return timing
+
+
 def test_time_limit_counts_from_since_and_no_kernel_is_timed(target, tmp_path, monkeypatch):
     """generate's --gen-time-limit counts from `since` where given (the command's start, so that
     the processes of --gen-workers stop together): a limit already spent there generates nothing,
@@ -252,14 +268,7 @@ def test_time_limit_counts_from_since_and_no_kernel_is_timed(target, tmp_path, m
     from common.model import gemv
     from common.tools.drafter import data
 
-    timing = []
-
-    class Recording(Engine):
-        def __init__(self, *a, **kw):
-            timing.append(gemv._timing)
-            super().__init__(*a, **kw)
-
-    monkeypatch.setattr(data, "Engine", Recording)
+    timing = engines_record_timing(data, monkeypatch)
     runner, tok = target
     srcs = chat_sources(tok, [read_prompts(PROMPTS, "question", 1)[0]["question"]], 0)
     late = generate(runner, tok, srcs, DataStore(str(tmp_path / "late"), settings_for(runner)), max_running=8,
@@ -907,18 +916,10 @@ def test_eval_command(target, tmp_path, monkeypatch):
     each as saved and with two refine passes (--refine), against plain decoding: identical
     outputs, accept lengths. One plain engine and one per drafter, built with no product's kernel
     timed (gemv.kept_only)."""
-    from common.model import gemv
     from common.tools.cli import main
     from common.tools.drafter import evaluate
 
-    timing = []
-
-    class Recording(Engine):
-        def __init__(self, *a, **kw):
-            timing.append(gemv._timing)
-            super().__init__(*a, **kw)
-
-    monkeypatch.setattr(evaluate, "Engine", Recording)
+    timing = engines_record_timing(evaluate, monkeypatch)
 
     out = str(tmp_path / "eval")
     # One exemplar: the format and its stop strings are what is tested, not five exemplars' prefill.
