@@ -277,10 +277,10 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
     held = lambda s: s.source in asks_file and s.i in held_out
     source_repeat = _repeats(args.source_repeat or "")
     # A source repeated 0 times is generated (its texts may pose another source's prompts) but not trained on.
-    trained = lambda s: not held(s) and source_repeat.get(s.source, 1) > 0
-    pooled = [s for s in _pooled(args, settings, seqs) if trained(s)]
-    train_seqs = [s for s in seqs if trained(s)] + pooled
-    eval_seqs = [s for s in seqs if held(s) and s.k == 0 and source_repeat.get(s.source, 1) > 0]
+    kept = lambda s: source_repeat.get(s.source, 1) > 0
+    pooled = [s for s in _pooled(args, settings, seqs) if kept(s) and not held(s)]
+    train_seqs = [s for s in seqs if kept(s) and not held(s)] + pooled
+    eval_seqs = [s for s in seqs if kept(s) and held(s) and s.k == 0]
     if not train_seqs:
         raise ValueError("no training sequences (every answer is shorter than 2 tokens, or every source repeated 0 "
                          "times?)")

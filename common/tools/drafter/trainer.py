@@ -52,7 +52,6 @@ class Trainer:
         # backward, which in eager mode is about a third of a step's GPU time. Only
         # the batch's sequences and length vary (marked dynamic in loss()); every other size,
         # the weights' too, stays a constant, so that no guard relates a length to them.
-        self.compiled = compile
         self.draft_hidden = torch.compile(draft_hidden) if compile else draft_hidden
         self.opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                                      fused=self.device.type == "cuda")
@@ -87,7 +86,7 @@ class Trainer:
         # Held-out evaluation (no autograd) runs eager: a few batches now and then, and without
         # autograd the inference kernels run, which the compiled training pass never meets.
         draft = self.draft_hidden if torch.is_grad_enabled() else draft_hidden
-        if self.compiled:
+        if draft is not draft_hidden:
             for t in (batch.ids, *targets.feats.values()):
                 torch._dynamo.maybe_mark_dynamic(t, (0, 1))
             for t in (anchors, given):
