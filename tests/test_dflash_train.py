@@ -38,7 +38,7 @@ from common.tools.drafter.objective import (
     sample_anchors,
 )
 from common.tools.drafter.train import GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, repeated, run, train
-from common.tools.drafter.trainer import Trainer
+from common.tools.drafter.trainer import EpochOrder, Trainer
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "fixtures", "dflash_prompts.jsonl")
 WORKED = gsm8k_data.DEFAULT_TRAIN  # shipped questions with worked answers (the few-shot format)
@@ -168,19 +168,43 @@ def test_soft_labels_mix_the_targets_distribution_into_each_label():
 def test_sources_and_greedy_answers_weighted_up_by_repetition():
     seqs = [Sequence(src, i, k, 1, torch.arange(3).int().numpy(), temperature=0.0 if k == 0 else 0.8)
             for src in ("chat", "fewshot") for i in range(2) for k in range(2)]
-    got = repeated(seqs, {"chat": 3}, greedy_repeat=2)
+    got, drawn = repeated(seqs, {"chat": 3}, greedy_repeat=2)
     count = {(s.source, s.i, s.k): sum(t is s for t in got) for s in seqs}
     assert count == {("chat", i, 0): 6 for i in range(2)} | {("chat", i, 1): 3 for i in range(2)} | \
         {("fewshot", i, 0): 2 for i in range(2)} | {("fewshot", i, 1): 1 for i in range(2)}
-    assert repeated(seqs, {}, 1) == seqs
-    assert repeated(seqs, {"fewshot": 0}, 1) == [s for s in seqs if s.source == "chat"]
-    for bad in ("poetry=2", "chat=-1", "chat"):
+    assert drawn == []
+    assert repeated(seqs, {}, 1) == (seqs, [])
+    assert repeated(seqs, {"fewshot": 0}, 1) == ([s for s in seqs if s.source == "chat"], [])
+    # A fraction: the greedy few-shot answers once an epoch (0.5 x 2), the sampled ones drawn half at a time.
+    got, drawn = repeated(seqs, {"fewshot": 0.5}, greedy_repeat=2)
+    fewshot = [s for s in seqs if s.source == "fewshot"]
+    assert [s for s in got if s.source == "fewshot"] == [s for s in fewshot if not s.sampled]
+    assert drawn == [([s for s in fewshot if s.sampled], 1)]
+    for bad in ("poetry=2", "chat=-1", "chat", "chat=x", "chat=nan", "chat=inf"):
         with pytest.raises(ValueError, match="source-repeat"):
             train(parse("--source-repeat", bad), None, None)
     with pytest.raises(ValueError, match="soft-labels must be between 0 and 1"):
         train(parse("--soft-labels", "1.5"), None, None)
     with pytest.raises(ValueError, match="gen-chunk-size must be positive"):
         train(parse("--gen-chunk-size", "0"), None, None)
+
+
+def test_an_epoch_draws_its_share_of_a_fractional_source_afresh():
+    seqs = [Sequence("chat", i, 0, 1, torch.arange(3 + i % 5).int().numpy()) for i in range(40)]
+    group = [Sequence("fewshot", i, 1, 1, torch.arange(4 + i % 7).int().numpy(), temperature=0.8) for i in range(30)]
+    order = EpochOrder(seqs, 8, seed=3, drawn=[(group, 10)])
+    assert order.steps_per_epoch == 7  # (40 + 10) / 8, rounded up
+    picked = []
+    for epoch in range(3):
+        seen = [s for step in range(epoch * 7, epoch * 7 + 7) for s in order.batch(step)]
+        assert len(seen) == 50 and all(sum(t is s for t in seen) == 1 for s in seqs)
+        picked.append({s.i for s in seen if s.source == "fewshot"})
+        assert len(picked[-1]) == 10
+    assert len(picked[0] | picked[1] | picked[2]) > 10  # not the same ten every epoch
+    again = EpochOrder(seqs, 8, seed=3, drawn=[(group, 10)])
+    assert [s.i for s in again.batch(9)] == [s.i for s in order.batch(9)]  # a resumed run draws the same
+    plain = EpochOrder(seqs, 8, seed=3)
+    assert plain.steps_per_epoch == 5 and not any(s.source == "fewshot" for st in range(5) for s in plain.batch(st))
 
 
 def test_generation_prefill_steps_default_by_device():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -88,8 +89,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "the command's start, the processes' model loading included: all stop together")
     d.add_argument("--eval-prompts", type=int, default=0, help="hold out the last N prompts; report their loss/acc")
     d.add_argument("--source-repeat", default=None,
-                   help="comma-separated SOURCE=N: an epoch sees that source's sequences N times (e.g. chat=2); N=0 "
-                        "leaves a source out of training (self-math-q=0: the written problems only pose self-math's "
+                   help="comma-separated SOURCE=N: an epoch sees that source's sequences N times (e.g. chat=2); a "
+                        "fraction sees that share of them, drawn afresh each epoch (fewshot=0.5); N=0 leaves a source "
+                        "out of training (self-math-q=0: the written problems only pose self-math's "
                         "questions)")
     d.add_argument("--greedy-repeat", type=int, default=1,
                    help="an epoch sees each greedy answer this many times (the engine verifies at T=0)")
@@ -285,7 +287,7 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
         raise ValueError("no training sequences (every answer is shorter than 2 tokens, or every source repeated 0 "
                          "times?)")
     stats = data_stats(train_seqs)
-    train_seqs = repeated(train_seqs, source_repeat, args.greedy_repeat)
+    train_seqs, drawn = repeated(train_seqs, source_repeat, args.greedy_repeat)
     pool_note = f", {len(pooled)} of them from --pool" if pooled else ""
     print(f"data: {data_dir}: {stats['sequences']} training sequences{pool_note}, {stats['response_tokens']:,} response "
           f"tokens ({', '.join(f'{k} {v:,}' for k, v in stats['response_tokens_by_source'].items())})", flush=True)
@@ -295,7 +297,7 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
         torch.backends.cuda.matmul.allow_tf32 = True  # after generation: the data stays fp32 greedy
     cfg = drafter_config(args, runner)
     train_seed = args.seed if args.train_seed is None else args.train_seed
-    order = EpochOrder(train_seqs, args.batch_size, train_seed)
+    order = EpochOrder(train_seqs, args.batch_size, train_seed, drawn)
     total = args.steps or max(1, round(args.epochs * order.steps_per_epoch))
     torch.manual_seed(train_seed)
     drafter = Drafter(cfg).to(device)
@@ -568,22 +570,33 @@ def _near(path: str) -> str:
     return path if rel.startswith(os.path.join(os.pardir, os.pardir)) else rel
 
 
-def repeated(seqs: list, source_repeat: dict[str, int], greedy_repeat: int) -> list:
-    """The training sequences with some weighted up by repetition: a sequence of source s
-    appears source_repeat[s] times (default 1), times greedy_repeat if it is a greedy answer."""
-    out = []
+def repeated(seqs: list, source_repeat: dict[str, float], greedy_repeat: int) -> tuple[list, list[tuple[list, int]]]:
+    """The training sequences with some weighted by repetition: a sequence of source s appears
+    source_repeat[s] times an epoch (default 1), times greedy_repeat if it is a greedy answer.
+    Whole repeats are in the first list; a fraction f of a repeat puts the sequence in a group
+    of the second, from which an epoch draws f of the group's sequences (EpochOrder)."""
+    always, parts = [], {}
     for seq in seqs:
-        out += [seq] * (source_repeat.get(seq.source, 1) * (1 if seq.sampled else greedy_repeat))
-    return out
+        times = source_repeat.get(seq.source, 1) * (1 if seq.sampled else greedy_repeat)
+        whole = math.floor(times + 1e-9)
+        always += [seq] * whole
+        if times - whole > 1e-9:
+            parts.setdefault(round(times - whole, 9), []).append(seq)
+    return always, [(group, round(f * len(group))) for f, group in sorted(parts.items())]
 
 
-def _repeats(text: str) -> dict[str, int]:
+def _repeats(text: str) -> dict[str, float]:
     repeats = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, n = part.partition("=")
-        if name not in sources.NAMES or not n.isdigit():
-            raise ValueError(f"--source-repeat {part!r}: want SOURCE=N with N >= 0, SOURCE one of {', '.join(sources.NAMES)}")
-        repeats[name] = int(n)
+        try:
+            times = float(n)
+        except ValueError:
+            times = -1.0
+        if name not in sources.NAMES or not 0 <= times < math.inf:
+            raise ValueError(f"--source-repeat {part!r}: want SOURCE=N with N >= 0 (a fraction draws that share of "
+                             f"the source each epoch), SOURCE one of {', '.join(sources.NAMES)}")
+        repeats[name] = times
     return repeats
 
 

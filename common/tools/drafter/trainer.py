@@ -123,20 +123,30 @@ class Trainer:
 
 
 class EpochOrder:
-    """Which sequences make step `step`'s batch: a seeded shuffle per epoch, then sorted by
-    length within windows of 64 batches (less padding), the batches themselves shuffled.
-    A pure function of (seed, step), so a resumed run sees the same batches."""
+    """Which sequences make step `step`'s batch: every sequence of `seqs`, plus from each group
+    (sequences, k) of `drawn` k of them, chosen afresh each epoch; a seeded shuffle per epoch,
+    then sorted by length within windows of 64 batches (less padding), the batches themselves
+    shuffled. A pure function of (seed, step), so a resumed run sees the same batches."""
 
-    def __init__(self, seqs: list[Sequence], batch_size: int, seed: int):
-        self.seqs, self.batch_size, self.seed = seqs, batch_size, seed
-        self.steps_per_epoch = math.ceil(len(seqs) / batch_size)
+    def __init__(self, seqs: list[Sequence], batch_size: int, seed: int,
+                 drawn: list[tuple[list[Sequence], int]] = ()):
+        self.seqs, self.batch_size, self.seed = list(seqs), batch_size, seed
+        self._always = len(seqs)
+        self._groups = []  # (first index in self.seqs, size, drawn per epoch)
+        for group, k in drawn:
+            self._groups.append((len(self.seqs), len(group), k))
+            self.seqs += group
+        self.steps_per_epoch = math.ceil((len(seqs) + sum(k for _, _, k in self._groups)) / batch_size)
         self._epoch, self._batches = -1, []
 
     def batch(self, step: int) -> list[Sequence]:
         epoch, idx = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:
             g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-            perm = torch.randperm(len(self.seqs), generator=g).tolist()
+            members = list(range(self._always))
+            for first, size, k in self._groups:
+                members += [first + i for i in torch.randperm(size, generator=g)[:k].tolist()]
+            perm = [members[i] for i in torch.randperm(len(members), generator=g).tolist()]
             window = self.batch_size * 64
             batches = []
             for w in range(0, len(perm), window):
