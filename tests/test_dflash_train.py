@@ -934,6 +934,27 @@ def test_train_save_and_resume(target, dataset, tmp_path):
         train(parse(*other, "--out", str(tmp_path / "other"), "--init", os.path.join(straight, "drafter")), runner, tok)
 
 
+def test_one_command_trains_on_what_its_time_limited_generation_finished(target, dataset, tmp_path):
+    """--stage all with --gen-time-limit: generation stops, training follows on what finished;
+    --resume of that training generates nothing (more data would change its batches)."""
+    import shutil
+
+    runner, tok = target
+    data = str(tmp_path / "data")
+    shutil.copytree(dataset[0].folder, data)  # three prompts answered; --max-seqs 4 asks a fourth
+    common = ["--data", data, "--max-seqs", "4", "--gen-max-new-tokens", str(NEW_TOKENS), "--shots", "2",
+              "--sample-temperatures", "0.8,1.1", "--layers", "1", "--block-size", "4", "--anchors", "4",
+              "--batch-size", "2", "--gen-time-limit", "0", "--save-every", "100", "--out", str(tmp_path / "run")]
+    assert train(parse(*common, "--steps", "2"), runner, tok) == 0
+    info = json.load(open(tmp_path / "run" / "train_info.json"))
+    assert info["generation"]["stopped"] == "time limit" and info["generation"]["generated"] == 0
+    assert info["data"]["sequences"] == 3 and info["steps"] == {"done": 2, "total": 2, "stopped": "done"}
+    assert train(parse(*common, "--steps", "3", "--resume"), runner, tok) == 0
+    info = json.load(open(tmp_path / "run" / "train_info.json"))
+    assert info["generation"]["stopped"] == "not run (--stage all --resume)"
+    assert info["data"]["sequences"] == 3 and info["steps"]["done"] == 3
+
+
 def test_eval_command(target, tmp_path, monkeypatch):
     """`pdflash dflash eval` through the CLI on the users' few-shot format (stop strings) and then
     GSM8K chat on the same engines, the shipped drafter in both dtypes (--draft-dtype fp32,bf16),

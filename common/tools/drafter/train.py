@@ -84,7 +84,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="train also on the finished sequences of these data folders (other runs' --data, of the same "
                         "model and prompt file; read, never written); a sequence already in the data counts once")
     d.add_argument("--gen-time-limit", type=float, default=None,
-                   help="stop generating after this many seconds (what finished is kept; run again to go on), "
+                   help="stop generating after this many seconds (what finished is kept: --stage all trains on it, --stage data "
+                        "goes on when run again), "
                         "counted from generation's start, its engine's building included; with --gen-workers from "
                         "the command's start, the processes' model loading included: all stop together")
     d.add_argument("--eval-prompts", type=int, default=0, help="hold out the last N prompts; report their loss/acc")
@@ -155,7 +156,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--snapshot-every", type=int, default=None,
                    help="also save the drafter every N steps in OUT/snapshots/step-N (a scaling curve)")
     t.add_argument("--stage", choices=["all", "data", "train"], default="all",
-                   help="data: only generate; train: only train (on the data there is)")
+                   help="all: generate (until done or --gen-time-limit), then train on what finished; data: only "
+                        "generate; train: only train (on the data there is). --resume of a training never generates")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_model_args(p, kv_pages=0)  # --kv-pages 0 = sized for the generation batch
 
@@ -164,11 +166,11 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     read_prompts(args.prompts, args.prompt_field, 1)  # fail on a bad prompt file before loading the model
     started, gen = time.perf_counter(), None
-    if args.gen_workers > 1 and args.stage != "train":  # before this process holds the device
+    if args.gen_workers > 1 and _generates(args):  # before this process holds the device
         gen = generate_in_workers(args)
         if not _data_complete(args, gen):
             return 0
-    generating = gen is None and args.stage != "train"
+    generating = gen is None and _generates(args)
     rows = max(_max_running(args), args.batch_size) if generating else args.batch_size
     runner, tok = load_model(_model_options(args, rows))
     return train(args, runner, tok, gen, started if gen is not None else None)
@@ -267,8 +269,8 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
     # ---- 1. data ------------------------------------------------------------------------
     rows, settings, store, srcs = data_sources(args, runner.cfg.name, tok)
     if gen is None:
-        gen = {"generated": 0, "gen_seconds": 0.0, "stopped": "not run (--stage train)"}
-        if args.stage != "train":
+        gen = {"generated": 0, "gen_seconds": 0.0, "stopped": f"not run (--stage {args.stage}{' --resume' * args.resume})"}
+        if _generates(args):
             gen = generate(runner, tok, srcs, store, max_running=_max_running(args), chunk_size=_chunk_size(args),
                            time_limit=args.gen_time_limit, progress=not args.no_progress)
             if not _data_complete(args, gen):
@@ -396,10 +398,20 @@ def _data_complete(args, gen: dict) -> bool:
     for k, part in enumerate(gen.get("parts", ())):  # each from its engine's start, after its model loaded
         print(f"  part {k}: {part['generated']} sequences, {part['gen_tokens']:,} tokens in {part['gen_seconds']} s "
               f"({part['gen_tok_per_s']:,.0f} tok/s); {part['stopped']}", flush=True)
-    if args.stage == "data" or gen["stopped"] != "done":
+    if args.stage == "data":
         print("data not complete: run again to go on" if gen["stopped"] != "done" else "data done", flush=True)
         return False
+    if gen["stopped"] != "done":
+        print("generation stopped at --gen-time-limit: training on what finished (--stage data generates more)",
+              flush=True)
     return True
+
+
+def _generates(args) -> bool:
+    """Whether this command generates: --stage data always; --stage all unless it resumes a
+    training (which goes on with the data it began on: more would change its batches)."""
+    resuming = args.resume and os.path.isfile(os.path.join(args.out, "checkpoint.pt"))
+    return args.stage == "data" or (args.stage == "all" and not resuming)
 
 
 def loop(args, trainer: Trainer, order: EpochOrder, eval_batches: list[Batch], start: int, total: int,
