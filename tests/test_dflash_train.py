@@ -38,6 +38,7 @@ from common.tools.drafter.objective import (
     sample_anchors,
 )
 from common.tools.drafter.train import GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, repeated, run, train
+from common.tools.drafter.plan import StepCost, fit_cost, steps_that_fit
 from common.tools.drafter.trainer import EpochOrder, Trainer
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "fixtures", "dflash_prompts.jsonl")
@@ -205,6 +206,22 @@ def test_an_epoch_draws_its_share_of_a_fractional_source_afresh():
     assert [s.i for s in again.batch(9)] == [s.i for s in order.batch(9)]  # a resumed run draws the same
     plain = EpochOrder(seqs, 8, seed=3)
     assert plain.steps_per_epoch == 5 and not any(s.source == "fewshot" for st in range(5) for s in plain.batch(st))
+
+
+def test_steps_auto_plans_from_a_fitted_step_cost():
+    cost = fit_cost([(n, 0.02 + 1e-6 * n) for n in (1000, 4000, 2000, 8000)])
+    assert cost.fixed == pytest.approx(0.02) and cost.per_token == pytest.approx(1e-6)
+    assert fit_cost([(1000, 0.5), (1000, 0.7)]) == StepCost(pytest.approx(0.6), 0.0)  # sizes that do not vary
+    assert fit_cost([(1000, 0.9), (2000, 0.1)]).per_token == 0.0  # noise, not a negative cost
+    seqs = [Sequence("chat", i, 0, 1, torch.arange(10).int().numpy()) for i in range(8)]
+    order = EpochOrder(seqs, 2, seed=0)  # every batch 2 x 10 padded tokens
+    flat = StepCost(1.0, 0.0)
+    # 1 s a step, 0.5 s after every 4th: 4.5 s for four steps, 9 s for eight, 10 s for nine.
+    assert steps_that_fit(order, flat, 9.9, save_every=4, save_s=0.5) == 8
+    assert steps_that_fit(order, flat, 10.0, save_every=4, save_s=0.5) == 9
+    assert steps_that_fit(order, flat, 10.9, save_every=4, save_s=0.5) == 9
+    assert steps_that_fit(order, StepCost(0.0, 0.05), 10.0, save_every=100, save_s=0.0) == 10  # 1 s a 20-token step
+    assert steps_that_fit(order, flat, 0.5, save_every=4, save_s=0.5) == 0
 
 
 def test_generation_prefill_steps_default_by_device():
@@ -953,6 +970,46 @@ def test_one_command_trains_on_what_its_time_limited_generation_finished(target,
     info = json.load(open(tmp_path / "run" / "train_info.json"))
     assert info["generation"]["stopped"] == "not run (--stage all --resume)"
     assert info["data"]["sequences"] == 3 and info["steps"]["done"] == 3
+
+
+def test_steps_auto_fills_the_time_limit_and_leaves_the_run_as_planned(target, dataset, tmp_path, monkeypatch):
+    """--steps auto: steps timed on a copy of the drafter (here with a fitted cost of 100 s a
+    step), as many as fit in --time-limit; the run then equals one given that many steps, a
+    --resume keeps the plan, and a limit without room for a step is refused."""
+    from common.tools.drafter import plan
+
+    runner, tok = target
+    monkeypatch.setattr(plan, "WARM_STEPS", 1)
+    monkeypatch.setattr(plan, "TIMED_STEPS", 2)
+    timed = []
+    real_fit = plan.fit_cost
+    monkeypatch.setattr(plan, "fit_cost", lambda samples: timed.append(real_fit(samples)) or StepCost(100.0, 0.0))
+    common = ["--data", dataset[0].folder, "--max-seqs", "3", "--gen-max-new-tokens", str(NEW_TOKENS), "--shots", "2",
+              "--sample-temperatures", "0.8,1.1", "--layers", "1", "--block-size", "4", "--anchors", "4",
+              "--batch-size", "2", "--log-every", "1", "--save-every", "100"]
+    auto, fixed, split = (str(tmp_path / name) for name in ("auto", "fixed", "split"))
+    # 600 s less what has run, less 3 %, less a checkpoint: more than 500 s, less than 600 s.
+    assert train(parse(*common, "--steps", "auto", "--time-limit", "600", "--out", auto), runner, tok) == 0
+    info = json.load(open(os.path.join(auto, "train_info.json")))
+    assert info["steps"]["done"] == info["steps"]["total"] == 5 and info["steps"]["stopped"] == "done"
+    assert info["steps"]["planned"]["step_fixed_s"] == 100.0 and "--steps 5" in info["command"]
+    assert len(timed) == 1 and timed[0].seconds(10) > 0  # the probe's steps were timed
+    assert train(parse(*common, "--steps", "5", "--out", fixed), runner, tok) == 0
+    planned_w = Drafter.load(os.path.join(auto, "drafter")).state_dict()
+    for name, w in Drafter.load(os.path.join(fixed, "drafter")).state_dict().items():
+        assert torch.equal(w, planned_w[name]), name  # the timed copy left the run's drafter as it was
+
+    assert train(parse(*common, "--steps", "auto", "--time-limit", "600", "--stop-at", "2", "--out", split),
+                 runner, tok) == 0
+    assert train(parse(*common, "--steps", "auto", "--time-limit", "600", "--resume", "--out", split),
+                 runner, tok) == 0
+    info = json.load(open(os.path.join(split, "train_info.json")))
+    assert info["steps"] == {"done": 5, "total": 5, "stopped": "done"} and len(timed) == 2  # not planned again
+
+    with pytest.raises(ValueError, match="not one step fits"):
+        train(parse(*common, "--steps", "auto", "--time-limit", "90", "--out", str(tmp_path / "short")), runner, tok)
+    with pytest.raises(ValueError, match="needs --time-limit|give one"):
+        train(parse(*common, "--steps", "auto", "--out", str(tmp_path / "none")), runner, tok)
 
 
 def test_eval_command(target, tmp_path, monkeypatch):

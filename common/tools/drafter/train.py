@@ -20,6 +20,8 @@ drafter with the engine.
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import math
 import os
@@ -39,6 +41,7 @@ from common.tools.drafter import sources
 from common.tools.drafter.data import (DataStore, GenSettings, Part, Sequence, check_pool, data_stats, file_sha256,
                                        generate, pooled_sequences, read_prompts)
 from common.tools.drafter.objective import SOFT_TOP_K, Batch, make_batch
+from common.tools.drafter.plan import plan_steps
 from common.tools.drafter.trainer import (DRAFTING_ONLY, EpochOrder, Trainer, load_checkpoint, rounded, save_checkpoint,
                                           save_drafter)
 
@@ -117,7 +120,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("training")
     t.add_argument("--out", default=os.path.join("results", "dflash-train"), help="output folder")
     t.add_argument("--epochs", type=float, default=5.0)
-    t.add_argument("--steps", type=int, default=None, help="total optimizer steps (overrides --epochs)")
+    t.add_argument("--steps", type=_steps, default=None,
+                   help="total optimizer steps (overrides --epochs); auto: as many as fit in --time-limit, planned "
+                        "before training from timed steps on its first batches, so that the learning rate anneals "
+                        "as the time ends (a --resume keeps the plan)")
     t.add_argument("--batch-size", type=int, default=32, help="sequences per step")
     t.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
     t.add_argument("--gamma", type=float, default=7.0, help="loss weight exp(-(k-1)/gamma) of block position k")
@@ -300,7 +306,13 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
     cfg = drafter_config(args, runner)
     train_seed = args.seed if args.train_seed is None else args.train_seed
     order = EpochOrder(train_seqs, args.batch_size, train_seed, drawn)
-    total = args.steps or max(1, round(args.epochs * order.steps_per_epoch))
+    ckpt_path = os.path.join(args.out, "checkpoint.pt")
+    resuming = args.resume and os.path.isfile(ckpt_path)
+    planned = args.steps == "auto" and not resuming
+    if args.steps == "auto" and resuming:  # the plan of the run it resumes
+        total = args.steps = torch.load(ckpt_path, map_location="cpu", weights_only=True)["total_steps"]
+    else:
+        total = 1 if planned else args.steps or max(1, round(args.epochs * order.steps_per_epoch))
     torch.manual_seed(train_seed)
     drafter = Drafter(cfg).to(device)
     if args.init:
@@ -309,20 +321,28 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
             (f", reading also the target's layer{'s' * (len(reads) > 1)} {', '.join(map(str, reads))}" if reads else "")
         print(f"initialised from the drafter at {args.init}{grew}", flush=True)
     amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
-    trainer = Trainer(runner, drafter, lr=args.lr, total_steps=total, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
-                      weight_decay=args.weight_decay, gamma=args.gamma, anchors=args.anchors,
-                      grad_clip=args.grad_clip, amp=amp, seed=train_seed,
-                      greedy_path=args.sampled_labels == "greedy-path", soft_weight=args.soft_labels,
-                      refine=args.refine, compile=args.compile)
-    ckpt_path = os.path.join(args.out, "checkpoint.pt")
+    make_trainer = functools.partial(
+        Trainer, runner, lr=args.lr, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
+        weight_decay=args.weight_decay, gamma=args.gamma, anchors=args.anchors, grad_clip=args.grad_clip, amp=amp,
+        seed=train_seed, greedy_path=args.sampled_labels == "greedy-path", soft_weight=args.soft_labels,
+        refine=args.refine, compile=args.compile)
+    eval_batches = [make_batch(eval_seqs[i:i + args.batch_size], device)
+                    for i in range(0, len(eval_seqs), args.batch_size)]
+    plan = None
+    if planned:
+        total, plan = plan_steps(make_trainer(copy.deepcopy(drafter), total_steps=1), order, eval_batches,
+                                 lambda: args.time_limit - (time.perf_counter() - t_start), args.save_every)
+        args.steps = total  # what the run does; the command that reproduces it says so
+        print(f"--steps auto: {total} steps fit in --time-limit (a step {1e3 * plan['step_fixed_s']:.1f} ms + "
+              f"{plan['step_per_token_us']:.4f} us a padded token, timed on {plan['timed_steps']} of its batches)",
+              flush=True)
+    trainer = make_trainer(drafter, total_steps=total)
     start, prev_seconds = 0, 0.0
-    if args.resume and os.path.isfile(ckpt_path):
+    if resuming:
         start, prev_seconds = load_checkpoint(ckpt_path, trainer, cfg, total)
         print(f"resumed from {ckpt_path} at step {start}/{total}", flush=True)
     elif os.path.isfile(ckpt_path):
         print(f"note: {ckpt_path} exists; starting over (pass --resume to continue it)", flush=True)
-    eval_batches = [make_batch(eval_seqs[i:i + args.batch_size], device)
-                    for i in range(0, len(eval_seqs), args.batch_size)]
     n_params = sum(p.numel() for p in drafter.parameters())
     print(f"drafter: {cfg.num_layers} layers, {n_params / 1e6:.2f}M parameters, capture {list(cfg.capture_layers)}, "
           f"block {cfg.block_size}, mask id {cfg.mask_token_id}; {total} steps of {args.batch_size} sequences x "
@@ -342,7 +362,8 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
         "generation": gen,
         "drafter": asdict(cfg) | {"parameters": n_params, "saved_dtype": str(save_dtype).removeprefix("torch."),
                                   "bytes": os.path.getsize(os.path.join(drafter_dir, "model.safetensors"))},
-        "steps": {"done": final.get("step", start), "total": total, "stopped": stop_reason},
+        "steps": {"done": final.get("step", start), "total": total, "stopped": stop_reason}
+                 | ({"planned": plan} if plan else {}),
         "trained_response_tokens": order.response_tokens_through(final.get("step", start)),
         "final": final,
         "eval": evals,
@@ -612,6 +633,10 @@ def _repeats(text: str) -> dict[str, float]:
     return repeats
 
 
+def _steps(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
 def _formats(args) -> tuple[str, ...]:
     return tuple(f.strip() for f in args.formats.split(",") if f.strip())
 
@@ -638,7 +663,9 @@ def _check_args(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     if args.block_size < 2:
         raise ValueError("--block-size must be at least 2")
-    if args.steps is not None and args.steps <= 0:
+    if args.steps == "auto" and args.time_limit is None:
+        raise ValueError("--steps auto plans the steps that fit in --time-limit: give one")
+    if args.steps is not None and args.steps != "auto" and args.steps <= 0:
         raise ValueError("--steps must be positive")
     if args.samples_per_prompt < 0 or args.eval_prompts < 0:
         raise ValueError("--samples-per-prompt and --eval-prompts must be >= 0")

@@ -1,0 +1,103 @@
+"""`dflash train --steps auto`: how many steps fit in the rest of --time-limit.
+
+The learning rate follows a cosine over the run's steps, so a run cut by its time limit stops
+before the schedule anneals, and one planned too short leaves time unused. Here a copy of the
+drafter trains on the run's first batches, timed; a step's time is fitted as a + b x (the
+batch's padded tokens: a few-shot batch costs about twice a chat one), and the run's own batch
+order is walked until its predicted time, with the held-out checks and checkpoints every
+--save-every steps, fills the time left.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.tools.drafter.objective import Batch, make_batch
+from common.tools.drafter.trainer import EpochOrder, Trainer, save_checkpoint
+
+TIMED_STEPS = 24  # timed after WARM_STEPS untimed ones (allocations, kernel choices)
+WARM_STEPS = 3
+MARGIN = 0.03  # of the time left: the fit is an estimate
+
+
+@dataclass
+class StepCost:
+    """Predicted seconds of a training step: fixed + per_token x the batch's padded tokens."""
+
+    fixed: float
+    per_token: float
+
+    def seconds(self, tokens: int) -> float:
+        return self.fixed + self.per_token * tokens
+
+
+def fit_cost(samples: list[tuple[int, float]]) -> StepCost:
+    """Least squares over (padded tokens, seconds); the mean step where the sizes do not vary,
+    or noise makes the fit negative."""
+    tokens = np.array([n for n, _ in samples], dtype=np.float64)
+    secs = np.array([t for _, t in samples], dtype=np.float64)
+    if np.ptp(tokens) > 0:
+        slope, fixed = np.polyfit(tokens, secs, 1)
+        if slope >= 0 and fixed >= 0:
+            return StepCost(float(fixed), float(slope))
+    return StepCost(float(secs.mean()), 0.0)
+
+
+def padded_tokens(seqs) -> int:
+    return len(seqs) * max(len(s.ids) for s in seqs)
+
+
+def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every: int, save_s: float) -> int:
+    """The most steps of `order` whose predicted time, with save_s after every save_every-th
+    step, stays within `seconds`."""
+    used, step = 0.0, 0
+    while True:
+        used += cost.seconds(padded_tokens(order.batch(step)))
+        if (step + 1) % save_every == 0:
+            used += save_s
+        if used > seconds:
+            return step
+        step += 1
+
+
+def time_steps(trainer: Trainer, batches: list[Batch]) -> list[tuple[int, float]]:
+    """(padded tokens, seconds) of a training step on each batch, after WARM_STEPS untimed."""
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    out = []
+    for i, batch in enumerate(batches):
+        sync()
+        t = time.perf_counter()
+        trainer.step(batch, i)
+        sync()
+        if i >= WARM_STEPS:
+            out.append((batch.ids.numel(), time.perf_counter() - t))
+    return out
+
+
+def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], seconds_left, save_every: int
+               ) -> tuple[int, dict]:
+    """Steps for a run of `order`, timed on `probe` (a trainer like the run's, on a copy of its
+    drafter: it trains on the first batches), and what the plan read. seconds_left(): the
+    seconds --time-limit still leaves."""
+    batches = [make_batch(order.batch(i), probe.device) for i in range(WARM_STEPS + TIMED_STEPS)]
+    cost = fit_cost(time_steps(probe, batches))
+    t = time.perf_counter()
+    if eval_batches:
+        probe.evaluate(eval_batches)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(os.path.join(tmp, "checkpoint.pt"), probe, 0, 0.0)
+    save_s = time.perf_counter() - t  # a checkpoint with its held-out check; the run ends with one too
+    budget = seconds_left() * (1 - MARGIN) - save_s
+    if budget <= 0:
+        raise ValueError(f"--steps auto: --time-limit leaves no time to train ({seconds_left():.0f} s left)")
+    total = steps_that_fit(order, cost, budget, save_every, save_s)
+    if total < 1:
+        raise ValueError(f"--steps auto: not one step fits in the {budget:.1f} s that --time-limit leaves")
+    return total, {"timed_steps": TIMED_STEPS, "step_fixed_s": round(cost.fixed, 5),
+                   "step_per_token_us": round(cost.per_token * 1e6, 5), "save_and_check_s": round(save_s, 3),
+                   "seconds_planned": round(budget, 1)}
