@@ -181,11 +181,18 @@ def test_sources_and_greedy_answers_weighted_up_by_repetition():
     fewshot = [s for s in seqs if s.source == "fewshot"]
     assert [s for s in got if s.source == "fewshot"] == [s for s in fewshot if not s.sampled]
     assert drawn == [([s for s in fewshot if s.sampled], 1)]
+    # Each source's share apart, at least one of a group: half of one sampled answer is one.
+    _, drawn = repeated(seqs, {"chat": 0.5, "fewshot": 0.5}, greedy_repeat=1)
+    assert sorted((g[0].source, g[0].sampled, len(g), k) for g, k in drawn) == [
+        ("chat", False, 2, 1), ("chat", True, 2, 1), ("fewshot", False, 2, 1), ("fewshot", True, 2, 1)]
+    assert repeated(seqs[1:2], {"chat": 0.5}, 1)[1] == [(seqs[1:2], 1)]
     for bad in ("poetry=2", "chat=-1", "chat", "chat=x", "chat=nan", "chat=inf"):
         with pytest.raises(ValueError, match="source-repeat"):
             train(parse("--source-repeat", bad), None, None)
     with pytest.raises(ValueError, match="soft-labels must be between 0 and 1"):
         train(parse("--soft-labels", "1.5"), None, None)
+    with pytest.raises(SystemExit):  # argparse: "want a number of steps or auto"
+        parse("--steps", "many")
     with pytest.raises(ValueError, match="gen-chunk-size must be positive"):
         train(parse("--gen-chunk-size", "0"), None, None)
 
@@ -213,6 +220,10 @@ def test_steps_auto_plans_from_a_fitted_step_cost():
     assert cost.fixed == pytest.approx(0.02) and cost.per_token == pytest.approx(1e-6)
     assert fit_cost([(1000, 0.5), (1000, 0.7)]) == StepCost(pytest.approx(0.6), 0.0)  # sizes that do not vary
     assert fit_cost([(1000, 0.9), (2000, 0.1)]).per_token == 0.0  # noise, not a negative cost
+    stalled = [(n, 0.02 + 1e-6 * n) for n in (1000, 4000, 2000, 8000, 3000)] + [(2000, 40.0)]  # a recompile
+    assert fit_cost(stalled).per_token == pytest.approx(1e-6)
+    through_origin = fit_cost([(1000, 0.0009), (2000, 0.0021), (3000, 0.0030)])  # fixed part < 0 by noise
+    assert through_origin.fixed == 0.0 and through_origin.per_token == pytest.approx(1e-6, rel=0.05)
     seqs = [Sequence("chat", i, 0, 1, torch.arange(10).int().numpy()) for i in range(8)]
     order = EpochOrder(seqs, 2, seed=0)  # every batch 2 x 10 padded tokens
     flat = StepCost(1.0, 0.0)
@@ -222,6 +233,10 @@ def test_steps_auto_plans_from_a_fitted_step_cost():
     assert steps_that_fit(order, flat, 10.9, save_every=4, save_s=0.5) == 9
     assert steps_that_fit(order, StepCost(0.0, 0.05), 10.0, save_every=100, save_s=0.0) == 10  # 1 s a 20-token step
     assert steps_that_fit(order, flat, 0.5, save_every=4, save_s=0.5) == 0
+    # Snapshots after steps 2, 4, 6, 8 and checkpoints after 4, 8: the 8th step ends at 11 s.
+    assert steps_that_fit(order, flat, 10.0, save_every=4, save_s=0.5, snapshot_every=2) == 7
+    with pytest.raises(ValueError, match="timed at"):
+        steps_that_fit(order, StepCost(0.0, 0.0), 10.0, save_every=4, save_s=0.0)
 
 
 def test_generation_prefill_steps_default_by_device():
@@ -1008,7 +1023,7 @@ def test_steps_auto_fills_the_time_limit_and_leaves_the_run_as_planned(target, d
 
     with pytest.raises(ValueError, match="not one step fits"):
         train(parse(*common, "--steps", "auto", "--time-limit", "90", "--out", str(tmp_path / "short")), runner, tok)
-    with pytest.raises(ValueError, match="needs --time-limit|give one"):
+    with pytest.raises(ValueError, match="plans the steps that fit in --time-limit"):
         train(parse(*common, "--steps", "auto", "--out", str(tmp_path / "none")), runner, tok)
 
 

@@ -10,13 +10,14 @@ order is walked until its predicted time, with the held-out checks and checkpoin
 from __future__ import annotations
 
 import os
-import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from common.tools.drafter.data import Sequence
 from common.tools.drafter.objective import Batch, make_batch
 from common.tools.drafter.trainer import EpochOrder, Trainer, save_checkpoint
 
@@ -37,65 +38,76 @@ class StepCost:
 
 
 def fit_cost(samples: list[tuple[int, float]]) -> StepCost:
-    """Least squares over (padded tokens, seconds); the mean step where the sizes do not vary,
-    or noise makes the fit negative."""
-    tokens = np.array([n for n, _ in samples], dtype=np.float64)
+    """Least squares over (padded tokens, seconds), without the steps over 3x the median (a
+    compile or another stall would skew every planned step); through the origin where the fit
+    gives a negative fixed part, the mean step where the sizes do not vary."""
     secs = np.array([t for _, t in samples], dtype=np.float64)
+    keep = secs <= 3 * np.median(secs)
+    tokens, secs = np.array([n for n, _ in samples], dtype=np.float64)[keep], secs[keep]
     if np.ptp(tokens) > 0:
         slope, fixed = np.polyfit(tokens, secs, 1)
         if slope >= 0 and fixed >= 0:
             return StepCost(float(fixed), float(slope))
+        if slope >= 0:
+            return StepCost(0.0, float((tokens * secs).sum() / (tokens * tokens).sum()))
     return StepCost(float(secs.mean()), 0.0)
 
 
-def padded_tokens(seqs) -> int:
+def padded_tokens(seqs: list[Sequence]) -> int:
     return len(seqs) * max(len(s.ids) for s in seqs)
 
 
-def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every: int, save_s: float) -> int:
+def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every: int, save_s: float,
+                   snapshot_every: int | None = None) -> int:
     """The most steps of `order` whose predicted time, with save_s after every save_every-th
-    step, stays within `seconds`."""
+    step (a checkpoint and the held-out check) and every snapshot_every-th (a snapshot), stays
+    within `seconds`."""
+    if cost.seconds(1) <= 0:
+        raise ValueError(f"--steps auto: a step timed at {cost.seconds(1)} s")
     used, step = 0.0, 0
     while True:
         used += cost.seconds(padded_tokens(order.batch(step)))
-        if (step + 1) % save_every == 0:
-            used += save_s
+        for every in (save_every, snapshot_every):
+            if every and (step + 1) % every == 0:
+                used += save_s
         if used > seconds:
             return step
         step += 1
 
 
-def time_steps(trainer: Trainer, batches: list[Batch]) -> list[tuple[int, float]]:
-    """(padded tokens, seconds) of a training step on each batch, after WARM_STEPS untimed."""
+def time_steps(trainer: Trainer, order: EpochOrder, steps: int) -> list[tuple[int, float]]:
+    """(padded tokens, seconds) of the first `steps` steps of `order` after WARM_STEPS untimed
+    ones, each making its batch as the training loop does."""
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     out = []
-    for i, batch in enumerate(batches):
+    for i in range(WARM_STEPS + steps):
         sync()
         t = time.perf_counter()
-        trainer.step(batch, i)
+        seqs = order.batch(i)
+        trainer.step(make_batch(seqs, trainer.device), i)
         sync()
         if i >= WARM_STEPS:
-            out.append((batch.ids.numel(), time.perf_counter() - t))
+            out.append((padded_tokens(seqs), time.perf_counter() - t))
     return out
 
 
-def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], seconds_left, save_every: int
-               ) -> tuple[int, dict]:
+def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], seconds_left: Callable[[], float],
+               save_every: int, snapshot_every: int | None, folder: str) -> tuple[int, dict]:
     """Steps for a run of `order`, timed on `probe` (a trainer like the run's, on a copy of its
     drafter: it trains on the first batches), and what the plan read. seconds_left(): the
-    seconds --time-limit still leaves."""
-    batches = [make_batch(order.batch(i), probe.device) for i in range(WARM_STEPS + TIMED_STEPS)]
-    cost = fit_cost(time_steps(probe, batches))
+    seconds --time-limit still leaves; folder: where the run writes its checkpoints."""
+    cost = fit_cost(time_steps(probe, order, TIMED_STEPS))
     t = time.perf_counter()
     if eval_batches:
         probe.evaluate(eval_batches)
-    with tempfile.TemporaryDirectory() as tmp:
-        save_checkpoint(os.path.join(tmp, "checkpoint.pt"), probe, 0, 0.0)
+    path = os.path.join(folder, "checkpoint.plan.pt")  # timed where the run's go: disks differ
+    save_checkpoint(path, probe, 0, 0.0)
+    os.remove(path)
     save_s = time.perf_counter() - t  # a checkpoint with its held-out check; the run ends with one too
     budget = seconds_left() * (1 - MARGIN) - save_s
     if budget <= 0:
         raise ValueError(f"--steps auto: --time-limit leaves no time to train ({seconds_left():.0f} s left)")
-    total = steps_that_fit(order, cost, budget, save_every, save_s)
+    total = steps_that_fit(order, cost, budget, save_every, save_s, snapshot_every)
     if total < 1:
         raise ValueError(f"--steps auto: not one step fits in the {budget:.1f} s that --time-limit leaves")
     return total, {"timed_steps": TIMED_STEPS, "step_fixed_s": round(cost.fixed, 5),

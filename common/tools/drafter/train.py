@@ -13,9 +13,10 @@
                OUT/checkpoint.pt (resume with --resume), OUT/train_log.jsonl, OUT/train_info.json
                (args, data stats, final metrics, times, the command that reproduces the run)
 
-Both stages resume where a previous run stopped (--stage data, --gen-time-limit, --time-limit
-and --stop-at split the work into calls of any length). `pdflash dflash eval` measures a
-drafter with the engine.
+Both stages resume where a previous run stopped (--stage data with --gen-time-limit, and
+--time-limit or --stop-at, split the work into calls of any length); --stage all trains on what
+a generation cut by --gen-time-limit finished, and --steps auto fits the training to
+--time-limit. `pdflash dflash eval` measures a drafter with the engine.
 """
 from __future__ import annotations
 
@@ -158,12 +159,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     t.add_argument("--stop-at", type=int, default=None, help="stop (checkpointed) at this step; --resume continues")
-    t.add_argument("--time-limit", type=float, default=None, help="stop (checkpointed) after this many seconds")
+    t.add_argument("--time-limit", type=float, default=None,
+                   help="stop (checkpointed) after this many seconds of this command, counted from its start")
     t.add_argument("--snapshot-every", type=int, default=None,
                    help="also save the drafter every N steps in OUT/snapshots/step-N (a scaling curve)")
     t.add_argument("--stage", choices=["all", "data", "train"], default="all",
                    help="all: generate (until done or --gen-time-limit), then train on what finished; data: only "
-                        "generate; train: only train (on the data there is). --resume of a training never generates")
+                        "generate; train: only train (on the data there is). With a checkpoint, --stage all --resume "
+                        "generates nothing")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_model_args(p, kv_pages=0)  # --kv-pages 0 = sized for the generation batch
 
@@ -179,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     generating = gen is None and _generates(args)
     rows = max(_max_running(args), args.batch_size) if generating else args.batch_size
     runner, tok = load_model(_model_options(args, rows))
-    return train(args, runner, tok, gen, started if gen is not None else None)
+    return train(args, runner, tok, gen, started)
 
 
 def _model_options(args, rows: int) -> ModelOptions:
@@ -263,8 +266,8 @@ def _chunk_size(args) -> int:
 def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None = None,
           started: float | None = None) -> int:
     """The whole command on an already loaded target (tests pass theirs); `gen`: what
-    generate_in_workers made (this process then generates nothing), from `started` on (so that
-    --time-limit and the times recorded count that generation, as they count this process's)."""
+    generate_in_workers made (this process then generates nothing); `started`: the command's
+    start, from which --time-limit and the times recorded count (default: now)."""
     t_start = time.perf_counter() if started is None else started
     _check_args(args)
     os.makedirs(args.out, exist_ok=True)
@@ -292,8 +295,12 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
     train_seqs = [s for s in seqs if kept(s) and not held(s)] + pooled
     eval_seqs = [s for s in seqs if kept(s) and held(s) and s.k == 0]
     if not train_seqs:
-        raise ValueError("no training sequences (every answer is shorter than 2 tokens, or every source repeated 0 "
-                         "times?)")
+        raise ValueError("no training sequences (nothing finished before --gen-time-limit, every answer is shorter "
+                         "than 2 tokens, or every source repeated 0 times?)")
+    answered = len({s.i for s in eval_seqs})
+    if answered < len(held_out):
+        print(f"note: {answered} of the {len(held_out)} held-out prompts have a finished answer (the held-out check "
+              f"reads only those)", flush=True)
     stats = data_stats(train_seqs)
     train_seqs, drawn = repeated(train_seqs, source_repeat, args.greedy_repeat)
     pool_note = f", {len(pooled)} of them from --pool" if pooled else ""
@@ -307,12 +314,12 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
     train_seed = args.seed if args.train_seed is None else args.train_seed
     order = EpochOrder(train_seqs, args.batch_size, train_seed, drawn)
     ckpt_path = os.path.join(args.out, "checkpoint.pt")
-    resuming = args.resume and os.path.isfile(ckpt_path)
+    resuming = _resuming(args)
     planned = args.steps == "auto" and not resuming
     if args.steps == "auto" and resuming:  # the plan of the run it resumes
         total = args.steps = torch.load(ckpt_path, map_location="cpu", weights_only=True)["total_steps"]
-    else:
-        total = 1 if planned else args.steps or max(1, round(args.epochs * order.steps_per_epoch))
+    elif not planned:
+        total = args.steps or max(1, round(args.epochs * order.steps_per_epoch))
     torch.manual_seed(train_seed)
     drafter = Drafter(cfg).to(device)
     if args.init:
@@ -331,7 +338,8 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
     plan = None
     if planned:
         total, plan = plan_steps(make_trainer(copy.deepcopy(drafter), total_steps=1), order, eval_batches,
-                                 lambda: args.time_limit - (time.perf_counter() - t_start), args.save_every)
+                                 lambda: args.time_limit - (time.perf_counter() - t_start), args.save_every,
+                                 args.snapshot_every, args.out)
         args.steps = total  # what the run does; the command that reproduces it says so
         print(f"--steps auto: {total} steps fit in --time-limit (a step {1e3 * plan['step_fixed_s']:.1f} ms + "
               f"{plan['step_per_token_us']:.4f} us a padded token, timed on {plan['timed_steps']} of its batches)",
@@ -428,11 +436,14 @@ def _data_complete(args, gen: dict) -> bool:
     return True
 
 
+def _resuming(args) -> bool:
+    return args.resume and os.path.isfile(os.path.join(args.out, "checkpoint.pt"))
+
+
 def _generates(args) -> bool:
     """Whether this command generates: --stage data always; --stage all unless it resumes a
     training (which goes on with the data it began on: more would change its batches)."""
-    resuming = args.resume and os.path.isfile(os.path.join(args.out, "checkpoint.pt"))
-    return args.stage == "data" or (args.stage == "all" and not resuming)
+    return args.stage == "data" or (args.stage == "all" and not _resuming(args))
 
 
 def loop(args, trainer: Trainer, order: EpochOrder, eval_batches: list[Batch], start: int, total: int,
@@ -611,11 +622,12 @@ def repeated(seqs: list, source_repeat: dict[str, float], greedy_repeat: int) ->
     always, parts = [], {}
     for seq in seqs:
         times = source_repeat.get(seq.source, 1) * (1 if seq.sampled else greedy_repeat)
-        whole = math.floor(times + 1e-9)
+        whole = math.floor(times + 1e-9)  # 0.7 x 3 is 2.0999...: two whole repeats and no sliver
         always += [seq] * whole
         if times - whole > 1e-9:
-            parts.setdefault(round(times - whole, 9), []).append(seq)
-    return always, [(group, round(f * len(group))) for f, group in sorted(parts.items())]
+            parts.setdefault((seq.source, seq.sampled, round(times - whole, 9)), []).append(seq)
+    # Each source's share exactly, greedy and sampled answers apart; at least one of a group.
+    return always, [(group, max(1, math.floor(f * len(group) + 0.5))) for (_, _, f), group in parts.items()]
 
 
 def _repeats(text: str) -> dict[str, float]:
@@ -634,7 +646,12 @@ def _repeats(text: str) -> dict[str, float]:
 
 
 def _steps(text: str) -> int | str:
-    return text if text == "auto" else int(text)
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a number of steps or auto, not {text!r}") from None
 
 
 def _formats(args) -> tuple[str, ...]:
@@ -663,7 +680,7 @@ def _check_args(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     if args.block_size < 2:
         raise ValueError("--block-size must be at least 2")
-    if args.steps == "auto" and args.time_limit is None:
+    if args.steps == "auto" and args.time_limit is None and args.stage != "data":
         raise ValueError("--steps auto plans the steps that fit in --time-limit: give one")
     if args.steps is not None and args.steps != "auto" and args.steps <= 0:
         raise ValueError("--steps must be positive")

@@ -129,14 +129,16 @@ class EpochOrder:
     shuffled. A pure function of (seed, step), so a resumed run sees the same batches."""
 
     def __init__(self, seqs: list[Sequence], batch_size: int, seed: int,
-                 drawn: list[tuple[list[Sequence], int]] = ()):
+                 drawn: list[tuple[list[Sequence], int]] | None = None):
         self.seqs, self.batch_size, self.seed = list(seqs), batch_size, seed
         self._always = len(seqs)
         self._groups = []  # (first index in self.seqs, size, drawn per epoch)
-        for group, k in drawn:
+        for group, k in drawn or []:
             self._groups.append((len(self.seqs), len(group), k))
             self.seqs += group
-        self.steps_per_epoch = math.ceil((len(seqs) + sum(k for _, _, k in self._groups)) / batch_size)
+        self.steps_per_epoch = math.ceil((self._always + sum(k for _, _, k in self._groups)) / batch_size)
+        if not self.steps_per_epoch:
+            raise ValueError("no sequences to train on")
         self._epoch, self._batches = -1, []
 
     def batch(self, step: int) -> list[Sequence]:
