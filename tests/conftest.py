@@ -136,11 +136,12 @@ def stack_group(item) -> str | None:
     return next((s for s in SESSION_STACKS if s in item.fixturenames), None)
 
 
-# The groups that take longest (their stacks: minutes each on two cores), handed out first: xdist
+# The groups that take longest (their stacks, or the kernels under Triton's interpreter: minutes
+# each on two cores), handed out first: xdist
 # hands groups out in collection order (the Makefile turns its own by-size order off), and a long
 # group handed out last would run alone at the end while the other workers idle.
-LONGEST_FIRST = ("test_pd_kimi_linear", "test_deploy_netns", "test_pd_deepseek", "pd_stack", "test_pd_parallel",
-                 "test_faults", "colocated_stack", "test_dflash_lossless")
+LONGEST_FIRST = ("test_pd_kimi_linear", "test_deploy_netns", "test_pd_deepseek", "test_static_steps", "pd_stack",
+                 "test_pd_parallel", "test_faults", "colocated_stack", "test_dflash_lossless")
 
 
 def group_of(item) -> str:
