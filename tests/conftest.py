@@ -137,9 +137,9 @@ def stack_group(item) -> str | None:
 
 
 # The groups that take longest (their stacks, or the kernels under Triton's interpreter: minutes
-# each on two cores), handed out first: xdist
-# hands groups out in collection order (the Makefile turns its own by-size order off), and a long
-# group handed out last would run alone at the end while the other workers idle.
+# each on two cores), handed out first: xdist hands groups out in collection order (the Makefile
+# turns its own by-size order off), and a long group handed out last would run alone at the end
+# while the other workers idle.
 LONGEST_FIRST = ("test_pd_kimi_linear", "test_deploy_netns", "test_pd_deepseek", "test_static_steps", "pd_stack",
                  "test_pd_parallel", "test_faults", "colocated_stack", "test_dflash_lossless")
 
