@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from common.tools.drafter.data import Sequence
 from common.tools.drafter.objective import Batch, make_batch
@@ -78,14 +77,13 @@ def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every
 def time_steps(trainer: Trainer, order: EpochOrder, steps: int) -> list[tuple[int, float]]:
     """(padded tokens, seconds) of the first `steps` steps of `order` after WARM_STEPS untimed
     ones, each making its batch as the training loop does."""
-    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     out = []
     for i in range(WARM_STEPS + steps):
-        sync()
+        trainer.synchronize()
         t = time.perf_counter()
         seqs = order.batch(i)
         trainer.step(make_batch(seqs, trainer.device), i)
-        sync()
+        trainer.synchronize()
         if i >= WARM_STEPS:
             out.append((padded_tokens(seqs), time.perf_counter() - t))
     return out

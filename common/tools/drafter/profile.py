@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def time_case(trainer: Trainer, batch: Batch, steps: int) -> dict[str, float]:
-    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    sync = trainer.synchronize
     for i in range(2):
         trainer.step(batch, i)
     sync()

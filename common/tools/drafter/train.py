@@ -43,8 +43,8 @@ from common.tools.drafter.data import (DataStore, GenSettings, Part, Sequence, c
                                        generate, pooled_sequences, read_prompts)
 from common.tools.drafter.objective import SOFT_TOP_K, Batch, make_batch
 from common.tools.drafter.plan import plan_steps
-from common.tools.drafter.trainer import (DRAFTING_ONLY, EpochOrder, Trainer, load_checkpoint, rounded, save_checkpoint,
-                                          save_drafter)
+from common.tools.drafter.trainer import (DRAFTING_ONLY, EpochOrder, Trainer, checkpoint_total, load_checkpoint, rounded,
+                                          save_checkpoint, save_drafter)
 
 # Flags that steer one invocation but not what it produces: left out of the reproduce command.
 RUN_CONTROL = {"resume", "stop_at", "time_limit", "no_progress", "log_every", "save_every", "stage", "gen_time_limit",
@@ -88,10 +88,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="train also on the finished sequences of these data folders (other runs' --data, of the same "
                         "model and prompt file; read, never written); a sequence already in the data counts once")
     d.add_argument("--gen-time-limit", type=float, default=None,
-                   help="stop generating after this many seconds (what finished is kept: --stage all trains on it, --stage data "
-                        "goes on when run again), "
-                        "counted from generation's start, its engine's building included; with --gen-workers from "
-                        "the command's start, the processes' model loading included: all stop together")
+                   help="stop generating after this many seconds (what finished is kept: --stage all trains on it, "
+                        "--stage data goes on when run again), counted from generation's start, its engine's "
+                        "building included; with --gen-workers from the command's start, the processes' model "
+                        "loading included: all stop together")
     d.add_argument("--eval-prompts", type=int, default=0, help="hold out the last N prompts; report their loss/acc")
     d.add_argument("--source-repeat", default=None,
                    help="comma-separated SOURCE=N: an epoch sees that source's sequences N times (e.g. chat=2); a "
@@ -317,7 +317,7 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
     resuming = _resuming(args)
     planned = args.steps == "auto" and not resuming
     if args.steps == "auto" and resuming:  # the plan of the run it resumes
-        total = args.steps = torch.load(ckpt_path, map_location="cpu", weights_only=True)["total_steps"]
+        total = args.steps = checkpoint_total(ckpt_path)
     elif not planned:
         total = args.steps or max(1, round(args.epochs * order.steps_per_epoch))
     torch.manual_seed(train_seed)

@@ -108,6 +108,11 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         return metrics
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (timings); nothing to wait for on a CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> dict[str, float]:
         self.drafter.eval()
@@ -174,6 +179,11 @@ def save_checkpoint(path: str, trainer: Trainer, step: int, seconds: float) -> N
              "optim": trainer.opt.state_dict(), "refine": trainer.refine}
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # a kill mid-write leaves the previous checkpoint intact
+
+
+def checkpoint_total(path: str) -> int:
+    """The steps the checkpointed run planned, without reading its tensors (memory-mapped)."""
+    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["total_steps"])
 
 
 def load_checkpoint(path: str, trainer: Trainer, cfg: DrafterConfig, total: int) -> tuple[int, float]:
