@@ -38,7 +38,7 @@ from common.tools.drafter.objective import (
     sample_anchors,
 )
 from common.tools.drafter.train import GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, repeated, run, train
-from common.tools.drafter.plan import StepCost, fit_cost, steps_that_fit
+from common.tools.drafter.plan import StepCost, fit_cost, loop_factor, steps_that_fit
 from common.tools.drafter.trainer import EpochOrder, Trainer
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "fixtures", "dflash_prompts.jsonl")
@@ -237,6 +237,12 @@ def test_steps_auto_plans_from_a_fitted_step_cost():
     assert steps_that_fit(order, flat, 10.0, save_every=4, save_s=0.5, snapshot_every=2) == 7
     with pytest.raises(ValueError, match="timed at"):
         steps_that_fit(order, StepCost(0.0, 0.0), 10.0, save_every=4, save_s=0.0)
+    # Steps timed alone, then the same sizes in a row (the host overlapping the device) in half
+    # the time: the plan's step is half the fit's. A stall in the row never plans fewer.
+    shape = StepCost(0.02, 1e-6)
+    assert loop_factor(shape, [1000, 3000], 0.5 * (0.021 + 0.023)) == pytest.approx(0.5)
+    assert shape.scaled(0.5) == StepCost(pytest.approx(0.01), pytest.approx(5e-7))
+    assert loop_factor(shape, [1000, 3000], 30.0) == 1.0
 
 
 def test_generation_prefill_steps_default_by_device():
@@ -997,8 +1003,8 @@ def test_steps_auto_fills_the_time_limit_and_leaves_the_run_as_planned(target, d
     monkeypatch.setattr(plan, "WARM_STEPS", 1)
     monkeypatch.setattr(plan, "TIMED_STEPS", 2)
     timed = []
-    real_fit = plan.fit_cost
-    monkeypatch.setattr(plan, "fit_cost", lambda samples: timed.append(real_fit(samples)) or StepCost(100.0, 0.0))
+    real_cost = plan.measure_cost
+    monkeypatch.setattr(plan, "measure_cost", lambda *a: timed.append(real_cost(*a)) or (StepCost(100.0, 0.0), 1.0))
     common = ["--data", dataset[0].folder, "--max-seqs", "3", "--gen-max-new-tokens", str(NEW_TOKENS), "--shots", "2",
               "--sample-temperatures", "0.8,1.1", "--layers", "1", "--block-size", "4", "--anchors", "4",
               "--batch-size", "2", "--log-every", "1", "--save-every", "100"]
@@ -1008,7 +1014,8 @@ def test_steps_auto_fills_the_time_limit_and_leaves_the_run_as_planned(target, d
     info = json.load(open(os.path.join(auto, "train_info.json")))
     assert info["steps"]["done"] == info["steps"]["total"] == 5 and info["steps"]["stopped"] == "done"
     assert info["steps"]["planned"]["step_fixed_s"] == 100.0 and "--steps 5" in info["command"]
-    assert len(timed) == 1 and timed[0].seconds(10) > 0  # the probe's steps were timed
+    cost, factor = timed[0]
+    assert len(timed) == 1 and cost.seconds(10) > 0 and 0 < factor <= 1  # the probe's steps were timed
     assert train(parse(*common, "--steps", "5", "--out", fixed), runner, tok) == 0
     planned_w = Drafter.load(os.path.join(auto, "drafter")).state_dict()
     for name, w in Drafter.load(os.path.join(fixed, "drafter")).state_dict().items():

@@ -6,6 +6,12 @@ drafter trains on the run's first batches, timed; a step's time is fitted as a +
 batch's padded tokens: a few-shot batch costs about twice a chat one), and the run's own batch
 order is walked until its predicted time, with the held-out checks and checkpoints every
 --save-every steps, fills the time left.
+
+Each fitted step is timed alone (the device's queue drained before and after it), but the
+training loop never waits: the host makes the next batch and queues the next step's kernels
+while the device runs this one. On an H100 a step timed alone took about twice as long as one
+in the loop (2026-12-06: 5,675 steps planned where about 11,000 fitted), so the fit is scaled to
+the time of further steps run as the loop runs them.
 """
 from __future__ import annotations
 
@@ -20,8 +26,8 @@ from common.tools.drafter.data import Sequence
 from common.tools.drafter.objective import Batch, make_batch
 from common.tools.drafter.trainer import EpochOrder, Trainer, save_checkpoint
 
-TIMED_STEPS = 24  # timed after WARM_STEPS untimed ones (allocations, kernel choices)
-WARM_STEPS = 3
+TIMED_STEPS = 16  # timed alone, then as many as the loop runs them, after WARM_STEPS untimed ones
+WARM_STEPS = 3  # allocations, kernel choices
 MARGIN = 0.03  # of the time left: the fit is an estimate
 
 
@@ -34,6 +40,17 @@ class StepCost:
 
     def seconds(self, tokens: int) -> float:
         return self.fixed + self.per_token * tokens
+
+    def scaled(self, factor: float) -> StepCost:
+        return StepCost(self.fixed * factor, self.per_token * factor)
+
+
+def loop_factor(shape: StepCost, tokens: list[int], wall: float) -> float:
+    """What scales `shape` (steps timed alone) to steps of these padded sizes that took `wall`
+    seconds in a row; at most 1: a stall among those (a recompile) must not plan fewer steps
+    than the fit, which leaves stalls out, says."""
+    predicted = sum(shape.seconds(n) for n in tokens)
+    return min(1.0, wall / predicted) if predicted > 0 else 1.0
 
 
 def fit_cost(samples: list[tuple[int, float]]) -> StepCost:
@@ -74,19 +91,42 @@ def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every
         step += 1
 
 
-def time_steps(trainer: Trainer, order: EpochOrder, steps: int) -> list[tuple[int, float]]:
-    """(padded tokens, seconds) of the first `steps` steps of `order` after WARM_STEPS untimed
-    ones, each making its batch as the training loop does."""
+def time_steps(trainer: Trainer, order: EpochOrder, first: int, steps: int) -> list[tuple[int, float]]:
+    """(padded tokens, seconds) of steps first..first+steps-1 of `order`, each timed alone and
+    making its batch as the training loop does."""
     out = []
-    for i in range(WARM_STEPS + steps):
+    for i in range(first, first + steps):
         trainer.synchronize()
         t = time.perf_counter()
         seqs = order.batch(i)
         trainer.step(make_batch(seqs, trainer.device), i)
         trainer.synchronize()
-        if i >= WARM_STEPS:
-            out.append((padded_tokens(seqs), time.perf_counter() - t))
+        out.append((padded_tokens(seqs), time.perf_counter() - t))
     return out
+
+
+def time_loop(trainer: Trainer, order: EpochOrder, first: int, steps: int) -> float:
+    """Seconds of steps first..first+steps-1 of `order` run as the training loop runs them: the
+    device's queue is drained only at the start and the end."""
+    trainer.synchronize()
+    t = time.perf_counter()
+    for i in range(first, first + steps):
+        trainer.step(make_batch(order.batch(i), trainer.device), i)
+    trainer.synchronize()
+    return time.perf_counter() - t
+
+
+def measure_cost(trainer: Trainer, order: EpochOrder) -> tuple[StepCost, float]:
+    """A step's cost on `trainer` (a copy: it trains on the first batches of `order`): the fit of
+    TIMED_STEPS steps timed alone, scaled to TIMED_STEPS more run as the loop runs them; and the
+    factor of that scaling."""
+    for i in range(WARM_STEPS):
+        trainer.step(make_batch(order.batch(i), trainer.device), i)
+    shape = fit_cost(time_steps(trainer, order, WARM_STEPS, TIMED_STEPS))
+    first = WARM_STEPS + TIMED_STEPS
+    wall = time_loop(trainer, order, first, TIMED_STEPS)
+    factor = loop_factor(shape, [padded_tokens(order.batch(i)) for i in range(first, first + TIMED_STEPS)], wall)
+    return shape.scaled(factor), factor
 
 
 def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], seconds_left: Callable[[], float],
@@ -94,7 +134,7 @@ def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], sec
     """Steps for a run of `order`, timed on `probe` (a trainer like the run's, on a copy of its
     drafter: it trains on the first batches), and what the plan read. seconds_left(): the
     seconds --time-limit still leaves; folder: where the run writes its checkpoints."""
-    cost = fit_cost(time_steps(probe, order, TIMED_STEPS))
+    cost, factor = measure_cost(probe, order)
     t = time.perf_counter()
     if eval_batches:
         probe.evaluate(eval_batches)
@@ -108,6 +148,7 @@ def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], sec
     total = steps_that_fit(order, cost, budget, save_every, save_s, snapshot_every)
     if total < 1:
         raise ValueError(f"--steps auto: not one step fits in the {budget:.1f} s that --time-limit leaves")
-    return total, {"timed_steps": TIMED_STEPS, "step_fixed_s": round(cost.fixed, 5),
-                   "step_per_token_us": round(cost.per_token * 1e6, 5), "save_and_check_s": round(save_s, 3),
+    return total, {"timed_steps": 2 * TIMED_STEPS, "step_fixed_s": round(cost.fixed, 5),
+                   "step_per_token_us": round(cost.per_token * 1e6, 5),
+                   "loop_factor": round(factor, 3), "save_and_check_s": round(save_s, 3),
                    "seconds_planned": round(budget, 1)}
