@@ -21,7 +21,8 @@ from common.engine.sampling import SamplingParams
 from common.kv.seq_cache import SeqCache
 from common.tools.bench import gsm8k_data
 from common.tools.drafter import sources
-from common.tools.drafter.data import DataStore, GenSettings, Part, Sequence, file_sha256, generate, read_prompts
+from common.tools.drafter.data import (DataStore, GenSettings, Part, Sequence, file_sha256, generate, pending,
+                                       read_prompts)
 from common.tools.drafter.evaluate import eval_prompts
 from common.tools.drafter.objective import (
     IGNORE,
@@ -37,7 +38,8 @@ from common.tools.drafter.objective import (
     refine_prefix,
     sample_anchors,
 )
-from common.tools.drafter.train import GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, repeated, run, train
+from common.tools.drafter.train import (GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, held_out, repeated, run,
+                                        train)
 from common.tools.drafter.plan import StepCost, fit_cost, loop_factor, steps_that_fit
 from common.tools.drafter.trainer import EpochOrder, Trainer
 
@@ -243,6 +245,24 @@ def test_steps_auto_plans_from_a_fitted_step_cost():
     assert loop_factor(shape, [1000, 3000], 0.5 * (0.021 + 0.023)) == pytest.approx(0.5)
     assert shape.scaled(0.5) == StepCost(pytest.approx(0.01), pytest.approx(5e-7))
     assert loop_factor(shape, [1000, 3000], 30.0) == 1.0
+
+
+def test_a_cut_generation_answers_the_held_out_prompts_first(tmp_path):
+    """The held-out check reads the prompt file's last --eval-prompts, asked in the chat and
+    few-shot formats: generation asks those first, so that one cut by --gen-time-limit still
+    leaves the check answers to read (a cut H100 run left it none, 2026-12-06)."""
+    rows = [{"question": f"q{i}"} for i in range(3000)]
+    is_held = held_out(parse("--eval-prompts", "4"), rows)
+    assert [i for i in range(3000) if is_held("chat", i)] == [2996, 2997, 2998, 2999]
+    assert not is_held("self-math", 2999) and not held_out(parse("--eval-prompts", "0"), rows)("chat", 2999)
+    srcs = [sources.Source(name, 3000, 1, lambda i: None) for name in ("chat", "fewshot", "self-math")]
+    store = DataStore(str(tmp_path), GenSettings(model="m", prompts="p", prompts_sha256="0", prompt_field="question",
+                                                 shots=2, gen_max_new_tokens=8, sample_temperatures=[0.8],
+                                                 sample_top_p=0.95, seed=0))
+    keys = lambda jobs: [(job.source.name, job.i, job.k) for job in jobs]
+    jobs = keys(pending(srcs, store, is_held))
+    assert jobs[:16] == [(name, i, k) for name in ("chat", "fewshot") for i in range(2996, 3000) for k in (0, 1)]
+    assert jobs[16:] == [key for key in keys(pending(srcs, store)) if not is_held(*key[:2])]  # then shard by shard
 
 
 def test_generation_prefill_steps_default_by_device():

@@ -29,6 +29,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 
 import torch
@@ -92,7 +93,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "--stage data goes on when run again), counted from generation's start, its engine's "
                         "building included; with --gen-workers from the command's start, the processes' model "
                         "loading included: all stop together")
-    d.add_argument("--eval-prompts", type=int, default=0, help="hold out the last N prompts; report their loss/acc")
+    d.add_argument("--eval-prompts", type=int, default=0, help="hold out the last N prompts (generated first, so that a "
+                   "time-limited generation answers them); report their loss, acc1 and accept length")
     d.add_argument("--source-repeat", default=None,
                    help="comma-separated SOURCE=N: an epoch sees that source's sequences N times (e.g. chat=2); a "
                         "fraction sees that share of them, drawn afresh each epoch (fewshot=0.5); N=0 leaves a source "
@@ -247,9 +249,9 @@ def _generate_part(args: argparse.Namespace, k: int, results, started: float) ->
         if torch.device(args.device).type == "cpu":  # the processes share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.gen_workers))
         runner, tok = load_model(_model_options(args, _max_running(args)))
-        _, _, store, srcs = data_sources(args, runner.cfg.name, tok, Part(k, args.gen_workers))
+        rows, _, store, srcs = data_sources(args, runner.cfg.name, tok, Part(k, args.gen_workers))
         stats = generate(runner, tok, srcs, store, max_running=_max_running(args), chunk_size=_chunk_size(args),
-                         time_limit=args.gen_time_limit, since=started, progress=False)
+                         time_limit=args.gen_time_limit, since=started, progress=False, first=held_out(args, rows))
         results.put((k, stats))
     except Exception:  # reported, not raised: the parent stops the others and raises it
         results.put((k, traceback.format_exc()))
@@ -281,13 +283,12 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
         gen = {"generated": 0, "gen_seconds": 0.0, "stopped": f"not run (--stage {args.stage}{' --resume' * args.resume})"}
         if _generates(args):
             gen = generate(runner, tok, srcs, store, max_running=_max_running(args), chunk_size=_chunk_size(args),
-                           time_limit=args.gen_time_limit, progress=not args.no_progress)
+                           time_limit=args.gen_time_limit, progress=not args.no_progress, first=held_out(args, rows))
             if not _data_complete(args, gen):
                 return 0
     seqs = [s for s in store.sequences(srcs) if s.response_len >= 2]  # an anchor needs a token after it
-    held_out = set(range(len(rows) - args.eval_prompts, len(rows))) if args.eval_prompts else set()
-    asks_file = ("chat", "fewshot")  # sources whose prompt i is the file's prompt i
-    held = lambda s: s.source in asks_file and s.i in held_out
+    is_held = held_out(args, rows)
+    held = lambda s: is_held(s.source, s.i)
     source_repeat = _repeats(args.source_repeat or "")
     # A source repeated 0 times is generated (its texts may pose another source's prompts) but not trained on.
     kept = lambda s: source_repeat.get(s.source, 1) > 0
@@ -297,9 +298,9 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
     if not train_seqs:
         raise ValueError("no training sequences (nothing finished before --gen-time-limit, every answer is shorter "
                          "than 2 tokens, or every source repeated 0 times?)")
-    answered = len({s.i for s in eval_seqs})
-    if answered < len(held_out):
-        print(f"note: {answered} of the {len(held_out)} held-out prompts have a finished answer (the held-out check "
+    answered, asked = len({s.i for s in eval_seqs}), min(args.eval_prompts, len(rows))
+    if answered < asked:
+        print(f"note: {answered} of the {asked} held-out prompts have a finished answer (the held-out check "
               f"reads only those)", flush=True)
     stats = data_stats(train_seqs)
     train_seqs, drawn = repeated(train_seqs, source_repeat, args.greedy_repeat)
@@ -417,6 +418,13 @@ def data_sources(args: argparse.Namespace, model_name: str, tok, part: Part = Pa
                          shots=args.shots, samples=args.samples_per_prompt, self_math=args.self_math,
                          self_chat=args.self_chat, seed=args.seed, written=lambda name, i: store.written(name, i, tok))
     return rows, settings, store, srcs
+
+
+def held_out(args: argparse.Namespace, rows: list[dict]) -> Callable[[str, int], bool]:
+    """Whether prompt i of a source is one the held-out check reads (its greedy answer; none is
+    trained on): the prompt file's last --eval-prompts, asked in either of its formats."""
+    first = len(rows) - args.eval_prompts if args.eval_prompts else len(rows)
+    return lambda source, i: source in ("chat", "fewshot") and i >= first  # the sources asking the file's prompt i
 
 
 def _data_complete(args, gen: dict) -> bool:
