@@ -40,7 +40,7 @@ from common.tools.drafter.objective import (
 )
 from common.tools.drafter.train import (GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, held_out, repeated, run,
                                         train)
-from common.tools.drafter.plan import StepCost, fit_cost, loop_factor, steps_that_fit
+from common.tools.drafter.plan import StepCost, fit_cost, new_shape_cost, steps_that_fit
 from common.tools.drafter.trainer import EpochOrder, Trainer
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "fixtures", "dflash_prompts.jsonl")
@@ -239,12 +239,13 @@ def test_steps_auto_plans_from_a_fitted_step_cost():
     assert steps_that_fit(order, flat, 10.0, save_every=4, save_s=0.5, snapshot_every=2) == 7
     with pytest.raises(ValueError, match="timed at"):
         steps_that_fit(order, StepCost(0.0, 0.0), 10.0, save_every=4, save_s=0.0)
-    # Steps timed alone, then the same sizes in a row (the host overlapping the device) in half
-    # the time: the plan's step is half the fit's. A stall in the row never plans fewer.
-    shape = StepCost(0.02, 1e-6)
-    assert loop_factor(shape, [1000, 3000], 0.5 * (0.021 + 0.023)) == pytest.approx(0.5)
-    assert shape.scaled(0.5) == StepCost(pytest.approx(0.01), pytest.approx(5e-7))
-    assert loop_factor(shape, [1000, 3000], 30.0) == 1.0
+    # Every batch here is 2 x 10: 5 s more for its first step makes four steps fit in 9.9 s
+    # (6, 7, 8, 9 + 0.5), none where the process ran the shape already (the probe's).
+    cold = StepCost(1.0, 0.0, new_shape=5.0)
+    assert steps_that_fit(order, cold, 9.9, save_every=4, save_s=0.5) == 4
+    assert steps_that_fit(order, cold, 9.9, save_every=4, save_s=0.5, seen={(2, 10)}) == 8
+    assert new_shape_cost([0.30, 0.21, 0.50], [0.10, 0.10, 0.11]) == pytest.approx(0.2)  # the median extra
+    assert new_shape_cost([0.10, 0.10], [0.11, 0.12]) == 0.0  # noise, not a saving
 
 
 def test_a_cut_generation_answers_the_held_out_prompts_first(tmp_path):
@@ -1024,7 +1025,8 @@ def test_steps_auto_fills_the_time_limit_and_leaves_the_run_as_planned(target, d
     monkeypatch.setattr(plan, "TIMED_STEPS", 2)
     timed = []
     real_cost = plan.measure_cost
-    monkeypatch.setattr(plan, "measure_cost", lambda *a: timed.append(real_cost(*a)) or (StepCost(100.0, 0.0), 1.0))
+    monkeypatch.setattr(plan, "measure_cost",
+                        lambda probe, order: timed.append((*real_cost(probe, order), order)) or (StepCost(100.0, 0.0), set()))
     common = ["--data", dataset[0].folder, "--max-seqs", "3", "--gen-max-new-tokens", str(NEW_TOKENS), "--shots", "2",
               "--sample-temperatures", "0.8,1.1", "--layers", "1", "--block-size", "4", "--anchors", "4",
               "--batch-size", "2", "--log-every", "1", "--save-every", "100"]
@@ -1034,8 +1036,9 @@ def test_steps_auto_fills_the_time_limit_and_leaves_the_run_as_planned(target, d
     info = json.load(open(os.path.join(auto, "train_info.json")))
     assert info["steps"]["done"] == info["steps"]["total"] == 5 and info["steps"]["stopped"] == "done"
     assert info["steps"]["planned"]["step_fixed_s"] == 100.0 and "--steps 5" in info["command"]
-    cost, factor = timed[0]
-    assert len(timed) == 1 and cost.seconds(10) > 0 and 0 < factor <= 1  # the probe's steps were timed
+    cost, seen, order = timed[0]  # the probe's steps were timed; the shapes it ran are its three batches'
+    assert len(timed) == 1 and cost.seconds(10) > 0 and cost.new_shape >= 0
+    assert seen == {plan.shape_of(order.batch(i)) for i in range(3)}
     assert train(parse(*common, "--steps", "5", "--out", fixed), runner, tok) == 0
     planned_w = Drafter.load(os.path.join(auto, "drafter")).state_dict()
     for name, w in Drafter.load(os.path.join(fixed, "drafter")).state_dict().items():

@@ -7,18 +7,18 @@ batch's padded tokens: a few-shot batch costs about twice a chat one), and the r
 order is walked until its predicted time, with the held-out checks and checkpoints every
 --save-every steps, fills the time left.
 
-Each fitted step is timed alone (the device's queue drained before and after it), but the
-training loop never waits: the host makes the next batch and queues the next step's kernels
-while the device runs this one. On an H100 a step timed alone took about twice as long as one
-in the loop (2026-12-06: 5,675 steps planned where about 11,000 fitted), so the fit is scaled to
-the time of further steps run as the loop runs them.
+A batch shape the process has not run yet costs more than the same shape again (on CUDA, cuDNN
+builds the attention's plan per shape; allocations grow), and nearly every probe batch is a new
+shape: on an H100 a plan from such steps alone came to about half the steps that fitted. So each
+probe batch runs twice: the second runs give the step's cost, the difference the extra of a new
+shape, which the walk adds once per shape it has not met.
 """
 from __future__ import annotations
 
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -26,31 +26,25 @@ from common.tools.drafter.data import Sequence
 from common.tools.drafter.objective import Batch, make_batch
 from common.tools.drafter.trainer import EpochOrder, Trainer, save_checkpoint
 
-TIMED_STEPS = 16  # timed alone, then as many as the loop runs them, after WARM_STEPS untimed ones
-WARM_STEPS = 3  # allocations, kernel choices
+TIMED_STEPS = 16  # batches timed twice each, after WARM_STEPS untimed ones
+WARM_STEPS = 3  # the first allocations and kernel choices
 MARGIN = 0.03  # of the time left: the fit is an estimate
+
+
+Shape = tuple[int, int]  # a batch's (sequences, padded length)
 
 
 @dataclass
 class StepCost:
-    """Predicted seconds of a training step: fixed + per_token x the batch's padded tokens."""
+    """Predicted seconds of a training step: fixed + per_token x the batch's padded tokens, and
+    new_shape more the first time the process runs its shape."""
 
     fixed: float
     per_token: float
+    new_shape: float = 0.0
 
     def seconds(self, tokens: int) -> float:
         return self.fixed + self.per_token * tokens
-
-    def scaled(self, factor: float) -> StepCost:
-        return StepCost(self.fixed * factor, self.per_token * factor)
-
-
-def loop_factor(shape: StepCost, tokens: list[int], wall: float) -> float:
-    """What scales `shape` (steps timed alone) to steps of these padded sizes that took `wall`
-    seconds in a row; at most 1: a stall among those (a recompile) must not plan fewer steps
-    than the fit, which leaves stalls out, says."""
-    predicted = sum(shape.seconds(n) for n in tokens)
-    return min(1.0, wall / predicted) if predicted > 0 else 1.0
 
 
 def fit_cost(samples: list[tuple[int, float]]) -> StepCost:
@@ -69,20 +63,36 @@ def fit_cost(samples: list[tuple[int, float]]) -> StepCost:
     return StepCost(float(secs.mean()), 0.0)
 
 
+def new_shape_cost(first: list[float], again: list[float]) -> float:
+    """The median extra seconds of a batch's first step over the same batch's next (at least 0:
+    on a CPU there is none, and noise is not a saving)."""
+    return max(0.0, float(np.median(np.subtract(first, again))))
+
+
+def shape_of(seqs: list[Sequence]) -> Shape:
+    return len(seqs), max(len(s.ids) for s in seqs)
+
+
 def padded_tokens(seqs: list[Sequence]) -> int:
-    return len(seqs) * max(len(s.ids) for s in seqs)
+    n, length = shape_of(seqs)
+    return n * length
 
 
 def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every: int, save_s: float,
-                   snapshot_every: int | None = None) -> int:
+                   snapshot_every: int | None = None, seen: set[Shape] = frozenset()) -> int:
     """The most steps of `order` whose predicted time, with save_s after every save_every-th
-    step (a checkpoint and the held-out check) and every snapshot_every-th (a snapshot), stays
-    within `seconds`."""
+    step (a checkpoint and the held-out check) and every snapshot_every-th (a snapshot), and
+    cost.new_shape for each batch shape not in `seen` (those the process ran already) the first
+    time it comes, stays within `seconds`."""
     if cost.seconds(1) <= 0:
         raise ValueError(f"--steps auto: a step timed at {cost.seconds(1)} s")
-    used, step = 0.0, 0
+    used, step, seen = 0.0, 0, set(seen)
     while True:
-        used += cost.seconds(padded_tokens(order.batch(step)))
+        seqs = order.batch(step)
+        used += cost.seconds(padded_tokens(seqs))
+        if shape_of(seqs) not in seen:
+            seen.add(shape_of(seqs))
+            used += cost.new_shape
         for every in (save_every, snapshot_every):
             if every and (step + 1) % every == 0:
                 used += save_s
@@ -91,11 +101,11 @@ def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every
         step += 1
 
 
-def time_steps(trainer: Trainer, order: EpochOrder, first: int, steps: int) -> list[tuple[int, float]]:
-    """(padded tokens, seconds) of steps first..first+steps-1 of `order`, each timed alone and
-    making its batch as the training loop does."""
+def time_steps(trainer: Trainer, order: EpochOrder, steps: range) -> list[tuple[int, float]]:
+    """(padded tokens, seconds) of these steps of `order`, each making its batch as the training
+    loop does."""
     out = []
-    for i in range(first, first + steps):
+    for i in steps:
         trainer.synchronize()
         t = time.perf_counter()
         seqs = order.batch(i)
@@ -105,28 +115,16 @@ def time_steps(trainer: Trainer, order: EpochOrder, first: int, steps: int) -> l
     return out
 
 
-def time_loop(trainer: Trainer, order: EpochOrder, first: int, steps: int) -> float:
-    """Seconds of steps first..first+steps-1 of `order` run as the training loop runs them: the
-    device's queue is drained only at the start and the end."""
-    trainer.synchronize()
-    t = time.perf_counter()
-    for i in range(first, first + steps):
-        trainer.step(make_batch(order.batch(i), trainer.device), i)
-    trainer.synchronize()
-    return time.perf_counter() - t
-
-
-def measure_cost(trainer: Trainer, order: EpochOrder) -> tuple[StepCost, float]:
-    """A step's cost on `trainer` (a copy: it trains on the first batches of `order`): the fit of
-    TIMED_STEPS steps timed alone, scaled to TIMED_STEPS more run as the loop runs them; and the
-    factor of that scaling."""
-    for i in range(WARM_STEPS):
-        trainer.step(make_batch(order.batch(i), trainer.device), i)
-    shape = fit_cost(time_steps(trainer, order, WARM_STEPS, TIMED_STEPS))
-    first = WARM_STEPS + TIMED_STEPS
-    wall = time_loop(trainer, order, first, TIMED_STEPS)
-    factor = loop_factor(shape, [padded_tokens(order.batch(i)) for i in range(first, first + TIMED_STEPS)], wall)
-    return shape.scaled(factor), factor
+def measure_cost(trainer: Trainer, order: EpochOrder) -> tuple[StepCost, set[Shape]]:
+    """A step's cost on `trainer` (a copy: it trains on the first batches of `order`), from
+    TIMED_STEPS batches after WARM_STEPS untimed ones, each run twice; and the shapes it ran
+    (the process has met them: the run's steps of those shapes cost no new shape's extra)."""
+    ran = range(WARM_STEPS + TIMED_STEPS)
+    time_steps(trainer, order, ran[:WARM_STEPS])
+    first = time_steps(trainer, order, ran[WARM_STEPS:])
+    again = time_steps(trainer, order, ran[WARM_STEPS:])
+    extra = new_shape_cost([t for _, t in first], [t for _, t in again])
+    return replace(fit_cost(again), new_shape=extra), {shape_of(order.batch(i)) for i in ran}
 
 
 def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], seconds_left: Callable[[], float],
@@ -134,7 +132,7 @@ def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], sec
     """Steps for a run of `order`, timed on `probe` (a trainer like the run's, on a copy of its
     drafter: it trains on the first batches), and what the plan read. seconds_left(): the
     seconds --time-limit still leaves; folder: where the run writes its checkpoints."""
-    cost, factor = measure_cost(probe, order)
+    cost, seen = measure_cost(probe, order)
     t = time.perf_counter()
     if eval_batches:
         probe.evaluate(eval_batches)
@@ -145,10 +143,10 @@ def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], sec
     budget = seconds_left() * (1 - MARGIN) - save_s
     if budget <= 0:
         raise ValueError(f"--steps auto: --time-limit leaves no time to train ({seconds_left():.0f} s left)")
-    total = steps_that_fit(order, cost, budget, save_every, save_s, snapshot_every)
+    total = steps_that_fit(order, cost, budget, save_every, save_s, snapshot_every, seen)
     if total < 1:
         raise ValueError(f"--steps auto: not one step fits in the {budget:.1f} s that --time-limit leaves")
-    return total, {"timed_steps": 2 * TIMED_STEPS, "step_fixed_s": round(cost.fixed, 5),
-                   "step_per_token_us": round(cost.per_token * 1e6, 5),
-                   "loop_factor": round(factor, 3), "save_and_check_s": round(save_s, 3),
+    return total, {"timed_steps": TIMED_STEPS, "step_fixed_s": round(cost.fixed, 5),
+                   "step_per_token_us": round(cost.per_token * 1e6, 5), "new_shape_s": round(cost.new_shape, 5),
+                   "save_and_check_s": round(save_s, 3),
                    "seconds_planned": round(budget, 1)}

@@ -343,9 +343,8 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
                                  args.snapshot_every, args.out)
         args.steps = total  # what the run does; the command that reproduces it says so
         print(f"--steps auto: {total} steps fit in --time-limit (a step {1e3 * plan['step_fixed_s']:.1f} ms + "
-              f"{plan['step_per_token_us']:.4f} us a padded token, timed on {plan['timed_steps']} of its batches; x"
-              f"{plan['loop_factor']:.2f} of the steps timed alone, as the loop overlaps them)",
-              flush=True)
+              f"{plan['step_per_token_us']:.4f} us a padded token, and {1e3 * plan['new_shape_s']:.1f} ms more the "
+              f"first time a batch shape runs; timed twice on {plan['timed_steps']} of its batches)", flush=True)
     trainer = make_trainer(drafter, total_steps=total)
     start, prev_seconds = 0, 0.0
     if resuming:
