@@ -21,8 +21,7 @@ from common.engine.sampling import SamplingParams
 from common.kv.seq_cache import SeqCache
 from common.tools.bench import gsm8k_data
 from common.tools.drafter import sources
-from common.tools.drafter.data import (DataStore, GenSettings, Part, Sequence, file_sha256, generate, pending,
-                                       read_prompts)
+from common.tools.drafter.data import DataStore, GenSettings, Part, Sequence, file_sha256, generate, read_prompts
 from common.tools.drafter.evaluate import eval_prompts
 from common.tools.drafter.objective import (
     IGNORE,
@@ -246,24 +245,6 @@ def test_steps_auto_plans_from_a_fitted_step_cost():
     assert steps_that_fit(order, cold, 9.9, save_every=4, save_s=0.5, seen={(2, 10)}) == 8
     assert new_shape_cost([0.30, 0.21, 0.50], [0.10, 0.10, 0.11]) == pytest.approx(0.2)  # the median extra
     assert new_shape_cost([0.10, 0.10], [0.11, 0.12]) == 0.0  # noise, not a saving
-
-
-def test_a_cut_generation_answers_the_held_out_prompts_first(tmp_path):
-    """The held-out check reads the prompt file's last --eval-prompts, asked in the chat and
-    few-shot formats: generation asks those first, so that one cut by --gen-time-limit still
-    leaves the check answers to read (a cut H100 run left it none, 2026-12-06)."""
-    rows = [{"question": f"q{i}"} for i in range(3000)]
-    is_held = held_out(parse("--eval-prompts", "4"), rows)
-    assert [i for i in range(3000) if is_held("chat", i)] == [2996, 2997, 2998, 2999]
-    assert not is_held("self-math", 2999) and not held_out(parse("--eval-prompts", "0"), rows)("chat", 2999)
-    srcs = [sources.Source(name, 3000, 1, lambda i: None) for name in ("chat", "fewshot", "self-math")]
-    store = DataStore(str(tmp_path), GenSettings(model="m", prompts="p", prompts_sha256="0", prompt_field="question",
-                                                 shots=2, gen_max_new_tokens=8, sample_temperatures=[0.8],
-                                                 sample_top_p=0.95, seed=0))
-    keys = lambda jobs: [(job.source.name, job.i, job.k) for job in jobs]
-    jobs = keys(pending(srcs, store, is_held))
-    assert jobs[:16] == [(name, i, k) for name in ("chat", "fewshot") for i in range(2996, 3000) for k in (0, 1)]
-    assert jobs[16:] == [key for key in keys(pending(srcs, store)) if not is_held(*key[:2])]  # then shard by shard
 
 
 def test_generation_prefill_steps_default_by_device():
@@ -1012,6 +993,30 @@ def test_one_command_trains_on_what_its_time_limited_generation_finished(target,
     info = json.load(open(tmp_path / "run" / "train_info.json"))
     assert info["generation"]["stopped"] == "not run (--stage all --resume)"
     assert info["data"]["sequences"] == 3 and info["steps"]["done"] == 3
+
+
+def test_a_cut_generation_answers_the_held_out_prompts_first(target, tmp_path, monkeypatch):
+    """The held-out check reads the greedy answers to the prompt file's last --eval-prompts, in
+    the chat and few-shot formats: generation asks those before anything else (the problems the
+    target writes included), so that one cut by --gen-time-limit still leaves the check answers
+    to read (a cut H100 run left it none, 2026-12-06)."""
+    from common.tools.drafter import data
+
+    rows = [{"question": f"q{i}"} for i in range(10)]
+    is_held = held_out(parse("--eval-prompts", "4"), rows)
+    assert [i for i in range(10) if is_held("chat", i) and is_held("fewshot", i)] == [6, 7, 8, 9]
+    assert not is_held("self-math", 9) and not held_out(parse("--eval-prompts", "0"), rows)("chat", 9)
+
+    runner, tok = target
+    stages = []
+    real_run = data._run
+    monkeypatch.setattr(data, "_run", lambda engine, tok, srcs, todo, *a: stages.append(
+        [(job.source.name, job.i, job.k) for job in todo]) or real_run(engine, tok, srcs, todo, *a))
+    assert train(parse("--stage", "data", "--eval-prompts", "1", "--max-seqs", "3", "--self-math", "1",
+                       "--samples-per-prompt", "1", "--gen-max-new-tokens", str(NEW_TOKENS),
+                       "--out", str(tmp_path / "run")), runner, tok) == 0
+    assert stages[0] == [("chat", 2, 0)] and stages[1] == [("self-math-q", 0, 1)]
+    assert ("chat", 2, 0) not in stages[2] and ("chat", 2, 1) in stages[2] and len(stages) == 3
 
 
 def test_steps_auto_fills_the_time_limit_and_leaves_the_run_as_planned(target, dataset, tmp_path, monkeypatch):

@@ -267,23 +267,21 @@ class Job:
     k: int
 
 
-def pending(sources: list[Source], store: DataStore, first: Callable[[str, int], bool] = lambda name, i: False
-            ) -> list[Job]:
-    """The missing (source, i, k) of the store's part: the prompts `first` names (the held-out
-    check's: a generation cut by its time limit must still leave them answered), then shard by
-    shard across the sources (a mix at any point), each prompt's samples together."""
+def pending(sources: list[Source], store: DataStore) -> list[Job]:
+    """The missing (source, i, k) of the store's part, shard by shard across the sources (a mix
+    at any point), each prompt's samples together."""
     jobs = [Job(src, i, k) for src in sources for i, k in src.keys
             if store.part.owns(i) and (src.name, i, k) not in store]
-    # stable: source order, then (i, k)
-    return sorted(jobs, key=lambda job: (not first(job.source.name, job.i), job.i // SHARD_PROMPTS))
+    return sorted(jobs, key=lambda job: job.i // SHARD_PROMPTS)  # stable: source order, then (i, k)
 
 
 def generate(runner: ModelRunner, tok: Tokenizer, sources: list[Source], store: DataStore, *, max_running: int,
              chunk_size: int = CHUNK_SIZE, time_limit: float | None = None, since: float | None = None,
              progress: bool = True, first: Callable[[str, int], bool] = lambda name, i: False) -> dict:
-    """Generate every missing sequence of `sources` into `store`: first the sources that write
-    prompts, then the rest, in each the prompts first(source, i) names before the others
-    (`pending`). time_limit counts from now, engine building included, or from
+    """Generate every missing sequence of `sources` into `store`: first the greedy answers to the
+    prompts first(source, i) names (the held-out check's: a generation cut by its time limit must
+    still leave it answers to read), then the sources that write prompts, then the rest.
+    time_limit counts from now, engine building included, or from
     `since` (a time.time() of the command's start: the processes of --gen-workers stop together).
     Returns stats (tokens/s over the whole run, prefill included).
 
@@ -299,8 +297,11 @@ def generate(runner: ModelRunner, tok: Tokenizer, sources: list[Source], store: 
     with gemv.kept_only():
         engine = Engine(runner, tok.eos_token_ids, max_running=max_running, batch_sizes=sizes, chunk_size=chunk_size)
         deadline = None if time_limit is None else start + time_limit - late
-        for stage in ([s for s in sources if s.writes], [s for s in sources if not s.writes]):
-            if stage and not _run(engine, tok, stage, store, stats, deadline, progress, first):
+        writers, answerers = [s for s in sources if s.writes], [s for s in sources if not s.writes]
+        for stage, wanted in ((answerers, lambda job: job.k == 0 and first(job.source.name, job.i)),
+                              (writers, None), (answerers, None)):
+            todo = [job for job in pending(stage, store) if wanted is None or wanted(job)]
+            if todo and not _run(engine, tok, stage, todo, store, stats, deadline, progress):
                 stats["stopped"] = "time limit"
                 break
     store.close()
@@ -309,14 +310,11 @@ def generate(runner: ModelRunner, tok: Tokenizer, sources: list[Source], store: 
     return stats
 
 
-def _run(engine: Engine, tok: Tokenizer, sources: list[Source], store: DataStore, stats: dict,
-         deadline: float | None, progress: bool, first: Callable[[str, int], bool]) -> bool:
-    """Drive the engine over these sources' missing jobs; False if the deadline stopped it."""
+def _run(engine: Engine, tok: Tokenizer, sources: list[Source], todo: list[Job], store: DataStore, stats: dict,
+         deadline: float | None, progress: bool) -> bool:
+    """Drive the engine over these jobs of `sources`; False if the deadline stopped it."""
     from tqdm import tqdm
 
-    todo = pending(sources, store, first)
-    if not todo:
-        return True
     jobs = iter(todo)
     s = store.settings
     temps = tuple(s.sample_temperatures)
