@@ -22,23 +22,30 @@ CHATS = [[{"role": "user", "content": "What is 2+3?"}],
 
 
 @pytest.fixture(scope="module")
-def sources(embedded_source, tmp_path_factory) -> list[ModelSource]:
-    """The embedded GGUF file, and a Hugging Face folder holding its tokenizer's files."""
+def gguf_reference(embedded_source):
+    """transformers' own reading of the embedded GGUF file's tokenizer: about 3 s of CPU, so read
+    once for the folder below and the comparison."""
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(embedded_source.folder, gguf_file=embedded_source.gguf_file)
+
+
+@pytest.fixture(scope="module")
+def sources(embedded_source, gguf_reference, tmp_path_factory) -> list[ModelSource]:
+    """The embedded GGUF file, and a Hugging Face folder holding its tokenizer's files."""
     folder = tmp_path_factory.mktemp("hf-tokenizer")
-    AutoTokenizer.from_pretrained(embedded_source.folder, gguf_file=embedded_source.gguf_file).save_pretrained(folder)
+    gguf_reference.save_pretrained(folder)
     shutil.copy(folder / "tokenizer.json", folder / "tokenizer.json.bak")  # a file the key must not mind
     return [embedded_source, ModelSource("hf", str(folder), None)]
 
 
-def test_same_as_transformers(sources):
+def test_same_as_transformers(sources, gguf_reference):
     from transformers import AutoTokenizer
 
     for src in sources:
         ours = Tokenizer(src, (7,))
         assert ours._fast is not None and ours._hf is None  # the fast path, transformers not loaded
-        theirs = AutoTokenizer.from_pretrained(src.folder, **({"gguf_file": src.gguf_file} if src.gguf_file else {}))
+        theirs = gguf_reference if src.gguf_file else AutoTokenizer.from_pretrained(src.folder)
         for text in TEXTS:
             assert ours.encode(text) == theirs.encode(text), text
         rng = random.Random(0)
