@@ -25,6 +25,7 @@ from common.tools.drafter.data import DataStore, GenSettings, Part, Sequence, fi
 from common.tools.drafter.evaluate import eval_prompts
 from common.tools.drafter.objective import (
     IGNORE,
+    PAD_MULTIPLE,
     SOFT_TOP_K,
     Targets,
     block_attention_mask,
@@ -39,7 +40,7 @@ from common.tools.drafter.objective import (
 )
 from common.tools.drafter.train import (GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, held_out, repeated, run,
                                         train)
-from common.tools.drafter.plan import StepCost, fit_cost, new_shape_cost, steps_that_fit
+from common.tools.drafter.plan import StepCost, fit_cost, new_shape_cost, shape_of, steps_that_fit
 from common.tools.drafter.trainer import EpochOrder, Trainer
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "fixtures", "dflash_prompts.jsonl")
@@ -90,6 +91,8 @@ def test_anchors_and_labels():
     seqs = [Sequence("chat", 0, 0, 5, torch.arange(100, 112).int().numpy()),  # response 5..11
             Sequence("chat", 1, 0, 3, torch.arange(200, 206).int().numpy())]  # response 3..5: anchors 3, 4
     batch = make_batch(seqs)
+    assert batch.ids.shape == (2, PAD_MULTIPLE) and batch.lengths.tolist() == [12, 6]  # padded: fewer shapes
+    assert not batch.ids[0, 12:].any() and not batch.ids[1, 6:].any()
     anchors, ok = sample_anchors(batch, 4, torch.Generator().manual_seed(0))
     assert anchors.shape == (2, 4)
     a0 = anchors[0][ok[0]].tolist()
@@ -112,7 +115,7 @@ def test_sampled_answers_labelled_on_the_greedy_path():
     seqs = [Sequence("chat", 0, 1, 2, ids.int().numpy(), temperature=0.8),
             Sequence("chat", 1, 0, 2, ids.int().numpy())]  # greedy: labelled with its own tokens
     batch = make_batch(seqs)
-    target_next = torch.arange(1000, 1012).repeat(2, 1)
+    target_next = torch.arange(1000, 1000 + batch.ids.shape[1]).repeat(2, 1)  # [S, L] as capture gives it
     target_next[:, 5] = 106
     anchors, ok = torch.tensor([[5, 2, 4], [5, 2, 4]]), torch.ones(2, 3, dtype=torch.bool)
     argmax = block_labels(batch, anchors, ok, 4, target_next)
@@ -226,23 +229,26 @@ def test_steps_auto_plans_from_a_fitted_step_cost():
     through_origin = fit_cost([(1000, 0.0009), (2000, 0.0021), (3000, 0.0030)])  # fixed part < 0 by noise
     assert through_origin.fixed == 0.0 and through_origin.per_token == pytest.approx(1e-6, rel=0.05)
     seqs = [Sequence("chat", i, 0, 1, torch.arange(10).int().numpy()) for i in range(8)]
-    order = EpochOrder(seqs, 2, seed=0)  # every batch 2 x 10 padded tokens
+    order = EpochOrder(seqs, 2, seed=0)  # every batch 2 x 32 padded tokens (10 rounded up)
     flat = StepCost(1.0, 0.0)
     # 1 s a step, 0.5 s after every 4th: 4.5 s for four steps, 9 s for eight, 10 s for nine.
     assert steps_that_fit(order, flat, 9.9, save_every=4, save_s=0.5) == 8
     assert steps_that_fit(order, flat, 10.0, save_every=4, save_s=0.5) == 9
     assert steps_that_fit(order, flat, 10.9, save_every=4, save_s=0.5) == 9
-    assert steps_that_fit(order, StepCost(0.0, 0.05), 10.0, save_every=100, save_s=0.0) == 10  # 1 s a 20-token step
+    assert steps_that_fit(order, StepCost(0.0, 1 / 64), 10.0, save_every=100, save_s=0.0) == 10  # 1 s a 64-token step
     assert steps_that_fit(order, flat, 0.5, save_every=4, save_s=0.5) == 0
     # Snapshots after steps 2, 4, 6, 8 and checkpoints after 4, 8: the 8th step ends at 11 s.
     assert steps_that_fit(order, flat, 10.0, save_every=4, save_s=0.5, snapshot_every=2) == 7
     with pytest.raises(ValueError, match="timed at"):
         steps_that_fit(order, StepCost(0.0, 0.0), 10.0, save_every=4, save_s=0.0)
-    # Every batch here is 2 x 10: 5 s more for its first step makes four steps fit in 9.9 s
+    # Every batch here is 2 x 32: 5 s more for its first step makes four steps fit in 9.9 s
     # (6, 7, 8, 9 + 0.5), none where the process ran the shape already (the probe's).
     cold = StepCost(1.0, 0.0, new_shape=5.0)
     assert steps_that_fit(order, cold, 9.9, save_every=4, save_s=0.5) == 4
-    assert steps_that_fit(order, cold, 9.9, save_every=4, save_s=0.5, seen={(2, 10)}) == 8
+    assert steps_that_fit(order, cold, 9.9, save_every=4, save_s=0.5, seen={(2, 32)}) == 8
+    # Lengths share a shape up to the next multiple of PAD_MULTIPLE.
+    of_lengths = lambda *ns: shape_of([Sequence("chat", 0, 0, 1, torch.zeros(n).int().numpy()) for n in ns])
+    assert of_lengths(10, 31) == of_lengths(32, 5) == (2, 32) and of_lengths(33, 2) == (2, 64)
     assert new_shape_cost([0.30, 0.21, 0.50], [0.10, 0.10, 0.11]) == pytest.approx(0.2)  # the median extra
     assert new_shape_cost([0.10, 0.10], [0.11, 0.12]) == 0.0  # noise, not a saving
 

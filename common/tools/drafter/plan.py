@@ -11,7 +11,8 @@ A batch shape the process has not run yet costs more than the same shape again (
 builds the attention's plan per shape; allocations grow), and nearly every probe batch is a new
 shape: on an H100 a plan from such steps alone came to about half the steps that fitted. So each
 probe batch runs twice: the second runs give the step's cost, the difference the extra of a new
-shape, which the walk adds once per shape it has not met.
+shape, which the walk adds once per shape it has not met (make_batch pads lengths to a multiple
+of PAD_MULTIPLE, so that shapes repeat).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from common.tools.drafter.data import Sequence
-from common.tools.drafter.objective import Batch, make_batch
+from common.tools.drafter.objective import Batch, make_batch, padded_length
 from common.tools.drafter.trainer import EpochOrder, Trainer, save_checkpoint
 
 TIMED_STEPS = 16  # batches timed twice each, after WARM_STEPS untimed ones
@@ -70,7 +71,7 @@ def new_shape_cost(first: list[float], again: list[float]) -> float:
 
 
 def shape_of(seqs: list[Sequence]) -> Shape:
-    return len(seqs), max(len(s.ids) for s in seqs)
+    return len(seqs), padded_length(max(len(s.ids) for s in seqs))
 
 
 def padded_tokens(seqs: list[Sequence]) -> int:
