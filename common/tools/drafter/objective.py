@@ -38,9 +38,9 @@ TOP_K_ROWS = 4096  # logit rows whose top tokens are found at once (a top-k over
 # and 49,152 words.
 LOGIT_ROWS = 8192
 # A batch's padded length rounds up to a multiple of this. On CUDA the first step of each
-# (sequences, length) shape costs extra (cuDNN builds the attention's plan per shape): a run's
-# batches have hundreds of distinct longest sequences and a few dozen multiples of 32, for 15.5
-# more positions a sequence on average (1-4% of a batch's padded tokens).
+# (sequences, length) shape costs extra (likely the attention kernel's plan per shape): a run's
+# batches have hundreds of distinct longest sequences and a few dozen multiples of 32 (an estimate
+# for the drafter README's one command: 355 and 27, for 1.1% more padded tokens).
 PAD_MULTIPLE = 32
 # Devices where capture runs the target as one dense causal pass (ModelRunner.forward_dense). On a
 # CPU the cache path is as fast (4.9 s against 5.4 s dense for a test batch on 2 cores) and the
