@@ -7,9 +7,10 @@ batch's padded tokens: a few-shot batch costs about twice a chat one), and the r
 order is walked until its predicted time, with the held-out checks and checkpoints every
 --save-every steps, fills the time left.
 
-A batch shape the process has not run yet costs more than the same shape again (on CUDA, cuDNN
-builds the attention's plan per shape; allocations grow), and nearly every probe batch is a new
-shape: on an H100 a plan from such steps alone came to about half the steps that fitted. So each
+A batch shape the process has not run yet costs more than the same shape again (on CUDA, likely
+the attention kernel's plan per shape and allocations that grow; not timed apart), and nearly
+every probe batch is a new shape: on an H100 a plan from such steps alone came to about half the
+steps that fitted. So each
 probe batch runs twice: the second runs give the step's cost, the difference the extra of a new
 shape, which the walk adds once per shape it has not met (make_batch pads lengths to a multiple
 of PAD_MULTIPLE, so that shapes repeat).
