@@ -350,6 +350,31 @@ def test_time_limit_counts_from_since_and_no_kernel_is_timed(target, tmp_path, m
     assert timing == [False, False] and gemv._timing
 
 
+def test_a_shards_greedy_answers_decode_before_its_samples(target, tmp_path, monkeypatch):
+    """Within a shard generation asks every greedy answer before any sampled one, so that the
+    engine's batch holds one kind most of the time and its greedy stretches decode without the
+    sampler's noise and sort (Mode.GREEDY): here the decode steps run greedy, then sampling,
+    never back."""
+    from common.engine import decoder, sampler
+    from common.tools.drafter.data import pending
+
+    runner, tok = target
+    modes = []
+
+    def recording(params):
+        modes.append(sampler.mode_of(params))
+        return modes[-1]
+
+    monkeypatch.setattr(decoder, "mode_of", recording)
+    srcs = chat_sources(tok, [r["question"] for r in read_prompts(PROMPTS, "question", 3)], 2)
+    store = DataStore(str(tmp_path / "data"), settings_for(runner))
+    assert [(job.i, job.k) for job in pending(srcs, store)] == [(i, 0) for i in range(3)] + \
+        [(i, k) for i in range(3) for k in (1, 2)]
+    stats = generate(runner, tok, srcs, store, max_running=3, progress=False)
+    assert stats["generated"] == 9
+    assert modes[0] == sampler.Mode.GREEDY and modes[-1] == sampler.Mode.FULL and modes == sorted(modes), modes
+
+
 def test_data_matches_engine(target, dataset):
     runner, tok = target
     store, srcs = dataset

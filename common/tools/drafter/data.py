@@ -14,7 +14,8 @@ sources extend the folder; settings that change what a sequence is must match me
 
 Generation keeps the engine full (batched CUDA-graph decode on a GPU): requests are added in
 batches as others finish, stage-1 sources (prompts the target writes) first, then the shards of
-the other sources in turn, so that a run stopped by its time limit still holds a mix.
+the other sources in turn, so that a run stopped by its time limit still holds a mix; within a
+shard the greedy answers come before the sampled ones, so that most steps decode one kind.
 
 Several processes may generate into one folder at once (`Part`): process k of n asks the
 prompts i with i % n == k and appends only to its own shard files (`chat-0003.1of4.jsonl`), so
@@ -269,10 +270,13 @@ class Job:
 
 def pending(sources: list[Source], store: DataStore) -> list[Job]:
     """The missing (source, i, k) of the store's part, shard by shard across the sources (a mix
-    at any point), each prompt's samples together."""
+    at any point), within a shard the greedy answers before the sampled ones: the engine's batch
+    then holds one kind most of the time, and a batch of greedy rows only decodes without the
+    sampler's noise and top-p sort (about 3 ms of a full batch's 5 ms step on an H100)."""
     jobs = [Job(src, i, k) for src in sources for i, k in src.keys
             if store.part.owns(i) and (src.name, i, k) not in store]
-    return sorted(jobs, key=lambda job: job.i // SHARD_PROMPTS)  # stable: source order, then (i, k)
+    # stable: source order, then (i, k)
+    return sorted(jobs, key=lambda job: (job.i // SHARD_PROMPTS, job.k > 0))
 
 
 def generate(runner: ModelRunner, tok: Tokenizer, sources: list[Source], store: DataStore, *, max_running: int,
@@ -319,7 +323,8 @@ def _run(engine: Engine, tok: Tokenizer, sources: list[Source], todo: list[Job],
     s = store.settings
     temps = tuple(s.sample_temperatures)
     in_flight: dict[str, Job] = {}
-    asked: tuple[tuple[str, int], Prompt | None] | None = None  # a prompt's samples come in a row
+    asked: dict[tuple[str, int], Prompt | None] = {}  # this shard's prompts, each tokenized once
+    shard = -1
     refill_below = max(1, engine.max_running * 3 // 4)  # prefill in batches, not one prompt per step
     exhausted, t0, tokens0 = False, time.perf_counter(), stats["gen_tokens"]
     last_note = t0
@@ -334,9 +339,12 @@ def _run(engine: Engine, tok: Tokenizer, sources: list[Source], todo: list[Job],
                     if job is None:
                         exhausted = True
                         break
-                    if asked is None or asked[0] != (job.source.name, job.i):
-                        asked = (job.source.name, job.i), job.source.prompt(job.i)  # tokenized once
-                    if not _add(engine, tok, job, asked[1], store, temps, s, in_flight, stats):
+                    if job.i // SHARD_PROMPTS != shard:  # the last shard's prompts are asked no more
+                        asked, shard = {}, job.i // SHARD_PROMPTS
+                    key = (job.source.name, job.i)
+                    if key not in asked:
+                        asked[key] = job.source.prompt(job.i)
+                    if not _add(engine, tok, job, asked[key], store, temps, s, in_flight, stats):
                         bar.update(1)
             if not engine.has_work:
                 break
