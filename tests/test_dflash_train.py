@@ -1005,50 +1005,6 @@ def test_train_save_and_resume(target, dataset, tmp_path):
         train(parse(*other, "--out", str(tmp_path / "other"), "--init", os.path.join(straight, "drafter")), runner, tok)
 
 
-def test_weight_average_follows_the_steps_and_resumes(target, dataset, tmp_path, capsys):
-    """--ema: after each step the average moves (1 - decay) of the way to the weights; the
-    averaged drafter is saved beside the trained one, and a resumed run averages as an
-    uninterrupted one does (the average is checkpointed)."""
-    runner, tok = target
-    seqs = dataset[0].sequences(dataset[1])
-    args = parse("--layers", "1", "--block-size", "4")
-    torch.manual_seed(0)
-    drafter = Drafter(drafter_config(args, runner))
-    trainer = Trainer(runner, drafter, lr=2e-3, total_steps=3, warmup=0, anchors=4, ema=0.75)
-    expect = [p.detach().clone() for p in drafter.parameters()]
-    for step in range(3):
-        trainer.step(make_batch(seqs[step:step + 2]), step)
-        expect = [0.75 * e + 0.25 * p.detach() for e, p in zip(expect, drafter.parameters())]
-    own = [p.detach().clone() for p in drafter.parameters()]
-    with trainer.averaged() as averaged:
-        for e, p in zip(expect, averaged.parameters()):
-            torch.testing.assert_close(p, e, rtol=1e-6, atol=1e-7)
-        assert any(not torch.allclose(p, w) for p, w in zip(averaged.parameters(), own))  # it differs from the last
-    assert all(torch.equal(p, w) for p, w in zip(drafter.parameters(), own))  # its own weights back
-
-    common = ["--data", dataset[0].folder, "--max-seqs", "3", "--gen-max-new-tokens", str(NEW_TOKENS),
-              "--shots", "2", "--sample-temperatures", "0.8,1.1", "--layers", "1", "--block-size", "4",
-              "--anchors", "4", "--batch-size", "2", "--steps", "3", "--save-every", "100", "--ema", "0.5"]
-    straight, split, lost = (str(tmp_path / name) for name in ("straight", "split", "lost"))
-    assert train(parse(*common, "--out", straight), runner, tok) == 0
-    for out in (split, lost):
-        assert train(parse(*common, "--out", out, "--stop-at", "1"), runner, tok) == 0
-    ckpt = os.path.join(lost, "checkpoint.pt")  # negative control: a checkpoint without the average
-    torch.save({k: v for k, v in torch.load(ckpt, weights_only=True).items() if k != "ema"}, ckpt)
-    capsys.readouterr()
-    for out in (split, lost):
-        assert train(parse(*common, "--out", out, "--resume"), runner, tok) == 0
-    assert "holds no weight average" in capsys.readouterr().out
-    ema = lambda out: Drafter.load(os.path.join(out, "drafter-ema")).state_dict()
-    whole = ema(straight)
-    assert all(torch.equal(w, ema(split)[name]) for name, w in whole.items())
-    assert any(not torch.equal(w, ema(lost)[name]) for name, w in whole.items())
-    trained = Drafter.load(os.path.join(straight, "drafter")).state_dict()
-    assert any(not torch.equal(w, trained[name]) for name, w in whole.items())
-    info = json.load(open(os.path.join(straight, "train_info.json")))
-    assert info["ema"]["decay"] == 0.5 and "--ema 0.5" in info["command"]
-
-
 def test_one_command_trains_on_what_its_time_limited_generation_finished(target, dataset, tmp_path):
     """--stage all with --gen-time-limit: generation stops, training follows on what finished;
     --resume of that training generates nothing (more data would change its batches)."""

@@ -9,7 +9,6 @@
                drafter; random anchors in the response, all blocks of a batch in one forward
                (see common.tools.drafter.objective); AdamW, warmup + cosine, bf16 autocast on CUDA
   3. output    OUT/drafter/ (config.json + model.safetensors, what Drafter.load reads),
-               OUT/drafter-ema/ (with --ema: the moving average of the weights, the same files),
                OUT/snapshots/step-N/ (with --snapshot-every, for a scaling curve),
                OUT/checkpoint.pt (resume with --resume), OUT/train_log.jsonl, OUT/train_info.json
                (args, data stats, final metrics, times, the command that reproduces the run)
@@ -143,9 +142,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine decays to lr * this")
     t.add_argument("--warmup", type=float, default=0.04, help="warmup: a fraction of the steps (< 1) or a step count")
     t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--ema", type=float, default=0.0, metavar="DECAY",
-                   help="also keep an exponential moving average of the weights (e.g. 0.999, about the last 1,000 "
-                        "steps), saved as OUT/drafter-ema/ beside OUT/drafter/ (default 0: off)")
     t.add_argument("--grad-clip", type=float, default=1.0)
     t.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto", help="bf16 autocast (auto: on CUDA only)")
     t.add_argument("--compile", action="store_true",
@@ -337,7 +333,7 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
         Trainer, runner, lr=args.lr, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
         weight_decay=args.weight_decay, gamma=args.gamma, anchors=args.anchors, grad_clip=args.grad_clip, amp=amp,
         seed=train_seed, greedy_path=args.sampled_labels == "greedy-path", soft_weight=args.soft_labels,
-        refine=args.refine, compile=args.compile, ema=args.ema)
+        refine=args.refine, compile=args.compile)
     eval_batches = [make_batch(eval_seqs[i:i + args.batch_size], device)
                     for i in range(0, len(eval_seqs), args.batch_size)]
     plan = None
@@ -367,11 +363,6 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
     # ---- 3. output ----------------------------------------------------------------------
     drafter_dir = os.path.join(args.out, "drafter")
     save_dtype = save_drafter(drafter, drafter_dir, args.save_dtype)
-    ema = None
-    if args.ema:
-        with trainer.averaged() as averaged:
-            save_drafter(averaged, os.path.join(args.out, "drafter-ema"), args.save_dtype)
-            ema = {"decay": args.ema, "eval": trainer.evaluate(eval_batches) if eval_batches else None}
     info = {
         "command": reproduce_command(args),
         "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
@@ -385,7 +376,6 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
         "trained_response_tokens": order.response_tokens_through(final.get("step", start)),
         "final": final,
         "eval": evals,
-        **({"ema": ema} if ema else {}),
         "time": {"generation_s_this_run": gen["gen_seconds"], "this_run_s": round(time.perf_counter() - t_start, 1),
                  "all_runs_s": round(train_seconds, 1)},  # all_runs_s adds the runs this one resumed
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -400,9 +390,6 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
             json.dump(info, f, indent=2, default=str)
     print(f"drafter saved to {drafter_dir} ({info['drafter']['bytes'] / 2**20:.1f} MiB, {info['drafter']['saved_dtype']}); "
           f"final {_fmt(final) or '(no steps run)'}{'; eval ' + _fmt(evals[-1]) if evals else ''}", flush=True)
-    if ema:
-        print(f"weight average (--ema {args.ema}) saved to {os.path.join(args.out, 'drafter-ema')}"
-              f"{'; eval ' + _fmt(ema['eval']) if ema['eval'] else ''}", flush=True)
     if stop_reason != "done":
         print(f"stopped at step {info['steps']['done']}/{total} ({stop_reason}); add --resume to continue", flush=True)
     print(f"reproduce: {reproduce_command(args)}", flush=True)
@@ -707,8 +694,6 @@ def _check_args(args) -> None:
         raise ValueError("--steps must be positive")
     if args.samples_per_prompt < 0 or args.eval_prompts < 0:
         raise ValueError("--samples-per-prompt and --eval-prompts must be >= 0")
-    if not 0.0 <= args.ema < 1.0:
-        raise ValueError(f"--ema must be at least 0 (off) and below 1 (got {args.ema})")
     if not 0.0 <= args.soft_labels <= 1.0:
         raise ValueError(f"--soft-labels must be between 0 and 1 (got {args.soft_labels})")
     if not 0.0 <= args.refine <= 1.0:

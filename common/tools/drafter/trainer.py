@@ -3,11 +3,9 @@ step's batch (EpochOrder), checkpoints and the saved drafter. All deterministic 
 so that a resumed run continues exactly where an uninterrupted one would be."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import os
-from collections.abc import Iterator
 from dataclasses import asdict
 
 import torch
@@ -37,8 +35,7 @@ class Trainer:
     def __init__(self, runner: ModelRunner, drafter: Drafter, *, lr: float, total_steps: int, warmup: float = 0.04,
                  min_lr_ratio: float = 0.0, weight_decay: float = 0.01, gamma: float = 7.0, anchors: int = 32,
                  grad_clip: float = 1.0, amp: bool = False, seed: int = 0,
-                 greedy_path: bool = False, soft_weight: float = 0.0, refine: float = 0.0, compile: bool = False,
-                 ema: float = 0.0):
+                 greedy_path: bool = False, soft_weight: float = 0.0, refine: float = 0.0, compile: bool = False):
         self.runner, self.drafter = runner, drafter
         self.device = runner.device
         self.amp = amp
@@ -58,10 +55,6 @@ class Trainer:
         self.draft_hidden = torch.compile(draft_hidden) if compile else draft_hidden
         self.opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                                      fused=self.device.type == "cuda")
-        # An exponential moving average of the weights (fp32, beside the optimizer's), updated
-        # after every step: w_ema <- ema * w_ema + (1 - ema) * w.
-        self.ema = ema
-        self.ema_params = [p.detach().float().clone() for p in drafter.parameters()] if ema else None
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -113,22 +106,7 @@ class Trainer:
         metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        if self.ema_params is not None:
-            torch._foreach_lerp_(self.ema_params, [p.detach().float() for p in self.drafter.parameters()], 1 - self.ema)
         return metrics
-
-    @contextlib.contextmanager
-    def averaged(self) -> Iterator[Drafter]:
-        """The drafter holding the averaged weights (--ema) inside the block, its own after."""
-        params = list(self.drafter.parameters())
-        own = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            torch._foreach_copy_(params, self.ema_params)
-        try:
-            yield self.drafter
-        finally:
-            with torch.no_grad():
-                torch._foreach_copy_(params, own)
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (timings); nothing to wait for on a CPU."""
@@ -198,8 +176,7 @@ class EpochOrder:
 def save_checkpoint(path: str, trainer: Trainer, step: int, seconds: float) -> None:
     state = {"step": step, "seconds": seconds, "total_steps": trainer.total_steps,
              "drafter_config": asdict(trainer.drafter.cfg), "model": trainer.drafter.state_dict(),
-             "optim": trainer.opt.state_dict(), "refine": trainer.refine,
-             "ema": trainer.ema_params}
+             "optim": trainer.opt.state_dict(), "refine": trainer.refine}
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # a kill mid-write leaves the previous checkpoint intact
 
@@ -222,12 +199,6 @@ def load_checkpoint(path: str, trainer: Trainer, cfg: DrafterConfig, total: int)
               flush=True)
     trainer.drafter.load_state_dict(state["model"])
     trainer.opt.load_state_dict(state["optim"])
-    if trainer.ema_params is not None:
-        if state.get("ema") is None:
-            print(f"note: {path} holds no weight average (--ema): it starts from the resumed weights", flush=True)
-            trainer.ema_params = [p.detach().float().clone() for p in trainer.drafter.parameters()]
-        else:
-            trainer.ema_params = [e.to(trainer.device) for e in state["ema"]]
     return int(state["step"]), float(state["seconds"])
 
 
