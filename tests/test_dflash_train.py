@@ -23,6 +23,7 @@ from common.tools.bench import gsm8k_data
 from common.tools.drafter import sources
 from common.tools.drafter.data import DataStore, GenSettings, Part, Sequence, file_sha256, generate, read_prompts
 from common.tools.drafter.evaluate import eval_prompts
+from common.tools.drafter.feature_cache import Admission, FeatureCache
 from common.tools.drafter.objective import (
     IGNORE,
     PAD_MULTIPLE,
@@ -251,6 +252,17 @@ def test_steps_auto_plans_from_a_fitted_step_cost():
     assert of_lengths(10, 31) == of_lengths(32, 5) == (2, 32) and of_lengths(33, 2) == (2, 64)
     assert new_shape_cost([0.30, 0.21, 0.50], [0.10, 0.10, 0.11]) == pytest.approx(0.2)  # the median extra
     assert new_shape_cost([0.10, 0.10], [0.11, 0.12]) == 0.0  # noise, not a saving
+    # A feature cache: 1 s a step to capture, 0.25 s read back. With room for every sequence the
+    # first epoch (4 steps) captures, then 24 steps read back in 10 s; with room for none it is
+    # the walk without a cache; with room for half, in between. The admission is replayed on a copy.
+    read_back = StepCost(0.25, 0.0)
+    walk = lambda room: steps_that_fit(order, flat, 10.0, save_every=100, save_s=0.0,  # noqa: E731
+                                       cached=(read_back, Admission(room)))
+    assert walk(80) == 28 and walk(0) == steps_that_fit(order, flat, 10.0, save_every=100, save_s=0.0) == 10
+    assert 10 < walk(40) < 28
+    admission = Admission(40)
+    steps_that_fit(order, flat, 10.0, save_every=100, save_s=0.0, cached=(read_back, admission))
+    assert admission.used == 40 and len(admission.start) == 4  # sequences of 10 tokens, four fit
 
 
 def test_generation_prefill_steps_default_by_device():
@@ -619,6 +631,39 @@ def losses_on_one_batch(trainer: Trainer, batch, targets, steps: int = 12) -> li
         trainer.opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def test_feature_cache_reads_back_what_capture_says(target, dataset):
+    """Sequences the cache admitted are read back, the rest captured each time: the features,
+    the greedy next tokens of sampled answers and the loss are what capture gives, with two
+    sequences held and two that do not fit."""
+    runner, _ = target
+    seqs = dataset[0].sequences(dataset[1])  # prompt 0's greedy answer, then its samples, ...
+    args = parse("--layers", "1", "--block-size", "4")
+    torch.manual_seed(0)
+    drafter = Drafter(drafter_config(args, runner))
+    layers, H = drafter.cfg.capture_layers, runner.cfg.hidden_size
+    room = len(seqs[0].ids) + len(seqs[1].ids)
+    cache = FeatureCache(room, layers, H, runner.dtype, runner.device)
+    plain = Trainer(runner, drafter, lr=0.0, total_steps=1, anchors=4)
+    cached = Trainer(runner, drafter, lr=0.0, total_steps=1, anchors=4, cache=cache)
+    first, later = make_batch(seqs[:2]), make_batch([seqs[2], seqs[0], seqs[3], seqs[1]])
+    losses = []
+    for batch in (first, later, later):
+        want, got = plain.capture(batch), cached.capture(batch)
+        for r, n in enumerate(batch.lengths.tolist()):
+            for layer in layers:
+                torch.testing.assert_close(got.feats[layer][r, :n], want.feats[layer][r, :n], rtol=1e-5, atol=1e-5)
+            if batch.sampled[r]:
+                span = slice(int(batch.prompt_lens[r]) - 1, n)
+                assert torch.equal(got.next_token[r, span], want.next_token[r, span])
+        gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+        losses.append((plain.loss(batch, want, gen())[0].item(), cached.loss(batch, got, gen())[0].item()))
+        assert losses[-1][1] == pytest.approx(losses[-1][0], rel=1e-5)
+    assert set(cache.admission.start) == {id(seqs[0]), id(seqs[1])} and cache.admission.used == room
+    assert (cache.hits, cache.misses) == (4, 6)
+    cache.feats.zero_()  # negative control: what it reads back is what the loss sees
+    assert cached.loss(later, cached.capture(later), gen())[0].item() != pytest.approx(losses[-1][0], rel=1e-3)
 
 
 def test_loss_falls_on_fixed_batch(target, dataset):
@@ -1005,6 +1050,56 @@ def test_train_save_and_resume(target, dataset, tmp_path):
         train(parse(*other, "--out", str(tmp_path / "other"), "--init", os.path.join(straight, "drafter")), runner, tok)
 
 
+def test_feature_cache_trains_the_drafter_trained_without_it(target, dataset, tmp_path, capsys):
+    """--feature-cache: the run reads later passes' features back and ends with the drafter a run
+    without it trains; --steps auto plans with the cost of a step read back; a bad size and soft
+    labels are refused."""
+    runner, tok = target
+    common = ["--data", dataset[0].folder, "--max-seqs", "3", "--gen-max-new-tokens", str(NEW_TOKENS),
+              "--shots", "2", "--sample-temperatures", "0.8,1.1", "--layers", "1", "--block-size", "4",
+              "--anchors", "4", "--batch-size", "2", "--steps", "4", "--save-every", "100"]
+    plain, cached = str(tmp_path / "plain"), str(tmp_path / "cached")
+    assert train(parse(*common, "--out", plain), runner, tok) == 0
+    capsys.readouterr()
+    assert train(parse(*common, "--out", cached, "--feature-cache", "1"), runner, tok) == 0
+    assert "feature cache: 0.0 GiB for" in capsys.readouterr().out
+    info = json.load(open(os.path.join(cached, "train_info.json")))
+    # 3 sequences in steps of 2 and 1: two epochs, each sequence captured once and read back once.
+    assert info["feature_cache"]["sequences_captured"] == 3 and info["feature_cache"]["sequences_read_back"] == 3
+    assert "--feature-cache" not in info["command"]  # how fast, not what it trains
+    want = Drafter.load(os.path.join(plain, "drafter")).state_dict()
+    for name, w in Drafter.load(os.path.join(cached, "drafter")).state_dict().items():
+        torch.testing.assert_close(w, want[name], rtol=1e-4, atol=1e-6)
+
+    # --steps auto times a step read back (a third run of the probe's batches) and replays the
+    # cache's admission; the costs are then set to 100 s and 50 s a step, so that few steps fit.
+    from common.tools.drafter import plan
+    timed, walked = [], []
+    real_cost, real_walk = plan.measure_cost, plan.steps_that_fit
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan, "WARM_STEPS", 1)
+        mp.setattr(plan, "TIMED_STEPS", 2)
+        mp.setattr(plan, "measure_cost", lambda probe, order: timed.append(real_cost(probe, order)) or
+                   (StepCost(100.0, 0.0), StepCost(50.0, 0.0), timed[-1][2]))
+        mp.setattr(plan, "steps_that_fit", lambda *a, **kw: walked.append(a) or real_walk(*a, **kw))
+        at = common.index("--steps")
+        auto = [*common[:at], "--steps", "auto", "--time-limit", "600", *common[at + 2:]]
+        assert train(parse(*auto, "--out", str(tmp_path / "auto"), "--feature-cache", "1"), runner, tok) == 0
+    assert timed[0][1].seconds(10) > 0  # timed with the cache reading back
+    held, admission = walked[0][7]
+    assert held == StepCost(50.0, 0.0) and len(admission.start) == 3  # the probe captured every sequence
+    info = json.load(open(os.path.join(tmp_path / "auto", "train_info.json")))
+    # 600 s less what ran, 3 % and a checkpoint: 11 steps of 50 s (read back: the probe captured
+    # every sequence), where steps of 100 s would fit 5.
+    assert info["steps"]["planned"]["cached_step_fixed_s"] == 50.0 and info["steps"]["done"] == 11
+
+    with pytest.raises(ValueError, match="--feature-cache: want GiB"):
+        train(parse(*common, "--out", str(tmp_path / "bad"), "--feature-cache", "lots"), runner, tok)
+    with pytest.raises(ValueError, match="soft labels"):
+        train(parse(*common, "--out", str(tmp_path / "soft"), "--feature-cache", "1", "--soft-labels", "0.5"),
+              runner, tok)
+
+
 def test_one_command_trains_on_what_its_time_limited_generation_finished(target, dataset, tmp_path):
     """--stage all with --gen-time-limit: generation stops, training follows on what finished;
     --resume of that training generates nothing (more data would change its batches)."""
@@ -1062,7 +1157,7 @@ def test_steps_auto_fills_the_time_limit_and_leaves_the_run_as_planned(target, d
     timed = []
     real_cost = plan.measure_cost
     monkeypatch.setattr(plan, "measure_cost",
-                        lambda probe, order: timed.append((*real_cost(probe, order), order)) or (StepCost(100.0, 0.0), set()))
+                        lambda probe, order: timed.append((*real_cost(probe, order), order)) or (StepCost(100.0, 0.0), None, set()))
     common = ["--data", dataset[0].folder, "--max-seqs", "3", "--gen-max-new-tokens", str(NEW_TOKENS), "--shots", "2",
               "--sample-temperatures", "0.8,1.1", "--layers", "1", "--block-size", "4", "--anchors", "4",
               "--batch-size", "2", "--log-every", "1", "--save-every", "100"]
@@ -1072,8 +1167,8 @@ def test_steps_auto_fills_the_time_limit_and_leaves_the_run_as_planned(target, d
     info = json.load(open(os.path.join(auto, "train_info.json")))
     assert info["steps"]["done"] == info["steps"]["total"] == 5 and info["steps"]["stopped"] == "done"
     assert info["steps"]["planned"]["step_fixed_s"] == 100.0 and "--steps 5" in info["command"]
-    cost, seen, order = timed[0]  # the probe's steps were timed; the shapes it ran are its three batches'
-    assert len(timed) == 1 and cost.seconds(10) > 0 and cost.new_shape >= 0
+    cost, held, seen, order = timed[0]  # the probe's steps were timed; the shapes it ran are its three batches'
+    assert len(timed) == 1 and cost.seconds(10) > 0 and cost.new_shape >= 0 and held is None  # no feature cache
     assert seen == {plan.shape_of(order.batch(i)) for i in range(3)}
     assert train(parse(*common, "--steps", "5", "--out", fixed), runner, tok) == 0
     planned_w = Drafter.load(os.path.join(auto, "drafter")).state_dict()
@@ -1126,10 +1221,11 @@ def test_profile_command(tmp_path, capsys):
 
     out = str(tmp_path / "profile.json")
     assert main(["dflash", "profile", "--shape", "tiny", "--device", "cpu", "--cases", "2x4x40x10",
-                 "--steps", "1", "--layers", "1", "--out", out]) == 0
+                 "--steps", "1", "--layers", "1", "--feature-cache", "--out", out]) == 0
     (row,) = json.load(open(out))["cases"]
     assert (row["sequences"], row["anchors"], row["length"], row["prompt"]) == (2, 4, 40, 10)
-    assert row["seq_per_s"] > 0 and min(row[k] for k in ("capture_ms", "forward_ms", "backward_ms")) > 0
+    for r in (row, row["read_back"]):  # the step as it captures, and with its features read back
+        assert r["seq_per_s"] > 0 and min(r[k] for k in ("capture_ms", "forward_ms", "backward_ms")) > 0
     assert main(["dflash", "profile", "--shape", "tiny", "--device", "cpu", "--cases", "2x4x40", "--out", out]) == 2
     assert "SEQSxANCHORSxLxP" in capsys.readouterr().err
 

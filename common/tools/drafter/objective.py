@@ -55,6 +55,7 @@ class Batch:
     prompt_lens: torch.Tensor  # [S] long
     sampled: torch.Tensor  # [S] bool: a sampled answer (labelled with the target's argmax)
     tokens: list[list[int]]  # unpadded ids, as the runner takes them
+    keys: tuple[int, ...] = ()  # which sequence each row is, for a FeatureCache (empty: none)
 
     @property
     def size(self) -> int:
@@ -66,14 +67,24 @@ def padded_length(longest: int) -> int:
 
 
 def make_batch(seqs, device: torch.device | str = "cpu") -> Batch:
-    """seqs: objects with .ids (int array), .prompt_len and .sampled (a sampled answer)."""
+    """seqs: objects with .ids (int array), .prompt_len and .sampled (a sampled answer); each row
+    is keyed by its object's identity (what a FeatureCache holds it by)."""
     lengths = [len(s.ids) for s in seqs]
     ids = np.zeros((len(seqs), padded_length(max(lengths))), dtype=np.int64)
     for row, s in enumerate(seqs):
         ids[row, : len(s.ids)] = s.ids
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
     return Batch(torch.from_numpy(ids).to(device), as_long(lengths), as_long([s.prompt_len for s in seqs]),
-                 torch.tensor([s.sampled for s in seqs], device=device), [[int(t) for t in s.ids] for s in seqs])
+                 torch.tensor([s.sampled for s in seqs], device=device), [[int(t) for t in s.ids] for s in seqs],
+                 tuple(id(s) for s in seqs))
+
+
+def select_rows(batch: Batch, rows: list[int]) -> Batch:
+    """The batch of these rows only, padded to their own longest."""
+    at = torch.tensor(rows, device=batch.ids.device)
+    length = padded_length(max(len(batch.tokens[r]) for r in rows))
+    return Batch(batch.ids[at, :length], batch.lengths[at], batch.prompt_lens[at], batch.sampled[at],
+                 [batch.tokens[r] for r in rows], tuple(batch.keys[r] for r in rows) if batch.keys else ())
 
 
 def sample_anchors(batch: Batch, num_anchors: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

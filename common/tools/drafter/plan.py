@@ -14,6 +14,11 @@ steps that fitted. So each
 probe batch runs twice: the second runs give the step's cost, the difference the extra of a new
 shape, which the walk adds once per shape it has not met (make_batch pads lengths to a multiple
 of PAD_MULTIPLE, so that shapes repeat).
+
+With a feature cache, a step whose sequences the cache holds skips the target's pass. The probe
+then times each batch a third time with the cache reading them back, and the walk replays the
+cache's admission (feature_cache.Admission), charging each step the cached cost plus its share
+of sequences still to capture times the difference.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from common.tools.drafter.data import Sequence
+from common.tools.drafter.feature_cache import Admission
 from common.tools.drafter.objective import Batch, make_batch, padded_length
 from common.tools.drafter.trainer import EpochOrder, Trainer, save_checkpoint
 
@@ -81,17 +87,27 @@ def padded_tokens(seqs: list[Sequence]) -> int:
 
 
 def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every: int, save_s: float,
-                   snapshot_every: int | None = None, seen: set[Shape] = frozenset()) -> int:
+                   snapshot_every: int | None = None, seen: set[Shape] = frozenset(),
+                   cached: tuple[StepCost, Admission] | None = None) -> int:
     """The most steps of `order` whose predicted time, with save_s after every save_every-th
     step (a checkpoint and the held-out check) and every snapshot_every-th (a snapshot), and
     cost.new_shape for each batch shape not in `seen` (those the process ran already) the first
-    time it comes, stays within `seconds`."""
+    time it comes, stays within `seconds`. cached: the step's cost when a feature cache holds
+    every sequence, and (a copy of) that cache's admission as the run starts."""
     if cost.seconds(1) <= 0:
         raise ValueError(f"--steps auto: a step timed at {cost.seconds(1)} s")
     used, step, seen = 0.0, 0, set(seen)
     while True:
         seqs = order.batch(step)
-        used += cost.seconds(padded_tokens(seqs))
+        tokens = padded_tokens(seqs)
+        if cached is None:
+            used += cost.seconds(tokens)
+        else:
+            held, admission = cached
+            new = [s for s in seqs if id(s) not in admission]
+            for s in new:
+                admission.offer(id(s), len(s.ids))
+            used += held.seconds(tokens) + len(new) / len(seqs) * (cost.seconds(tokens) - held.seconds(tokens))
         if shape_of(seqs) not in seen:
             seen.add(shape_of(seqs))
             used += cost.new_shape
@@ -117,16 +133,23 @@ def time_steps(trainer: Trainer, order: EpochOrder, steps: range) -> list[tuple[
     return out
 
 
-def measure_cost(trainer: Trainer, order: EpochOrder) -> tuple[StepCost, set[Shape]]:
+def measure_cost(trainer: Trainer, order: EpochOrder) -> tuple[StepCost, StepCost | None, set[Shape]]:
     """A step's cost on `trainer` (a copy: it trains on the first batches of `order`), from
-    TIMED_STEPS batches after WARM_STEPS untimed ones, each run twice; and the shapes it ran
-    (the process has met them: the run's steps of those shapes cost no new shape's extra)."""
+    TIMED_STEPS batches after WARM_STEPS untimed ones, each run twice, the second time
+    capturing again; with a feature cache, the cost when it reads every sequence back (a third
+    run); and the shapes it ran (the process has met them: the run's steps of those shapes
+    cost no new shape's extra)."""
     ran = range(WARM_STEPS + TIMED_STEPS)
     time_steps(trainer, order, ran[:WARM_STEPS])
     first = time_steps(trainer, order, ran[WARM_STEPS:])
-    again = time_steps(trainer, order, ran[WARM_STEPS:])
+    cache, trainer.cache = trainer.cache, None
+    try:
+        again = time_steps(trainer, order, ran[WARM_STEPS:])
+    finally:
+        trainer.cache = cache
+    held = fit_cost(time_steps(trainer, order, ran[WARM_STEPS:])) if cache is not None else None
     extra = new_shape_cost([t for _, t in first], [t for _, t in again])
-    return replace(fit_cost(again), new_shape=extra), {shape_of(order.batch(i)) for i in ran}
+    return replace(fit_cost(again), new_shape=extra), held, {shape_of(order.batch(i)) for i in ran}
 
 
 def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], seconds_left: Callable[[], float],
@@ -134,7 +157,7 @@ def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], sec
     """Steps for a run of `order`, timed on `probe` (a trainer like the run's, on a copy of its
     drafter: it trains on the first batches), and what the plan read. seconds_left(): the
     seconds --time-limit still leaves; folder: where the run writes its checkpoints."""
-    cost, seen = measure_cost(probe, order)
+    cost, held, seen = measure_cost(probe, order)
     t = time.perf_counter()
     if eval_batches:
         probe.evaluate(eval_batches)
@@ -145,10 +168,13 @@ def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], sec
     budget = seconds_left() * (1 - MARGIN) - save_s
     if budget <= 0:
         raise ValueError(f"--steps auto: --time-limit leaves no time to train ({seconds_left():.0f} s left)")
-    total = steps_that_fit(order, cost, budget, save_every, save_s, snapshot_every, seen)
+    cached = (held, probe.cache.admission.copy()) if held is not None else None
+    total = steps_that_fit(order, cost, budget, save_every, save_s, snapshot_every, seen, cached)
     if total < 1:
         raise ValueError(f"--steps auto: not one step fits in the {budget:.1f} s that --time-limit leaves")
-    return total, {"timed_steps": TIMED_STEPS, "step_fixed_s": round(cost.fixed, 5),
-                   "step_per_token_us": round(cost.per_token * 1e6, 5), "new_shape_s": round(cost.new_shape, 5),
-                   "save_and_check_s": round(save_s, 3),
-                   "seconds_planned": round(budget, 1)}
+    plan = {"timed_steps": TIMED_STEPS, "step_fixed_s": round(cost.fixed, 5),
+            "step_per_token_us": round(cost.per_token * 1e6, 5), "new_shape_s": round(cost.new_shape, 5),
+            "save_and_check_s": round(save_s, 3), "seconds_planned": round(budget, 1)}
+    if held is not None:
+        plan |= {"cached_step_fixed_s": round(held.fixed, 5), "cached_step_per_token_us": round(held.per_token * 1e6, 5)}
+    return total, plan

@@ -17,6 +17,7 @@ from common.dflash.drafter import Drafter, DrafterConfig
 from common.model.shapes import SHAPES, RandomWeights
 from common.runner.model_runner import ModelRunner
 from common.tools.drafter.data import Sequence
+from common.tools.drafter.feature_cache import FeatureCache
 from common.tools.drafter.objective import Batch, make_batch
 from common.tools.drafter.trainer import Trainer
 
@@ -33,6 +34,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-kernels", action="store_true", help="skip the per-kernel table (CUDA)")
     p.add_argument("--compile", action="store_true", help="torch.compile the drafter, as `dflash train --compile`")
+    p.add_argument("--feature-cache", action="store_true",
+                   help="time each case also with the target's features read back (`dflash train --feature-cache`)")
     p.add_argument("--out", default=os.path.join("bench-out", "dflash-profile.json"))
 
 
@@ -50,13 +53,23 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for seqs, anchors, length, prompt in cases:
         trainer.anchors = anchors
-        row = time_case(trainer, _batch(cfg, seqs, length, prompt, runner.device), args.steps)
+        batch = _batch(cfg, seqs, length, prompt, runner.device)
+        row = time_case(trainer, batch, args.steps)
+        if args.feature_cache:  # the same batch again, its features read back from a cache
+            layers = drafter.cfg.capture_layers
+            trainer.cache = FeatureCache(int(batch.lengths.sum()), layers, cfg.hidden_size, runner.dtype, runner.device)
+            row["read_back"] = time_case(trainer, batch, args.steps)
+            trainer.cache = None
         rows.append({"sequences": seqs, "anchors": anchors, "length": length, "prompt": prompt, **row})
-        print(f"{seqs:4d} seqs x {anchors:3d} anchors, L {length:5d} / P {prompt:4d}: {row['step_ms']:7.1f} ms/step "
-              f"{row['seq_per_s']:6.0f} seq/s | capture {row['capture_ms']:6.1f}, drafter+loss {row['forward_ms']:6.1f}, "
-              f"backward {row['backward_ms']:6.1f}, optimizer {row['optimizer_ms']:5.1f} ms", flush=True)
+        for name, r in (("", row), (" read back", row.get("read_back"))):
+            if r:
+                print(f"{seqs:4d} seqs x {anchors:3d} anchors, L {length:5d} / P {prompt:4d}{name}: {r['step_ms']:7.1f} "
+                      f"ms/step {r['seq_per_s']:6.0f} seq/s | capture {r['capture_ms']:6.1f}, drafter+loss "
+                      f"{r['forward_ms']:6.1f}, backward {r['backward_ms']:6.1f}, optimizer {r['optimizer_ms']:5.1f} ms",
+                      flush=True)
     result = {"shape": args.shape, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "draft_layers": args.layers, "compiled": args.compile,
+              "feature_cache": args.feature_cache,
               "cases": rows}
     if cuda and not args.no_kernels:
         seqs, anchors, length, prompt = cases[0]

@@ -42,6 +42,7 @@ from common.tools.bench.gsm8k_data import Item
 from common.tools.drafter import sources
 from common.tools.drafter.data import (DataStore, GenSettings, Part, Sequence, check_pool, data_stats, file_sha256,
                                        generate, pooled_sequences, read_prompts)
+from common.tools.drafter.feature_cache import FeatureCache
 from common.tools.drafter.objective import SOFT_TOP_K, Batch, make_batch
 from common.tools.drafter.plan import plan_steps
 from common.tools.drafter.trainer import (DRAFTING_ONLY, EpochOrder, Trainer, checkpoint_total, load_checkpoint, rounded,
@@ -49,12 +50,15 @@ from common.tools.drafter.trainer import (DRAFTING_ONLY, EpochOrder, Trainer, ch
 
 # Flags that steer one invocation but not what it produces: left out of the reproduce command.
 RUN_CONTROL = {"resume", "stop_at", "time_limit", "no_progress", "log_every", "save_every", "stage", "gen_time_limit",
-               "gen_workers", "compile"}
+               "gen_workers", "compile", "feature_cache"}
 PATHS = {"prompts", "data", "pool", "out", "model", "init"}
 # Prefill tokens a step while generating on CUDA. Answering 7,473 few-shot GSM8K prompts on the
 # H200 (bf16): 3,002 tok/s with steps of 8,192 tokens, 5,052 with 32,768 (docs/PERFORMANCE.md,
 # 2026-12-04 (second evening)).
 GEN_CHUNK_SIZE = 32768
+# What --feature-cache auto leaves free for the training itself: a step of 64 x 32 anchors peaked
+# at 14.4 GiB on an H100 (2026-12-07), and a capture's pass over a long batch adds to it.
+CACHE_RESERVE_GIB = 24
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -144,6 +148,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--grad-clip", type=float, default=1.0)
     t.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto", help="bf16 autocast (auto: on CUDA only)")
+    t.add_argument("--feature-cache", default="0", metavar="GIB",
+                   help="keep the target's features of up to GIB GiB of training sequences on the device, so that "
+                        "later passes skip its pass over them; auto: the device's free memory less "
+                        f"{CACHE_RESERVE_GIB} GiB for the training itself (CUDA only); 0: off (default)")
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the drafter's forward and backward. Measured on an H100 with every size "
                         "dynamic (since: only the batch's, not measured yet): a step 1.23x faster once compiled "
@@ -329,11 +337,12 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
             (f", reading also the target's layer{'s' * (len(reads) > 1)} {', '.join(map(str, reads))}" if reads else "")
         print(f"initialised from the drafter at {args.init}{grew}", flush=True)
     amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
+    cache = feature_cache(args, runner, cfg, order.seqs + eval_seqs)
     make_trainer = functools.partial(
         Trainer, runner, lr=args.lr, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
         weight_decay=args.weight_decay, gamma=args.gamma, anchors=args.anchors, grad_clip=args.grad_clip, amp=amp,
         seed=train_seed, greedy_path=args.sampled_labels == "greedy-path", soft_weight=args.soft_labels,
-        refine=args.refine, compile=args.compile)
+        refine=args.refine, compile=args.compile, cache=cache)
     eval_batches = [make_batch(eval_seqs[i:i + args.batch_size], device)
                     for i in range(0, len(eval_seqs), args.batch_size)]
     plan = None
@@ -376,6 +385,8 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
         "trained_response_tokens": order.response_tokens_through(final.get("step", start)),
         "final": final,
         "eval": evals,
+        **({"feature_cache": {"tokens": cache.admission.capacity, "held": cache.admission.used,
+                              "sequences_read_back": cache.hits, "sequences_captured": cache.misses}} if cache else {}),
         "time": {"generation_s_this_run": gen["gen_seconds"], "this_run_s": round(time.perf_counter() - t_start, 1),
                  "all_runs_s": round(train_seconds, 1)},  # all_runs_s adds the runs this one resumed
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -518,6 +529,27 @@ def save_snapshot(folder: str, trainer: Trainer, order: EpochOrder, step: int, a
     with open(os.path.join(folder, "train_info.json"), "w") as f:
         json.dump({"step": step, "trained_response_tokens": order.response_tokens_through(step),
                    "command": reproduce_command(args)}, f, indent=2)
+
+
+def feature_cache(args, runner: ModelRunner, cfg: DrafterConfig, seqs: list[Sequence]) -> FeatureCache | None:
+    """The --feature-cache for these sequences (repeats counted once), or None when off."""
+    if _cache_off(args):
+        return None
+    layers, hidden = cfg.capture_layers, runner.cfg.hidden_size
+    per = FeatureCache.bytes_per_token(layers, hidden, runner.dtype)
+    need = sum(len(s.ids) for s in {id(s): s for s in seqs}.values())
+    if args.feature_cache == "auto":
+        if runner.device.type != "cuda":
+            print("feature cache: off (--feature-cache auto sizes it on CUDA only; give GiB to have one)", flush=True)
+            return None
+        budget = torch.cuda.mem_get_info(runner.device)[0] - CACHE_RESERVE_GIB * 2**30
+    else:
+        budget = float(args.feature_cache) * 2**30
+    capacity = min(need, max(0, int(budget // per)))
+    print(f"feature cache: {capacity * per / 2**30:.1f} GiB for {capacity:,} of the data's {need:,} tokens "
+          f"({capacity / max(need, 1):.0%}; {per:,} bytes a token)", flush=True)
+    return FeatureCache(capacity, layers, hidden, runner.dtype, runner.device) if capacity else None
+
 
 def init_from(drafter: Drafter, folder: str) -> tuple[int, tuple[int, ...]]:
     """The weights of the drafter in `folder` (more steps or data for a trained drafter). Its
@@ -662,6 +694,10 @@ def _steps(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"want a number of steps or auto, not {text!r}") from None
 
 
+def _cache_off(args) -> bool:
+    return args.feature_cache == "off" or (args.feature_cache != "auto" and float(args.feature_cache) == 0)
+
+
 def _formats(args) -> tuple[str, ...]:
     return tuple(f.strip() for f in args.formats.split(",") if f.strip())
 
@@ -694,6 +730,15 @@ def _check_args(args) -> None:
         raise ValueError("--steps must be positive")
     if args.samples_per_prompt < 0 or args.eval_prompts < 0:
         raise ValueError("--samples-per-prompt and --eval-prompts must be >= 0")
+    if args.feature_cache not in ("auto", "off"):
+        try:
+            gib = float(args.feature_cache)
+        except ValueError:
+            gib = -1.0
+        if not 0 <= gib < math.inf:
+            raise ValueError(f"--feature-cache: want GiB (>= 0), auto or off, not {args.feature_cache!r}")
+    if not _cache_off(args) and args.soft_labels:
+        raise ValueError("--feature-cache holds no soft labels: use it with --soft-labels 0")
     if not 0.0 <= args.soft_labels <= 1.0:
         raise ValueError(f"--soft-labels must be between 0 and 1 (got {args.soft_labels})")
     if not 0.0 <= args.refine <= 1.0:

@@ -14,6 +14,7 @@ from common.dflash.drafter import Drafter, DrafterConfig
 from common.model.transformer import rope_cos_sin
 from common.runner.model_runner import ModelRunner
 from common.tools.drafter.data import Sequence
+from common.tools.drafter.feature_cache import FeatureCache
 from common.tools.drafter.objective import (IGNORE, SOFT_TOP_K, Batch, Targets, block_labels, block_loss,
                                             block_soft_labels, block_tokens, capture, draft_hidden, refine_prefix,
                                             sample_anchors)
@@ -35,7 +36,8 @@ class Trainer:
     def __init__(self, runner: ModelRunner, drafter: Drafter, *, lr: float, total_steps: int, warmup: float = 0.04,
                  min_lr_ratio: float = 0.0, weight_decay: float = 0.01, gamma: float = 7.0, anchors: int = 32,
                  grad_clip: float = 1.0, amp: bool = False, seed: int = 0,
-                 greedy_path: bool = False, soft_weight: float = 0.0, refine: float = 0.0, compile: bool = False):
+                 greedy_path: bool = False, soft_weight: float = 0.0, refine: float = 0.0, compile: bool = False,
+                 cache: FeatureCache | None = None):
         self.runner, self.drafter = runner, drafter
         self.device = runner.device
         self.amp = amp
@@ -48,6 +50,9 @@ class Trainer:
         self.gamma, self.anchors, self.grad_clip, self.seed = gamma, anchors, grad_clip, seed
         self.greedy_path, self.soft_weight = greedy_path, soft_weight
         self.refine = refine  # the share of blocks trained as a refine pass sees them
+        if cache is not None and soft_weight:
+            raise ValueError("a feature cache holds no soft labels: train with --soft-labels 0 or without the cache")
+        self.cache = cache
         # torch.compile fuses the drafter's elementwise work (norms, RoPE, SiLU), forward and
         # backward, which in eager mode is about a third of a step's GPU time. Only
         # the batch's sequences and length vary (marked dynamic in loss()); every other size,
@@ -68,9 +73,13 @@ class Trainer:
 
     def capture(self, batch: Batch) -> Targets:
         """Target features of a batch, its greedy next tokens where sampled answers need them, and
-        its top next tokens where soft labels do."""
-        return capture(self.runner, batch, self.drafter.cfg.capture_layers, argmax=bool(batch.sampled.any()),
-                       top_k=SOFT_TOP_K if self.soft_weight else 0)
+        its top next tokens where soft labels do; read back from the feature cache where it
+        holds them."""
+        run = lambda b: capture(self.runner, b, self.drafter.cfg.capture_layers, argmax=bool(b.sampled.any()),  # noqa: E731
+                                top_k=SOFT_TOP_K if self.soft_weight else 0)
+        if self.cache is None or not batch.keys:
+            return run(batch)
+        return self.cache.targets(batch, run)
 
     def loss(self, batch: Batch, targets: Targets, generator: torch.Generator
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
