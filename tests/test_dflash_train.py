@@ -23,7 +23,7 @@ from common.tools.bench import gsm8k_data
 from common.tools.drafter import sources
 from common.tools.drafter.data import DataStore, GenSettings, Part, Sequence, file_sha256, generate, read_prompts
 from common.tools.drafter.evaluate import eval_prompts
-from common.tools.drafter.feature_cache import Admission, FeatureCache
+from common.tools.drafter.feature_cache import FeatureCache, Places
 from common.tools.drafter.objective import (
     IGNORE,
     PAD_MULTIPLE,
@@ -39,8 +39,8 @@ from common.tools.drafter.objective import (
     refine_prefix,
     sample_anchors,
 )
-from common.tools.drafter.train import (GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, held_out, repeated, run,
-                                        train)
+from common.tools.drafter.train import (GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, feature_cache, held_out,
+                                        repeated, run, train)
 from common.tools.drafter.plan import StepCost, fit_cost, new_shape_cost, shape_of, steps_that_fit
 from common.tools.drafter.trainer import EpochOrder, Trainer
 
@@ -218,6 +218,12 @@ def test_an_epoch_draws_its_share_of_a_fractional_source_afresh():
     assert [s.i for s in again.batch(9)] == [s.i for s in order.batch(9)]  # a resumed run draws the same
     plain = EpochOrder(seqs, 8, seed=3)
     assert plain.steps_per_epoch == 5 and not any(s.source == "fewshot" for st in range(5) for s in plain.batch(st))
+    # How often an epoch meets each sequence (what the feature cache places first): a whole
+    # repeat twice, the drawn group 10 of 30.
+    twice = EpochOrder(seqs + seqs[:5], 8, seed=3, drawn=[(group, 10)])
+    times = {id(s): n for s, n in twice.per_epoch()}
+    assert len(times) == 70 and [times[id(s)] for s in seqs[4:6]] == [2.0, 1.0]
+    assert times[id(group[0])] == pytest.approx(1 / 3)
 
 
 def test_steps_auto_plans_from_a_fitted_step_cost():
@@ -254,15 +260,16 @@ def test_steps_auto_plans_from_a_fitted_step_cost():
     assert new_shape_cost([0.10, 0.10], [0.11, 0.12]) == 0.0  # noise, not a saving
     # A feature cache: 1 s a step to capture, 0.25 s read back. With room for every sequence the
     # first epoch (4 steps) captures, then 24 steps read back in 10 s; with room for none it is
-    # the walk without a cache; with room for half, in between. The admission is replayed on a copy.
+    # the walk without a cache; with room for half, in between. The walk stores what it meets.
     read_back = StepCost(0.25, 0.0)
+    places_for = lambda room: Places([(id(s), len(s.ids)) for s in seqs], room)  # noqa: E731
     walk = lambda room: steps_that_fit(order, flat, 10.0, save_every=100, save_s=0.0,  # noqa: E731
-                                       cached=(read_back, Admission(room)))
+                                       cached=(read_back, places_for(room)))
     assert walk(80) == 28 and walk(0) == steps_that_fit(order, flat, 10.0, save_every=100, save_s=0.0) == 10
     assert 10 < walk(40) < 28
-    admission = Admission(40)
-    steps_that_fit(order, flat, 10.0, save_every=100, save_s=0.0, cached=(read_back, admission))
-    assert admission.used == 40 and len(admission.start) == 4  # sequences of 10 tokens, four fit
+    half = places_for(40)
+    steps_that_fit(order, flat, 10.0, save_every=100, save_s=0.0, cached=(read_back, half))
+    assert half.used == 40 and half.stored == set(half.start) == {id(s) for s in seqs[:4]}  # 10 tokens each
 
 
 def test_generation_prefill_steps_default_by_device():
@@ -634,17 +641,18 @@ def losses_on_one_batch(trainer: Trainer, batch, targets, steps: int = 12) -> li
 
 
 def test_feature_cache_reads_back_what_capture_says(target, dataset):
-    """Sequences the cache admitted are read back, the rest captured each time: the features,
-    the greedy next tokens of sampled answers and the loss are what capture gives, with two
-    sequences held and two that do not fit."""
+    """Sequences with a place are stored when first captured and read back after, the rest
+    captured each time: the features, the greedy next tokens of sampled answers and the loss are
+    what capture gives, with two sequences placed and two that do not fit."""
     runner, _ = target
     seqs = dataset[0].sequences(dataset[1])  # prompt 0's greedy answer, then its samples, ...
     args = parse("--layers", "1", "--block-size", "4")
     torch.manual_seed(0)
     drafter = Drafter(drafter_config(args, runner))
     layers, H = drafter.cfg.capture_layers, runner.cfg.hidden_size
-    room = len(seqs[0].ids) + len(seqs[1].ids)
-    cache = FeatureCache(room, layers, H, runner.dtype, runner.device)
+    room = len(seqs[0].ids) + len(seqs[1].ids)  # places for the first two, in order of priority
+    places = Places([(id(s), len(s.ids)) for s in seqs[:4]], room)
+    cache = FeatureCache(places, layers, H, runner.dtype, runner.device)
     plain = Trainer(runner, drafter, lr=0.0, total_steps=1, anchors=4)
     cached = Trainer(runner, drafter, lr=0.0, total_steps=1, anchors=4, cache=cache)
     first, later = make_batch(seqs[:2]), make_batch([seqs[2], seqs[0], seqs[3], seqs[1]])
@@ -660,7 +668,7 @@ def test_feature_cache_reads_back_what_capture_says(target, dataset):
         gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
         losses.append((plain.loss(batch, want, gen())[0].item(), cached.loss(batch, got, gen())[0].item()))
         assert losses[-1][1] == pytest.approx(losses[-1][0], rel=1e-5)
-    assert set(cache.admission.start) == {id(seqs[0]), id(seqs[1])} and cache.admission.used == room
+    assert places.stored == set(places.start) == {id(seqs[0]), id(seqs[1])} and places.used == room
     assert (cache.hits, cache.misses) == (4, 6)
     cache.feats.zero_()  # negative control: what it reads back is what the loss sees
     assert cached.loss(later, cached.capture(later), gen())[0].item() != pytest.approx(losses[-1][0], rel=1e-3)
@@ -1066,13 +1074,14 @@ def test_feature_cache_trains_the_drafter_trained_without_it(target, dataset, tm
     info = json.load(open(os.path.join(cached, "train_info.json")))
     # 3 sequences in steps of 2 and 1: two epochs, each sequence captured once and read back once.
     assert info["feature_cache"]["sequences_captured"] == 3 and info["feature_cache"]["sequences_read_back"] == 3
+    assert info["feature_cache"]["sequences_placed"] == 3
     assert "--feature-cache" not in info["command"]  # how fast, not what it trains
     want = Drafter.load(os.path.join(plain, "drafter")).state_dict()
     for name, w in Drafter.load(os.path.join(cached, "drafter")).state_dict().items():
         torch.testing.assert_close(w, want[name], rtol=1e-4, atol=1e-6)
 
     # --steps auto times a step read back (a third run of the probe's batches) and replays the
-    # cache's admission; the costs are then set to 100 s and 50 s a step, so that few steps fit.
+    # cache's places; the costs are then set to 100 s and 50 s a step, so that few steps fit.
     from common.tools.drafter import plan
     timed, walked = [], []
     real_cost, real_walk = plan.measure_cost, plan.steps_that_fit
@@ -1086,12 +1095,21 @@ def test_feature_cache_trains_the_drafter_trained_without_it(target, dataset, tm
         auto = [*common[:at], "--steps", "auto", "--time-limit", "600", *common[at + 2:]]
         assert train(parse(*auto, "--out", str(tmp_path / "auto"), "--feature-cache", "1"), runner, tok) == 0
     assert timed[0][1].seconds(10) > 0  # timed with the cache reading back
-    held, admission = walked[0][7]
-    assert held == StepCost(50.0, 0.0) and len(admission.start) == 3  # the probe captured every sequence
+    held, places = walked[0][7]
+    assert held == StepCost(50.0, 0.0) and len(places.stored) == 3  # the probe captured every sequence
     info = json.load(open(os.path.join(tmp_path / "auto", "train_info.json")))
     # 600 s less what ran, 3 % and a checkpoint: 11 steps of 50 s (read back: the probe captured
     # every sequence), where steps of 100 s would fit 5.
     assert info["steps"]["planned"]["cached_step_fixed_s"] == 50.0 and info["steps"]["done"] == 11
+
+    # Places go first to the sequences an epoch meets most: room for one, the one met twice.
+    seqs = dataset[0].sequences(dataset[1])[:2]
+    cfg = Drafter.load(os.path.join(plain, "drafter")).cfg
+    per = FeatureCache.bytes_per_token(cfg.capture_layers, runner.cfg.hidden_size, runner.dtype)
+    gib = (len(seqs[1].ids) + 0.5) * per / 2**30
+    cache = feature_cache(parse("--feature-cache", repr(gib)), runner, cfg, EpochOrder(seqs + seqs[1:], 2, seed=0))
+    assert set(cache.places.start) == {id(seqs[1])}
+    assert feature_cache(parse("--feature-cache", "auto"), runner, cfg, EpochOrder(seqs, 2, seed=0)) is None  # CPU
 
     with pytest.raises(ValueError, match="--feature-cache: want GiB"):
         train(parse(*common, "--out", str(tmp_path / "bad"), "--feature-cache", "lots"), runner, tok)

@@ -17,8 +17,8 @@ of PAD_MULTIPLE, so that shapes repeat).
 
 With a feature cache, a step whose sequences the cache holds skips the target's pass. The probe
 then times each batch a third time with the cache reading them back, and the walk replays the
-cache's admission (feature_cache.Admission), charging each step the cached cost plus its share
-of sequences still to capture times the difference.
+cache's places (feature_cache.Places), charging each step the cost read back plus its share of
+sequences still to capture times the difference.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from common.tools.drafter.data import Sequence
-from common.tools.drafter.feature_cache import Admission
+from common.tools.drafter.feature_cache import Places
 from common.tools.drafter.objective import Batch, make_batch, padded_length
 from common.tools.drafter.trainer import EpochOrder, Trainer, save_checkpoint
 
@@ -88,12 +88,12 @@ def padded_tokens(seqs: list[Sequence]) -> int:
 
 def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every: int, save_s: float,
                    snapshot_every: int | None = None, seen: set[Shape] = frozenset(),
-                   cached: tuple[StepCost, Admission] | None = None) -> int:
+                   cached: tuple[StepCost, Places] | None = None) -> int:
     """The most steps of `order` whose predicted time, with save_s after every save_every-th
     step (a checkpoint and the held-out check) and every snapshot_every-th (a snapshot), and
     cost.new_shape for each batch shape not in `seen` (those the process ran already) the first
     time it comes, stays within `seconds`. cached: the step's cost when a feature cache holds
-    every sequence, and (a copy of) that cache's admission as the run starts."""
+    every sequence, and (a copy of) that cache's places as the run starts."""
     if cost.seconds(1) <= 0:
         raise ValueError(f"--steps auto: a step timed at {cost.seconds(1)} s")
     used, step, seen = 0.0, 0, set(seen)
@@ -103,10 +103,9 @@ def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every
         if cached is None:
             used += cost.seconds(tokens)
         else:
-            held, admission = cached
-            new = [s for s in seqs if id(s) not in admission]
-            for s in new:
-                admission.offer(id(s), len(s.ids))
+            held, places = cached
+            new = [s for s in seqs if id(s) not in places.stored]
+            places.stored.update(id(s) for s in new if id(s) in places.start)
             used += held.seconds(tokens) + len(new) / len(seqs) * (cost.seconds(tokens) - held.seconds(tokens))
         if shape_of(seqs) not in seen:
             seen.add(shape_of(seqs))
@@ -168,7 +167,7 @@ def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], sec
     budget = seconds_left() * (1 - MARGIN) - save_s
     if budget <= 0:
         raise ValueError(f"--steps auto: --time-limit leaves no time to train ({seconds_left():.0f} s left)")
-    cached = (held, probe.cache.admission.copy()) if held is not None else None
+    cached = (held, probe.cache.places.copy()) if held is not None else None
     total = steps_that_fit(order, cost, budget, save_every, save_s, snapshot_every, seen, cached)
     if total < 1:
         raise ValueError(f"--steps auto: not one step fits in the {budget:.1f} s that --time-limit leaves")

@@ -17,7 +17,7 @@ from common.dflash.drafter import Drafter, DrafterConfig
 from common.model.shapes import SHAPES, RandomWeights
 from common.runner.model_runner import ModelRunner
 from common.tools.drafter.data import Sequence
-from common.tools.drafter.feature_cache import FeatureCache
+from common.tools.drafter.feature_cache import FeatureCache, Places
 from common.tools.drafter.objective import Batch, make_batch
 from common.tools.drafter.trainer import Trainer
 
@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         row = time_case(trainer, batch, args.steps)
         if args.feature_cache:  # the same batch again, its features read back from a cache
             layers = drafter.cfg.capture_layers
-            trainer.cache = FeatureCache(int(batch.lengths.sum()), layers, cfg.hidden_size, runner.dtype, runner.device)
+            places = Places(list(zip(batch.keys, batch.lengths.tolist())), int(batch.lengths.sum()))
+            trainer.cache = FeatureCache(places, layers, cfg.hidden_size, runner.dtype, runner.device)
             row["read_back"] = time_case(trainer, batch, args.steps)
             trainer.cache = None
         rows.append({"sequences": seqs, "anchors": anchors, "length": length, "prompt": prompt, **row})

@@ -42,7 +42,7 @@ from common.tools.bench.gsm8k_data import Item
 from common.tools.drafter import sources
 from common.tools.drafter.data import (DataStore, GenSettings, Part, Sequence, check_pool, data_stats, file_sha256,
                                        generate, pooled_sequences, read_prompts)
-from common.tools.drafter.feature_cache import FeatureCache
+from common.tools.drafter.feature_cache import FeatureCache, Places
 from common.tools.drafter.objective import SOFT_TOP_K, Batch, make_batch
 from common.tools.drafter.plan import plan_steps
 from common.tools.drafter.trainer import (DRAFTING_ONLY, EpochOrder, Trainer, checkpoint_total, load_checkpoint, rounded,
@@ -337,7 +337,7 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
             (f", reading also the target's layer{'s' * (len(reads) > 1)} {', '.join(map(str, reads))}" if reads else "")
         print(f"initialised from the drafter at {args.init}{grew}", flush=True)
     amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
-    cache = feature_cache(args, runner, cfg, order.seqs + eval_seqs)
+    cache = feature_cache(args, runner, cfg, order)
     make_trainer = functools.partial(
         Trainer, runner, lr=args.lr, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
         weight_decay=args.weight_decay, gamma=args.gamma, anchors=args.anchors, grad_clip=args.grad_clip, amp=amp,
@@ -385,7 +385,7 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
         "trained_response_tokens": order.response_tokens_through(final.get("step", start)),
         "final": final,
         "eval": evals,
-        **({"feature_cache": {"tokens": cache.admission.capacity, "held": cache.admission.used,
+        **({"feature_cache": {"tokens": cache.places.used, "sequences_placed": len(cache.places.start),
                               "sequences_read_back": cache.hits, "sequences_captured": cache.misses}} if cache else {}),
         "time": {"generation_s_this_run": gen["gen_seconds"], "this_run_s": round(time.perf_counter() - t_start, 1),
                  "all_runs_s": round(train_seconds, 1)},  # all_runs_s adds the runs this one resumed
@@ -531,13 +531,15 @@ def save_snapshot(folder: str, trainer: Trainer, order: EpochOrder, step: int, a
                    "command": reproduce_command(args)}, f, indent=2)
 
 
-def feature_cache(args, runner: ModelRunner, cfg: DrafterConfig, seqs: list[Sequence]) -> FeatureCache | None:
-    """The --feature-cache for these sequences (repeats counted once), or None when off."""
+def feature_cache(args, runner: ModelRunner, cfg: DrafterConfig, order: EpochOrder) -> FeatureCache | None:
+    """The --feature-cache for the training sequences, or None when off: places first for the
+    sequences an epoch meets most often (the held-out check's are captured each time)."""
     if _cache_off(args):
         return None
     layers, hidden = cfg.capture_layers, runner.cfg.hidden_size
     per = FeatureCache.bytes_per_token(layers, hidden, runner.dtype)
-    need = sum(len(s.ids) for s in {id(s): s for s in seqs}.values())
+    ranked = sorted(order.per_epoch(), key=lambda seq_times: -seq_times[1])  # stable: ties in data order
+    need = sum(len(s.ids) for s, _ in ranked)
     if args.feature_cache == "auto":
         if runner.device.type != "cuda":
             print("feature cache: off (--feature-cache auto sizes it on CUDA only; give GiB to have one)", flush=True)
@@ -545,10 +547,10 @@ def feature_cache(args, runner: ModelRunner, cfg: DrafterConfig, seqs: list[Sequ
         budget = torch.cuda.mem_get_info(runner.device)[0] - CACHE_RESERVE_GIB * 2**30
     else:
         budget = float(args.feature_cache) * 2**30
-    capacity = min(need, max(0, int(budget // per)))
-    print(f"feature cache: {capacity * per / 2**30:.1f} GiB for {capacity:,} of the data's {need:,} tokens "
-          f"({capacity / max(need, 1):.0%}; {per:,} bytes a token)", flush=True)
-    return FeatureCache(capacity, layers, hidden, runner.dtype, runner.device) if capacity else None
+    places = Places([(id(s), len(s.ids)) for s, _ in ranked], max(0, int(budget // per)))
+    print(f"feature cache: {places.used * per / 2**30:.1f} GiB for {places.used:,} of the data's {need:,} tokens "
+          f"({places.used / max(need, 1):.0%}; {per:,} bytes a token)", flush=True)
+    return FeatureCache(places, layers, hidden, runner.dtype, runner.device) if places.used else None
 
 
 def init_from(drafter: Drafter, folder: str) -> tuple[int, tuple[int, ...]]:

@@ -172,6 +172,16 @@ class EpochOrder:
             self._epoch, self._batches = epoch, [batches[i] for i in order]
         return [self.seqs[i] for i in self._batches[idx]]
 
+    def per_epoch(self) -> list[tuple[Sequence, float]]:
+        """Each distinct sequence, in the order of self.seqs, and how often an epoch meets it."""
+        times: dict[int, list] = {}
+        for s in self.seqs[:self._always]:
+            times.setdefault(id(s), [s, 0.0])[1] += 1.0
+        for first, size, k in self._groups:
+            for s in self.seqs[first:first + size]:
+                times.setdefault(id(s), [s, 0.0])[1] += k / size
+        return [(s, n) for s, n in times.values()]
+
     def response_tokens_through(self, step: int) -> int:
         """Response tokens in the batches of steps 0..step-1 (what a snapshot was trained on)."""
         return sum(self.seqs[i].response_len for s in range(step)
