@@ -41,7 +41,7 @@ from common.tools.drafter.objective import (
 )
 from common.tools.drafter.train import (GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, feature_cache, held_out,
                                         repeated, run, train)
-from common.tools.drafter.plan import StepCost, fit_cost, new_shape_cost, shape_of, steps_that_fit
+from common.tools.drafter.plan import StepCost, fit_cost, new_shape_cost, read_back_cost, shape_of, steps_that_fit
 from common.tools.drafter.trainer import EpochOrder, Trainer
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "fixtures", "dflash_prompts.jsonl")
@@ -267,6 +267,12 @@ def test_steps_auto_plans_from_a_fitted_step_cost():
                                        cached=(read_back, places_for(room)))
     assert walk(80) == 28 and walk(0) == steps_that_fit(order, flat, 10.0, save_every=100, save_s=0.0) == 10
     assert 10 < walk(40) < 28
+    # The probe's third run reads back only the placed share of each batch: a step of share s took
+    # s x 1 s + (1 - s) x its captured 3 s; below a quarter the share is not read at all.
+    read = [(64, 0.5 * 1.0 + 0.5 * 3.0), (128, 0.8 * 1.5 + 0.2 * 3.5), (64, 0.1 * 1.0 + 0.9 * 3.0)]
+    got = read_back_cost(read, [3.0, 3.5, 3.0], [0.5, 0.8, 0.1])
+    assert got.fixed == pytest.approx(0.5) and got.per_token == pytest.approx(0.5 / 64)
+    assert read_back_cost(read[2:], [3.0], [0.1]) is None
     half = places_for(40)
     steps_that_fit(order, flat, 10.0, save_every=100, save_s=0.0, cached=(read_back, half))
     assert half.used == 40 and half.stored == set(half.start) == {id(s) for s in seqs[:4]}  # 10 tokens each
@@ -656,8 +662,9 @@ def test_feature_cache_reads_back_what_capture_says(target, dataset):
     plain = Trainer(runner, drafter, lr=0.0, total_steps=1, anchors=4)
     cached = Trainer(runner, drafter, lr=0.0, total_steps=1, anchors=4, cache=cache)
     first, later = make_batch(seqs[:2]), make_batch([seqs[2], seqs[0], seqs[3], seqs[1]])
+    unplaced = make_batch(seqs[2:4])
     losses = []
-    for batch in (first, later, later):
+    for batch in (first, later, later, unplaced):
         want, got = plain.capture(batch), cached.capture(batch)
         for r, n in enumerate(batch.lengths.tolist()):
             for layer in layers:
@@ -669,7 +676,7 @@ def test_feature_cache_reads_back_what_capture_says(target, dataset):
         losses.append((plain.loss(batch, want, gen())[0].item(), cached.loss(batch, got, gen())[0].item()))
         assert losses[-1][1] == pytest.approx(losses[-1][0], rel=1e-5)
     assert places.stored == set(places.start) == {id(seqs[0]), id(seqs[1])} and places.used == room
-    assert (cache.hits, cache.misses) == (4, 6)
+    assert (cache.hits, cache.misses) == (4, 8)
     cache.feats.zero_()  # negative control: what it reads back is what the loss sees
     assert cached.loss(later, cached.capture(later), gen())[0].item() != pytest.approx(losses[-1][0], rel=1e-3)
 

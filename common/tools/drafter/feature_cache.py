@@ -6,9 +6,11 @@ On a GPU that pass is a large part of a step (the drafter's own work depends on 
 the sequence's length), so a sequence captured once is read back afterwards.
 
 Places are given before training, whole sequences in order of how often an epoch meets them
-(`--source-repeat` makes some come twice, others every other epoch), while they fit the budget;
-a sequence is stored the first time it is captured. The others are captured every time they
-come. `Places` is the plan alone, so that the step planner can replay it.
+(`--source-repeat` makes some come twice, others every other epoch): each goes where it still
+fits, so that smaller ones fill what a larger one left. A sequence is stored the first time it
+is captured; the others are captured every time they come. `Places` is the plan alone, so that
+the step planner can replay it. Sequences are keyed by object identity: the run's EpochOrder
+holds them for the whole run, so a key is never reused.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ class Places:
     """Where each placed sequence (by key) goes, and which of them are stored by now."""
 
     def __init__(self, sizes: list[tuple[int, int]], capacity: int):
-        """sizes: (key, tokens) in order of priority; each goes while it fits."""
+        """sizes: (key, tokens) in order of priority; each goes where it still fits."""
         self.start: dict[int, int] = {}
         self.used = 0
         for key, n in sizes:
@@ -33,18 +35,20 @@ class Places:
         self.stored: set[int] = set()
 
     def copy(self) -> "Places":
+        """A copy to replay stores on: its own `stored`, the same (never changed) `start`."""
         out = Places([], 0)
         out.start, out.used, out.stored = self.start, self.used, set(self.stored)
         return out
 
 
 class FeatureCache:
-    """Features [places, layers x H] and greedy next tokens [places] of placed sequences."""
+    """Features [layers, places, H] and greedy next tokens [places] of placed sequences; layer
+    by layer, so that a read gives each layer contiguous, as capture does."""
 
     def __init__(self, places: Places, layers: tuple[int, ...], hidden: int, dtype: torch.dtype,
                  device: torch.device):
-        self.places, self.layers, self.hidden = places, layers, hidden
-        self.feats = torch.empty(places.used, len(layers) * hidden, dtype=dtype, device=device)
+        self.places, self.layers = places, layers
+        self.feats = torch.empty(len(layers), places.used, hidden, dtype=dtype, device=device)
         self.next_token = torch.zeros(places.used, dtype=torch.long, device=device)
         self.hits = self.misses = 0  # sequences read back / captured (stored or not)
 
@@ -59,12 +63,15 @@ class FeatureCache:
         missing = [r for r, key in enumerate(batch.keys) if key not in stored]
         self.hits += batch.size - len(missing)
         self.misses += len(missing)
+        if len(missing) == batch.size and not any(key in start for key in batch.keys):
+            return capture(batch)  # nothing to store or read back (the held-out check's batches)
         fresh = capture(select_rows(batch, missing)) if missing else None
         for j, r in enumerate(missing):
-            key, n = batch.keys[r], int(batch.lengths[r])
+            key, n = batch.keys[r], len(batch.tokens[r])
             if key in start:
                 at = slice(start[key], start[key] + n)
-                self.feats[at] = torch.cat([fresh.feats[layer][j, :n] for layer in self.layers], -1)
+                for i, layer in enumerate(self.layers):
+                    self.feats[i, at] = fresh.feats[layer][j, :n]
                 if fresh.next_token is not None:
                     self.next_token[at] = fresh.next_token[j, :n]
                 stored.add(key)
@@ -74,28 +81,26 @@ class FeatureCache:
         S, L = batch.ids.shape
         dev = self.feats.device
         held = [r for r in range(S) if batch.keys[r] in self.places.stored]  # stored just now too
-        if held:
-            # Past a sequence's end its last token's place is read again: no block reads there.
-            starts = torch.tensor([self.places.start[batch.keys[r]] for r in held], device=dev)
-            last = batch.lengths[held].to(dev) - 1
-            at = starts[:, None] + torch.minimum(torch.arange(L, device=dev)[None, :], last[:, None])
+        # Past a sequence's end its last token's place is read again: no block reads there.
+        starts = torch.tensor([self.places.start[batch.keys[r]] for r in held], device=dev)
+        last = torch.tensor([len(batch.tokens[r]) - 1 for r in held], device=dev)
+        at = starts[:, None] + torch.minimum(torch.arange(L, device=dev)[None, :], last[:, None])
         if len(held) == S:
-            feats, next_token = self.feats[at], self.next_token[at]
+            feats, next_token = self.feats[:, at], self.next_token[at]
         else:
-            feats = torch.zeros(S, L, self.feats.shape[1], dtype=self.feats.dtype, device=dev)
+            feats = torch.zeros(len(self.layers), S, L, self.feats.shape[2], dtype=self.feats.dtype, device=dev)
             next_token = torch.zeros(S, L, dtype=torch.long, device=dev)
-            if held:
-                rows = torch.tensor(held, device=dev)
-                feats[rows], next_token[rows] = self.feats[at], self.next_token[at]
-        for j, r in enumerate(missing):
-            if batch.keys[r] in self.places.start:
-                continue
-            n = fresh.feats[self.layers[0]].shape[1]  # captured now, without a place
-            feats[r, :n] = torch.cat([fresh.feats[layer][j] for layer in self.layers], -1)
-            if fresh.next_token is not None:
-                next_token[r, :n] = fresh.next_token[j]
-        H = self.hidden
-        out = Targets({layer: feats[..., i * H:(i + 1) * H] for i, layer in enumerate(self.layers)})
+            rows = torch.tensor(held, dtype=torch.long, device=dev)
+            feats[:, rows], next_token[rows] = self.feats[:, at], self.next_token[at]
+            left = [(j, r) for j, r in enumerate(missing) if batch.keys[r] not in self.places.start]
+            if left:  # captured now, without a place
+                j, r = (torch.tensor(x, device=dev) for x in zip(*left))
+                n = fresh.feats[self.layers[0]].shape[1]
+                for i, layer in enumerate(self.layers):
+                    feats[i, r, :n] = fresh.feats[layer][j]
+                if fresh.next_token is not None:
+                    next_token[r, :n] = fresh.next_token[j]
+        out = Targets({layer: feats[i] for i, layer in enumerate(self.layers)})
         if bool(batch.sampled.any()):
             out.next_token = next_token
         return out

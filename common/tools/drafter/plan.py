@@ -16,9 +16,10 @@ shape, which the walk adds once per shape it has not met (make_batch pads length
 of PAD_MULTIPLE, so that shapes repeat).
 
 With a feature cache, a step whose sequences the cache holds skips the target's pass. The probe
-then times each batch a third time with the cache reading them back, and the walk replays the
-cache's places (feature_cache.Places), charging each step the cost read back plus its share of
-sequences still to capture times the difference.
+then times each batch a third time with the cache reading back what it stored (each batch's
+placed share: the rest is captured, as in the second run, and taken out), and the walk replays
+the cache's places (feature_cache.Places), charging each step the cost read back plus its share
+of sequences still to capture times the difference.
 """
 from __future__ import annotations
 
@@ -132,11 +133,21 @@ def time_steps(trainer: Trainer, order: EpochOrder, steps: range) -> list[tuple[
     return out
 
 
+def read_back_cost(read: list[tuple[int, float]], captured: list[float], shares: list[float],
+                   least: float = 0.25) -> StepCost | None:
+    """The cost of a step whose every sequence is read back, from steps that read back a share s
+    of theirs (the time t = s x read back + (1 - s) x captured, `captured` timed on the same
+    batch); only steps with s >= least (below it the noise of both times dominates). None if no
+    step reads that much back: the plan then counts every step as captured."""
+    samples = [(n, (t - (1 - s) * c) / s) for (n, t), c, s in zip(read, captured, shares) if s >= least]
+    return fit_cost(samples) if samples else None
+
+
 def measure_cost(trainer: Trainer, order: EpochOrder) -> tuple[StepCost, StepCost | None, set[Shape]]:
     """A step's cost on `trainer` (a copy: it trains on the first batches of `order`), from
     TIMED_STEPS batches after WARM_STEPS untimed ones, each run twice, the second time
     capturing again; with a feature cache, the cost when it reads every sequence back (a third
-    run); and the shapes it ran (the process has met them: the run's steps of those shapes
+    run; None where too few of the probe's sequences have a place); and the shapes it ran (the process has met them: the run's steps of those shapes
     cost no new shape's extra)."""
     ran = range(WARM_STEPS + TIMED_STEPS)
     time_steps(trainer, order, ran[:WARM_STEPS])
@@ -146,7 +157,12 @@ def measure_cost(trainer: Trainer, order: EpochOrder) -> tuple[StepCost, StepCos
         again = time_steps(trainer, order, ran[WARM_STEPS:])
     finally:
         trainer.cache = cache
-    held = fit_cost(time_steps(trainer, order, ran[WARM_STEPS:])) if cache is not None else None
+    held = None
+    if cache is not None:
+        shares = [sum(id(s) in cache.places.stored for s in order.batch(i)) / len(order.batch(i))
+                  for i in ran[WARM_STEPS:]]
+        read = time_steps(trainer, order, ran[WARM_STEPS:])
+        held = read_back_cost(read, [t for _, t in again], shares)
     extra = new_shape_cost([t for _, t in first], [t for _, t in again])
     return replace(fit_cost(again), new_shape=extra), held, {shape_of(order.batch(i)) for i in ran}
 

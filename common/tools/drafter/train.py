@@ -151,7 +151,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--feature-cache", default="0", metavar="GIB",
                    help="keep the target's features of up to GIB GiB of training sequences on the device, so that "
                         "later passes skip its pass over them; auto: the device's free memory less "
-                        f"{CACHE_RESERVE_GIB} GiB for the training itself (CUDA only); 0: off (default)")
+                        f"{CACHE_RESERVE_GIB} GiB for the training itself (CUDA only); 0 or off: none (default)")
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the drafter's forward and backward. Measured on an H100 with every size "
                         "dynamic (since: only the batch's, not measured yet): a step 1.23x faster once compiled "
@@ -353,7 +353,9 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
         args.steps = total  # what the run does; the command that reproduces it says so
         print(f"--steps auto: {total} steps fit in --time-limit (a step {1e3 * plan['step_fixed_s']:.1f} ms + "
               f"{plan['step_per_token_us']:.4f} us a padded token, and {1e3 * plan['new_shape_s']:.1f} ms more the "
-              f"first time a batch shape runs; timed twice on {plan['timed_steps']} of its batches)", flush=True)
+              f"first time a batch shape runs; timed twice on {plan['timed_steps']} of its batches)"
+              + (f"; {1e3 * plan['cached_step_fixed_s']:.1f} ms + {plan['cached_step_per_token_us']:.4f} us with "
+                 f"the target's features read back" if "cached_step_fixed_s" in plan else ""), flush=True)
     trainer = make_trainer(drafter, total_steps=total)
     start, prev_seconds = 0, 0.0
     if resuming:
@@ -544,6 +546,7 @@ def feature_cache(args, runner: ModelRunner, cfg: DrafterConfig, order: EpochOrd
         if runner.device.type != "cuda":
             print("feature cache: off (--feature-cache auto sizes it on CUDA only; give GiB to have one)", flush=True)
             return None
+        torch.cuda.empty_cache()  # what generation's engine left cached counts as free
         budget = torch.cuda.mem_get_info(runner.device)[0] - CACHE_RESERVE_GIB * 2**30
     else:
         budget = float(args.feature_cache) * 2**30

@@ -75,8 +75,10 @@ class Trainer:
         """Target features of a batch, its greedy next tokens where sampled answers need them, and
         its top next tokens where soft labels do; read back from the feature cache where it
         holds them."""
-        run = lambda b: capture(self.runner, b, self.drafter.cfg.capture_layers, argmax=bool(b.sampled.any()),  # noqa: E731
-                                top_k=SOFT_TOP_K if self.soft_weight else 0)
+        def run(b: Batch) -> Targets:
+            return capture(self.runner, b, self.drafter.cfg.capture_layers, argmax=bool(b.sampled.any()),
+                           top_k=SOFT_TOP_K if self.soft_weight else 0)
+
         if self.cache is None or not batch.keys:
             return run(batch)
         return self.cache.targets(batch, run)
@@ -174,13 +176,14 @@ class EpochOrder:
 
     def per_epoch(self) -> list[tuple[Sequence, float]]:
         """Each distinct sequence, in the order of self.seqs, and how often an epoch meets it."""
-        times: dict[int, list] = {}
-        for s in self.seqs[:self._always]:
-            times.setdefault(id(s), [s, 0.0])[1] += 1.0
-        for first, size, k in self._groups:
-            for s in self.seqs[first:first + size]:
-                times.setdefault(id(s), [s, 0.0])[1] += k / size
-        return [(s, n) for s, n in times.values()]
+        seqs: dict[int, Sequence] = {}
+        times: dict[int, float] = {}
+        shares = [(s, 1.0) for s in self.seqs[:self._always]]
+        shares += [(s, k / size) for first, size, k in self._groups for s in self.seqs[first:first + size]]
+        for s, share in shares:
+            seqs.setdefault(id(s), s)
+            times[id(s)] = times.get(id(s), 0.0) + share
+        return [(s, times[key]) for key, s in seqs.items()]
 
     def response_tokens_through(self, step: int) -> int:
         """Response tokens in the batches of steps 0..step-1 (what a snapshot was trained on)."""
