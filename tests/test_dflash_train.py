@@ -1083,9 +1083,16 @@ def test_feature_cache_trains_the_drafter_trained_without_it(target, dataset, tm
     assert info["feature_cache"]["sequences_captured"] == 3 and info["feature_cache"]["sequences_read_back"] == 3
     assert info["feature_cache"]["sequences_placed"] == 3
     assert "--feature-cache" not in info["command"]  # how fast, not what it trains
+    # Split by --stop-at and resumed, the cache starts empty in the second process and says so.
+    split = str(tmp_path / "split")
+    assert train(parse(*common, "--out", split, "--feature-cache", "1", "--stop-at", "2"), runner, tok) == 0
+    capsys.readouterr()
+    assert train(parse(*common, "--out", split, "--feature-cache", "1", "--resume"), runner, tok) == 0
+    assert "the feature cache starts empty" in capsys.readouterr().out
     want = Drafter.load(os.path.join(plain, "drafter")).state_dict()
-    for name, w in Drafter.load(os.path.join(cached, "drafter")).state_dict().items():
-        torch.testing.assert_close(w, want[name], rtol=1e-4, atol=1e-6)
+    for out in (cached, split):
+        for name, w in Drafter.load(os.path.join(out, "drafter")).state_dict().items():
+            torch.testing.assert_close(w, want[name], rtol=1e-4, atol=1e-6)
 
     # --steps auto times a step read back (a third run of the probe's batches) and replays the
     # cache's places; the costs are then set to 100 s and 50 s a step, so that few steps fit.

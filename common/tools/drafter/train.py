@@ -361,6 +361,9 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
     if resuming:
         start, prev_seconds = load_checkpoint(ckpt_path, trainer, cfg, total)
         print(f"resumed from {ckpt_path} at step {start}/{total}", flush=True)
+        if cache is not None:
+            print("note: the feature cache starts empty in this process: its first pass over the data captures "
+                  "again, which a plan made before the resume did not count", flush=True)
     elif os.path.isfile(ckpt_path):
         print(f"note: {ckpt_path} exists; starting over (pass --resume to continue it)", flush=True)
     n_params = sum(p.numel() for p in drafter.parameters())
