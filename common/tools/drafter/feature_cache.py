@@ -34,6 +34,10 @@ class Places:
                 self.used += n
         self.stored: set[int] = set()
 
+    def store(self, keys) -> None:
+        """These sequences were captured: those with a place are held from now on."""
+        self.stored.update(key for key in keys if key in self.start)
+
     def copy(self) -> "Places":
         """A copy to replay stores on: its own `stored`, the same (never changed) `start`."""
         out = Places([], 0)
@@ -74,7 +78,7 @@ class FeatureCache:
                     self.feats[i, at] = fresh.feats[layer][j, :n]
                 if fresh.next_token is not None:
                     self.next_token[at] = fresh.next_token[j, :n]
-                stored.add(key)
+        self.places.store(batch.keys[r] for r in missing)
         return self._read(batch, missing, fresh)
 
     def _read(self, batch: Batch, missing: list[int], fresh: Targets | None) -> Targets:

@@ -106,7 +106,7 @@ def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every
         else:
             held, places = cached
             new = [s for s in seqs if id(s) not in places.stored]
-            places.stored.update(id(s) for s in new if id(s) in places.start)
+            places.store(id(s) for s in new)
             used += held.seconds(tokens) + len(new) / len(seqs) * (cost.seconds(tokens) - held.seconds(tokens))
         if shape_of(seqs) not in seen:
             seen.add(shape_of(seqs))
@@ -147,8 +147,8 @@ def measure_cost(trainer: Trainer, order: EpochOrder) -> tuple[StepCost, StepCos
     """A step's cost on `trainer` (a copy: it trains on the first batches of `order`), from
     TIMED_STEPS batches after WARM_STEPS untimed ones, each run twice, the second time
     capturing again; with a feature cache, the cost when it reads every sequence back (a third
-    run; None where too few of the probe's sequences have a place); and the shapes it ran (the process has met them: the run's steps of those shapes
-    cost no new shape's extra)."""
+    run; None where too few of the probe's sequences have a place); and the shapes it ran (the
+    process has met them: the run's steps of those shapes cost no new shape's extra)."""
     ran = range(WARM_STEPS + TIMED_STEPS)
     time_steps(trainer, order, ran[:WARM_STEPS])
     first = time_steps(trainer, order, ran[WARM_STEPS:])
@@ -159,8 +159,8 @@ def measure_cost(trainer: Trainer, order: EpochOrder) -> tuple[StepCost, StepCos
         trainer.cache = cache
     held = None
     if cache is not None:
-        shares = [sum(id(s) in cache.places.stored for s in order.batch(i)) / len(order.batch(i))
-                  for i in ran[WARM_STEPS:]]
+        batches = [order.batch(i) for i in ran[WARM_STEPS:]]
+        shares = [sum(id(s) in cache.places.stored for s in seqs) / len(seqs) for seqs in batches]
         read = time_steps(trainer, order, ran[WARM_STEPS:])
         held = read_back_cost(read, [t for _, t in again], shares)
     extra = new_shape_cost([t for _, t in first], [t for _, t in again])
