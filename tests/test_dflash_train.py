@@ -23,7 +23,7 @@ from common.tools.bench import gsm8k_data
 from common.tools.drafter import sources
 from common.tools.drafter.data import DataStore, GenSettings, Part, Sequence, file_sha256, generate, read_prompts
 from common.tools.drafter.evaluate import eval_prompts
-from common.tools.drafter.feature_cache import FeatureCache, Places
+from common.tools.drafter.feature_cache import ROW_MULTIPLE, FeatureCache, Places, capture_rows, capture_shape
 from common.tools.drafter.objective import (
     IGNORE,
     PAD_MULTIPLE,
@@ -36,6 +36,7 @@ from common.tools.drafter.objective import (
     block_tokens,
     draft_hidden,
     make_batch,
+    padded_length,
     refine_prefix,
     sample_anchors,
 )
@@ -276,6 +277,26 @@ def test_steps_auto_plans_from_a_fitted_step_cost():
     half = places_for(40)
     steps_that_fit(order, flat, 10.0, save_every=100, save_s=0.0, cached=(read_back, half))
     assert half.used == 40 and half.stored == set(half.start) == {id(s) for s in seqs[:4]}  # 10 tokens each
+
+
+def test_partial_captures_run_few_shapes():
+    """The rows of a partial capture are rounded up to ROW_MULTIPLE (at most the batch's) by
+    repeating its own, so that its shapes repeat; the planner's walk charges a capture shape's
+    first run once, and not where the process ran it already."""
+    assert ROW_MULTIPLE == 8
+    assert capture_rows([5, 2, 9], 64) == [5, 2, 9, 5, 2, 9, 5, 2] and capture_rows([0, 3], 4) == [0, 3, 0, 3]
+    assert len(capture_rows(list(range(9)), 64)) == 16 and len(capture_rows(list(range(60)), 64)) == 64
+    assert capture_shape([10, 40, 7], 64) == (8, 64)
+    # 64 sequences of 10 tokens in batches of 16, room for 48: from the second epoch on, each batch
+    # captures the few of its sequences without a place, in 8 rows, or 16 (its own shape, met at
+    # its first step). 5 s for a capture shape's first run leave fewer steps in the time.
+    seqs = [Sequence("chat", i, 0, 1, torch.arange(10).int().numpy()) for i in range(64)]
+    order = EpochOrder(seqs, 16, seed=0)
+    walk = lambda held, seen=frozenset(): steps_that_fit(  # noqa: E731
+        order, StepCost(1.0, 0.0), 20.0, save_every=100, save_s=0.0, seen=seen,
+        cached=(held, Places([(id(s), 10) for s in seqs], 480)))
+    held, cold = StepCost(0.25, 0.0), StepCost(0.25, 0.0, new_shape=5.0)
+    assert walk(cold) < walk(held) == walk(cold, seen={(8, 32)})
 
 
 def test_generation_prefill_steps_default_by_device():
@@ -677,6 +698,9 @@ def test_feature_cache_reads_back_what_capture_says(target, dataset):
         assert losses[-1][1] == pytest.approx(losses[-1][0], rel=1e-5)
     assert places.stored == set(places.start) == {id(seqs[0]), id(seqs[1])} and places.used == room
     assert (cache.hits, cache.misses) == (4, 8)
+    ran = []  # the two sequences without a place, captured in the batch's 4 rows (ROW_MULTIPLE, at most 4)
+    cache.targets(later, lambda b: ran.append(tuple(b.ids.shape)) or plain.capture(b))
+    assert ran == [(4, padded_length(max(len(s.ids) for s in seqs[2:4])))]
     cache.feats.zero_()  # negative control: what it reads back is what the loss sees
     assert cached.loss(later, cached.capture(later), gen())[0].item() != pytest.approx(losses[-1][0], rel=1e-3)
 

@@ -16,10 +16,12 @@ shape, which the walk adds once per shape it has not met (make_batch pads length
 of PAD_MULTIPLE, so that shapes repeat).
 
 With a feature cache, a step whose sequences the cache holds skips the target's pass. The probe
-then times each batch a third time with the cache reading back what it stored (each batch's
-placed share: the rest is captured, as in the second run, and taken out), and the walk replays
-the cache's places (feature_cache.Places), charging each step the cost read back plus its share
-of sequences still to capture times the difference.
+then times each batch twice more with the cache reading back what it stored (each batch's placed
+share: the rest is captured, as in the second run, and taken out): the second of these gives
+the cost read back, their difference the extra of a partial capture's new shape (its rows,
+rounded as feature_cache.capture_rows does, and their padded length). The walk replays the
+cache's places (feature_cache.Places), charging each step the cost read back plus its share of
+sequences still to capture times the difference, and that extra once per new capture shape.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from common.tools.drafter.data import Sequence
-from common.tools.drafter.feature_cache import Places
+from common.tools.drafter.feature_cache import Places, capture_shape
 from common.tools.drafter.objective import Batch, make_batch, padded_length
 from common.tools.drafter.trainer import EpochOrder, Trainer, save_checkpoint
 
@@ -94,7 +96,8 @@ def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every
     step (a checkpoint and the held-out check) and every snapshot_every-th (a snapshot), and
     cost.new_shape for each batch shape not in `seen` (those the process ran already) the first
     time it comes, stays within `seconds`. cached: the step's cost when a feature cache holds
-    every sequence, and (a copy of) that cache's places as the run starts."""
+    every sequence (its new_shape: the extra of a partial capture's shape the first time), and
+    (a copy of) that cache's places as the run starts; `seen` holds capture shapes too."""
     if cost.seconds(1) <= 0:
         raise ValueError(f"--steps auto: a step timed at {cost.seconds(1)} s")
     used, step, seen = 0.0, 0, set(seen)
@@ -108,6 +111,11 @@ def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every
             new = [s for s in seqs if id(s) not in places.stored]
             places.store(id(s) for s in new)
             used += held.seconds(tokens) + len(new) / len(seqs) * (cost.seconds(tokens) - held.seconds(tokens))
+            if 0 < len(new) < len(seqs):  # a whole batch captures in its own shape, counted below
+                captured = capture_shape([len(s.ids) for s in new], len(seqs))
+                if captured not in seen:
+                    seen.add(captured)
+                    used += held.new_shape
         if shape_of(seqs) not in seen:
             seen.add(shape_of(seqs))
             used += cost.new_shape
@@ -147,8 +155,9 @@ def measure_cost(trainer: Trainer, order: EpochOrder) -> tuple[StepCost, StepCos
     """A step's cost on `trainer` (a copy: it trains on the first batches of `order`), from
     TIMED_STEPS batches after WARM_STEPS untimed ones, each run twice, the second time
     capturing again; with a feature cache, the cost when it reads every sequence back (a third
-    run; None where too few of the probe's sequences have a place); and the shapes it ran (the
-    process has met them: the run's steps of those shapes cost no new shape's extra)."""
+    run, then a fourth for the cost, the third's extra as its new_shape; None where too few of
+    the probe's sequences have a place); and the shapes it ran, batches' and partial captures'
+    (the process has met them: the run's steps of those shapes cost no new shape's extra)."""
     ran = range(WARM_STEPS + TIMED_STEPS)
     time_steps(trainer, order, ran[:WARM_STEPS])
     first = time_steps(trainer, order, ran[WARM_STEPS:])
@@ -157,14 +166,21 @@ def measure_cost(trainer: Trainer, order: EpochOrder) -> tuple[StepCost, StepCos
         again = time_steps(trainer, order, ran[WARM_STEPS:])
     finally:
         trainer.cache = cache
-    held = None
+    held, seen = None, {shape_of(order.batch(i)) for i in ran}
     if cache is not None:
         batches = [order.batch(i) for i in ran[WARM_STEPS:]]
-        shares = [sum(id(s) in cache.places.stored for s in seqs) / len(seqs) for seqs in batches]
+        missing = [[s for s in seqs if id(s) not in cache.places.stored] for seqs in batches]
+        shares = [1 - len(m) / len(seqs) for m, seqs in zip(missing, batches)]
+        read_first = time_steps(trainer, order, ran[WARM_STEPS:])
         read = time_steps(trainer, order, ran[WARM_STEPS:])
         held = read_back_cost(read, [t for _, t in again], shares)
-    extra = new_shape_cost([t for _, t in first], [t for _, t in again])
-    return replace(fit_cost(again), new_shape=extra), held, {shape_of(order.batch(i)) for i in ran}
+        partial = [i for i, m in enumerate(missing) if 0 < len(m) < len(batches[i])]
+        if held is not None and partial:
+            extra = new_shape_cost([read_first[i][1] for i in partial], [read[i][1] for i in partial])
+            held = replace(held, new_shape=extra)
+        seen |= {capture_shape([len(s.ids) for s in missing[i]], len(batches[i])) for i in partial}
+    cost = replace(fit_cost(again), new_shape=new_shape_cost([t for _, t in first], [t for _, t in again]))
+    return cost, held, seen
 
 
 def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], seconds_left: Callable[[], float],
@@ -191,5 +207,6 @@ def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], sec
             "step_per_token_us": round(cost.per_token * 1e6, 5), "new_shape_s": round(cost.new_shape, 5),
             "save_and_check_s": round(save_s, 3), "seconds_planned": round(budget, 1)}
     if held is not None:
-        plan |= {"cached_step_fixed_s": round(held.fixed, 5), "cached_step_per_token_us": round(held.per_token * 1e6, 5)}
+        plan |= {"cached_step_fixed_s": round(held.fixed, 5), "cached_step_per_token_us": round(held.per_token * 1e6, 5),
+                 "cached_new_capture_shape_s": round(held.new_shape, 5)}
     return total, plan

@@ -57,7 +57,8 @@ PATHS = {"prompts", "data", "pool", "out", "model", "init"}
 # 2026-12-04 (second evening)).
 GEN_CHUNK_SIZE = 32768
 # What --feature-cache auto leaves free for the training itself: a step of 64 x 32 anchors peaked
-# at 14.4 GiB on an H100 (2026-12-07), and a capture's pass over a long batch adds to it.
+# at 14.4 GiB on an H100 (2026-12-07), and a run with 52.0 GiB held at 65.4 GiB (74.7 of the
+# card's 79.6 GiB in use, the allocator's reserve with it).
 CACHE_RESERVE_GIB = 24
 
 
@@ -151,7 +152,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--feature-cache", default="0", metavar="GIB",
                    help="keep the target's features of up to GIB GiB of training sequences on the device, so that "
                         "later passes skip its pass over them; auto: the device's free memory less "
-                        f"{CACHE_RESERVE_GIB} GiB for the training itself (CUDA only); 0 or off: none (default)")
+                        f"{CACHE_RESERVE_GIB} GiB for the training itself (CUDA only); 0 or off: none (default: on an "
+                        "H100, a run holding 37%% of its tokens was no faster over its length, docs/PERFORMANCE.md)")
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the drafter's forward and backward. Measured on an H100 with every size "
                         "dynamic (since: only the batch's, not measured yet): a step 1.23x faster once compiled "
@@ -355,7 +357,8 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
               f"{plan['step_per_token_us']:.4f} us a padded token, and {1e3 * plan['new_shape_s']:.1f} ms more the "
               f"first time a batch shape runs; timed twice on {plan['timed_steps']} of its batches)"
               + (f"; {1e3 * plan['cached_step_fixed_s']:.1f} ms + {plan['cached_step_per_token_us']:.4f} us with "
-                 f"the target's features read back" if "cached_step_fixed_s" in plan else ""), flush=True)
+                 f"the target's features read back, and {1e3 * plan['cached_new_capture_shape_s']:.1f} ms more the "
+                 f"first time a partial capture's shape runs" if "cached_step_fixed_s" in plan else ""), flush=True)
     trainer = make_trainer(drafter, total_steps=total)
     start, prev_seconds = 0, 0.0
     if resuming:
