@@ -1277,13 +1277,19 @@ def test_profile_command(tmp_path, capsys):
 
     out = str(tmp_path / "profile.json")
     assert main(["dflash", "profile", "--shape", "tiny", "--device", "cpu", "--cases", "2x4x40x10",
-                 "--steps", "1", "--layers", "1", "--feature-cache", "--out", out]) == 0
+                 "--steps", "1", "--layers", "1", "--feature-cache", "--read-back-shares", "1,0.5", "--out", out]) == 0
     (row,) = json.load(open(out))["cases"]
     assert (row["sequences"], row["anchors"], row["length"], row["prompt"]) == (2, 4, 40, 10)
-    for r in (row, row["read_back"]):  # the step as it captures, and with its features read back
+    # The step as it captures, with its features read back, and with one of its two read back.
+    assert [r["share"] for r in row["read_back"]] == [1.0, 0.5]
+    assert "2/2 read back" in capsys.readouterr().out
+    for r in (row, *row["read_back"]):
         assert r["seq_per_s"] > 0 and min(r[k] for k in ("capture_ms", "forward_ms", "backward_ms")) > 0
     assert main(["dflash", "profile", "--shape", "tiny", "--device", "cpu", "--cases", "2x4x40", "--out", out]) == 2
     assert "SEQSxANCHORSxLxP" in capsys.readouterr().err
+    assert main(["dflash", "profile", "--shape", "tiny", "--device", "cpu", "--cases", "2x4x40x10",
+                 "--feature-cache", "--read-back-shares", "0", "--out", out]) == 2
+    assert "--read-back-shares '0'" in capsys.readouterr().err
 
 
 def test_average_command(tmp_path, capsys):

@@ -36,11 +36,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the drafter, as `dflash train --compile`")
     p.add_argument("--feature-cache", action="store_true",
                    help="time each case also with the target's features read back (`dflash train --feature-cache`)")
+    p.add_argument("--read-back-shares", default="1", metavar="S[,S...]",
+                   help="with --feature-cache: the shares of each batch's sequences read back, one timing each; the "
+                        "rest are captured every step, as where a run's cache holds part of its data (e.g. 1,0.875)")
     p.add_argument("--out", default=os.path.join("bench-out", "dflash-profile.json"))
 
 
 def run(args: argparse.Namespace) -> int:
     cases = [_case(c) for c in args.cases.split(",") if c.strip()]
+    shares = _shares(args.read_back_shares)
     cfg = SHAPES[args.shape]
     cuda = torch.device(args.device).type == "cuda"
     pages = max(1 + s * -(-length // 64) for s, _, length, _ in cases)
@@ -55,19 +59,24 @@ def run(args: argparse.Namespace) -> int:
         trainer.anchors = anchors
         batch = _batch(cfg, seqs, length, prompt, runner.device)
         row = time_case(trainer, batch, args.steps)
-        if args.feature_cache:  # the same batch again, its features read back from a cache
-            layers = drafter.cfg.capture_layers
-            places = Places(list(zip(batch.keys, batch.lengths.tolist())), int(batch.lengths.sum()))
-            trainer.cache = FeatureCache(places, layers, cfg.hidden_size, runner.dtype, runner.device)
-            row["read_back"] = time_case(trainer, batch, args.steps)
+        timed = [("", row)]
+        if args.feature_cache:  # the same batch again, (a share of) its features read back from a cache
+            row["read_back"] = []
+            for share in shares:
+                held = round(share * seqs)  # the first rows; the rest are captured every step
+                sizes = list(zip(batch.keys, batch.lengths.tolist()))[:held]
+                places = Places(sizes, sum(n for _, n in sizes))
+                trainer.cache = FeatureCache(places, drafter.cfg.capture_layers, cfg.hidden_size, runner.dtype,
+                                             runner.device)
+                row["read_back"].append({"share": held / seqs, **time_case(trainer, batch, args.steps)})
+                timed.append((f" {held}/{seqs} read back", row["read_back"][-1]))
             trainer.cache = None
         rows.append({"sequences": seqs, "anchors": anchors, "length": length, "prompt": prompt, **row})
-        for name, r in (("", row), (" read back", row.get("read_back"))):
-            if r:
-                print(f"{seqs:4d} seqs x {anchors:3d} anchors, L {length:5d} / P {prompt:4d}{name}: {r['step_ms']:7.1f} "
-                      f"ms/step {r['seq_per_s']:6.0f} seq/s | capture {r['capture_ms']:6.1f}, drafter+loss "
-                      f"{r['forward_ms']:6.1f}, backward {r['backward_ms']:6.1f}, optimizer {r['optimizer_ms']:5.1f} ms",
-                      flush=True)
+        for name, r in timed:
+            print(f"{seqs:4d} seqs x {anchors:3d} anchors, L {length:5d} / P {prompt:4d}{name}: {r['step_ms']:7.1f} "
+                  f"ms/step {r['seq_per_s']:6.0f} seq/s | capture {r['capture_ms']:6.1f}, drafter+loss "
+                  f"{r['forward_ms']:6.1f}, backward {r['backward_ms']:6.1f}, optimizer {r['optimizer_ms']:5.1f} ms",
+                  flush=True)
     result = {"shape": args.shape, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "draft_layers": args.layers, "compiled": args.compile,
               "feature_cache": args.feature_cache,
@@ -134,6 +143,16 @@ def _case(text: str) -> tuple[int, int, int, int]:
     if min(seqs, anchors) < 1 or not 0 < prompt < length - 1:
         raise ValueError(f"--cases {text!r}: need SEQS, ANCHORS >= 1 and 0 < P < L - 1")
     return seqs, anchors, length, prompt
+
+
+def _shares(text: str) -> list[float]:
+    try:
+        shares = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        shares = []
+    if not shares or not all(0 < x <= 1 for x in shares):
+        raise ValueError(f"--read-back-shares {text!r}: want shares in (0, 1], e.g. 1,0.875")
+    return shares
 
 
 def _batch(cfg, seqs: int, length: int, prompt: int, device: torch.device) -> Batch:
