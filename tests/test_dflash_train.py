@@ -42,7 +42,8 @@ from common.tools.drafter.objective import (
 )
 from common.tools.drafter.train import (GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, feature_cache, held_out,
                                         repeated, run, train)
-from common.tools.drafter.plan import StepCost, fit_cost, new_shape_cost, read_back_cost, shape_of, steps_that_fit
+from common.tools.drafter.plan import (StepCost, fit_cost, new_shape_cost, read_back_cost, replan_points, replanned_total,
+                                       shape_of, steps_that_fit)
 from common.tools.drafter.trainer import EpochOrder, Trainer
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "fixtures", "dflash_prompts.jsonl")
@@ -1242,6 +1243,58 @@ def test_steps_auto_fills_the_time_limit_and_leaves_the_run_as_planned(target, d
         train(parse(*common, "--steps", "auto", "--time-limit", "90", "--out", str(tmp_path / "short")), runner, tok)
     with pytest.raises(ValueError, match="plans the steps that fit in --time-limit"):
         train(parse(*common, "--steps", "auto", "--out", str(tmp_path / "none")), runner, tok)
+
+
+def test_replan_goes_on_from_the_learning_rate_it_has(target, tmp_path):
+    """Trainer.replan: the learning rate has no jump where the total changes, falls from there and
+    reaches its floor at the new total, longer or shorter, and a checkpoint keeps the schedule;
+    the points where a run re-plans, and the total its pace gives."""
+    from common.tools.drafter.trainer import load_checkpoint, save_checkpoint
+
+    runner, _ = target
+    drafter = Drafter(drafter_config(parse("--layers", "1", "--block-size", "4"), runner))
+    make = lambda total: Trainer(runner, drafter, lr=1.0, total_steps=total, warmup=10, min_lr_ratio=0.1)  # noqa: E731
+    trainer = make(100)
+    before = [trainer.lr_at(s) for s in range(101)]
+    trainer.replan(30, 200)
+    assert trainer.lr_at(30) == pytest.approx(before[30]) and trainer.lr_at(5) == before[5]  # no jump; warmup as was
+    after = [trainer.lr_at(s) for s in range(30, 201)]
+    assert all(a > b for a, b in zip(after, after[1:])) and after[-1] == pytest.approx(0.1)
+    assert trainer.lr_at(100) > before[100] + 0.3  # the old total's end is about mid-way now
+    path = str(tmp_path / "checkpoint.pt")
+    save_checkpoint(path, trainer, 40, 1.0)
+    resumed = make(200)  # as `dflash train --resume` makes it: with the checkpoint's total
+    assert load_checkpoint(path, resumed, drafter.cfg, 200) == (40, 1.0)
+    assert [resumed.lr_at(s) for s in range(0, 201, 5)] == [trainer.lr_at(s) for s in range(0, 201, 5)]
+    at_60 = trainer.lr_at(60)
+    trainer.replan(60, 120)  # shorter
+    assert trainer.lr_at(60) == pytest.approx(at_60) and trainer.lr_at(120) == pytest.approx(0.1)
+    assert trainer.lr_at(90) < at_60
+
+    assert replan_points(1000) == [150, 300, 600] and replan_points(300) == []  # 45 steps to 15%: too few
+    assert replanned_total(300, 100.0, 0.1) == 300 + 970 and replanned_total(10, 0.0, 1.0) == 11
+
+
+def test_steps_auto_re_plans_from_the_runs_own_pace(target, dataset, tmp_path, monkeypatch):
+    """A plan from a probe that says a step takes 1 s (far slower than these steps): the run takes
+    its own pace and re-plans at its points, to more steps, in the same --time-limit."""
+    from common.tools.drafter import plan
+
+    runner, tok = target
+    monkeypatch.setattr(plan, "measure_cost", lambda probe, order: (StepCost(1.0, 0.0), None, set()))
+    monkeypatch.setattr(plan, "REPLAN_POINTS", (0.25, 0.5, 0.75))
+    monkeypatch.setattr(plan, "REPLAN_MIN_STEPS", 1)
+    out = str(tmp_path / "auto")
+    assert train(parse("--data", dataset[0].folder, "--max-seqs", "3", "--gen-max-new-tokens", str(NEW_TOKENS),
+                       "--shots", "2", "--sample-temperatures", "0.8,1.1", "--layers", "1", "--block-size", "4",
+                       "--anchors", "4", "--batch-size", "2", "--warmup", "1", "--save-every", "1000",
+                       "--steps", "auto", "--time-limit", "9", "--out", out), runner, tok) == 0
+    info = json.load(open(os.path.join(out, "train_info.json")))
+    planned = info["steps"]["planned"]
+    replans = planned["replans"]
+    assert [r["step"] for r in replans] == replan_points(planned["steps"])[1:]
+    assert replans[0]["total"] > planned["steps"] and info["steps"]["total"] == replans[-1]["total"]
+    assert f"--steps {replans[-1]['total']}" in info["command"]
 
 
 def test_eval_command(target, tmp_path, monkeypatch):

@@ -22,6 +22,10 @@ the cost read back, their difference the extra of a partial capture's new shape 
 rounded as feature_cache.capture_rows does, and their padded length). The walk replays the
 cache's places (feature_cache.Places), charging each step the cost read back plus its share of
 sequences still to capture times the difference, and that extra once per new capture shape.
+
+The plan is a start: the run takes its own pace from 15% to 30% of the planned steps and from
+30% to 60%, and at the end of each re-plans its total (replan_points, replanned_total), its
+learning rate going on from where it is (Trainer.replan).
 """
 from __future__ import annotations
 
@@ -40,6 +44,12 @@ from common.tools.drafter.trainer import EpochOrder, Trainer, save_checkpoint
 TIMED_STEPS = 16  # batches timed twice each, after WARM_STEPS untimed ones
 WARM_STEPS = 3  # the first allocations and kernel choices
 MARGIN = 0.03  # of the time left: the fit is an estimate
+# The run itself re-plans at these shares of the planned steps, from its own pace since the
+# point before (checkpoints and held-out checks included): a probe of 16 batches missed by a
+# third on an H100 (2026-12-07, the feature cache's first run), and a run's pace changes as
+# batch shapes and cached features come. Only where each stretch is at least REPLAN_MIN_STEPS.
+REPLAN_POINTS = (0.15, 0.3, 0.6)
+REPLAN_MIN_STEPS = 50
 
 
 Shape = tuple[int, int]  # a batch's (sequences, padded length)
@@ -127,6 +137,20 @@ def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every
         step += 1
 
 
+def replan_points(total: int) -> list[int]:
+    """The steps where a run planned for `total` steps takes its pace (the first) and re-plans
+    (the others); none where a stretch between them would be shorter than REPLAN_MIN_STEPS."""
+    points = [round(share * total) for share in REPLAN_POINTS]
+    stretches = [b - a for a, b in zip([0, *points], points)]
+    return points if min(stretches) >= REPLAN_MIN_STEPS else []
+
+
+def replanned_total(step: int, seconds_left: float, pace: float) -> int:
+    """The steps a run at `step` makes in total at `pace` seconds a step in the time left (less
+    MARGIN), at least one more."""
+    return step + max(1, int(seconds_left * (1 - MARGIN) / pace))
+
+
 def time_steps(trainer: Trainer, order: EpochOrder, steps: range) -> list[tuple[int, float]]:
     """(padded tokens, seconds) of these steps of `order`, each making its batch as the training
     loop does."""
@@ -203,10 +227,11 @@ def plan_steps(probe: Trainer, order: EpochOrder, eval_batches: list[Batch], sec
     total = steps_that_fit(order, cost, budget, save_every, save_s, snapshot_every, seen, cached)
     if total < 1:
         raise ValueError(f"--steps auto: not one step fits in the {budget:.1f} s that --time-limit leaves")
-    plan = {"timed_steps": TIMED_STEPS, "step_fixed_s": round(cost.fixed, 5),
+    plan = {"steps": total, "timed_steps": TIMED_STEPS, "step_fixed_s": round(cost.fixed, 5),
             "step_per_token_us": round(cost.per_token * 1e6, 5), "new_shape_s": round(cost.new_shape, 5),
             "save_and_check_s": round(save_s, 3), "seconds_planned": round(budget, 1)}
     if held is not None:
-        plan |= {"cached_step_fixed_s": round(held.fixed, 5), "cached_step_per_token_us": round(held.per_token * 1e6, 5),
+        plan |= {"cached_step_fixed_s": round(held.fixed, 5),
+                 "cached_step_per_token_us": round(held.per_token * 1e6, 5),
                  "cached_new_capture_shape_s": round(held.new_shape, 5)}
     return total, plan

@@ -44,7 +44,7 @@ from common.tools.drafter.data import (DataStore, GenSettings, Part, Sequence, c
                                        generate, pooled_sequences, read_prompts)
 from common.tools.drafter.feature_cache import FeatureCache, Places
 from common.tools.drafter.objective import SOFT_TOP_K, Batch, make_batch
-from common.tools.drafter.plan import plan_steps
+from common.tools.drafter.plan import plan_steps, replan_points, replanned_total
 from common.tools.drafter.trainer import (DRAFTING_ONLY, EpochOrder, Trainer, checkpoint_total, load_checkpoint, rounded,
                                           save_checkpoint, save_drafter)
 
@@ -130,8 +130,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--epochs", type=float, default=5.0)
     t.add_argument("--steps", type=_steps, default=None,
                    help="total optimizer steps (overrides --epochs); auto: as many as fit in --time-limit, planned "
-                        "before training from timed steps on its first batches, so that the learning rate anneals "
-                        "as the time ends (a --resume keeps the plan)")
+                        "before training from timed steps on its first batches and re-planned at 30%% and 60%% of "
+                        "them from the run's own pace, so that the learning rate anneals as the time ends (a "
+                        "--resume keeps the plan; train_info.json records the re-plans)")
     t.add_argument("--batch-size", type=int, default=32, help="sequences per step")
     t.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
     t.add_argument("--gamma", type=float, default=7.0, help="loss weight exp(-(k-1)/gamma) of block position k")
@@ -374,7 +375,12 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
           f"block {cfg.block_size}, mask id {cfg.mask_token_id}; {total} steps of {args.batch_size} sequences x "
           f"{args.anchors} anchors ({order.steps_per_epoch} steps/epoch), amp={'bf16' if amp else 'off'}", flush=True)
 
-    final, evals, stop_reason = loop(args, trainer, order, eval_batches, start, total, ckpt_path, prev_seconds, t_start)
+    seconds_left = (lambda: args.time_limit - (time.perf_counter() - t_start)) if plan else None
+    final, evals, stop_reason, replans = loop(args, trainer, order, eval_batches, start, total, ckpt_path,
+                                              prev_seconds, t_start, seconds_left)
+    if replans:
+        plan["replans"] = replans
+        args.steps = total = trainer.total_steps  # the lr schedule's re-plans: train_info.json
     train_seconds = prev_seconds + (time.perf_counter() - t_start)
 
     # ---- 3. output ----------------------------------------------------------------------
@@ -474,7 +480,10 @@ def _generates(args) -> bool:
 
 
 def loop(args, trainer: Trainer, order: EpochOrder, eval_batches: list[Batch], start: int, total: int,
-         ckpt_path: str, prev_seconds: float, t_start: float) -> tuple[dict, list[dict], str]:
+         ckpt_path: str, prev_seconds: float, t_start: float,
+         seconds_left: Callable[[], float] | None = None) -> tuple[dict, list[dict], str, list[dict]]:
+    """Train from `start` to `total` steps. seconds_left (a run that --steps auto planned): the
+    run re-plans its total at replan_points from its own pace."""
     from tqdm import tqdm
 
     device = trainer.device
@@ -484,6 +493,7 @@ def loop(args, trainer: Trainer, order: EpochOrder, eval_batches: list[Batch], s
     evals: list[dict] = []
     stop_reason, step = "done", start
     t_log, seqs_since = time.perf_counter(), 0
+    points, paced_from, replans = (replan_points(total) if seconds_left else []), None, []
     bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=args.no_progress)
     with open(log_path, "a") as log:
         while step < total:
@@ -515,6 +525,20 @@ def loop(args, trainer: Trainer, order: EpochOrder, eval_batches: list[Batch], s
                     evals.append({"step": step, **trainer.evaluate(eval_batches)})
                     log.write(json.dumps({"eval": evals[-1]}) + "\n")
                     bar.write(f"eval @ {step}: {_fmt(evals[-1])}")
+            if points and step == points[0]:
+                points.pop(0)
+                now = time.perf_counter()
+                if paced_from is not None and step >= trainer.warmup_steps:
+                    pace = (now - paced_from[1]) / (step - paced_from[0])
+                    total = replanned_total(step, seconds_left(), pace)
+                    trainer.replan(step, total)
+                    bar.total = total
+                    replans.append({"step": step, "ms_per_step": round(1e3 * pace, 2), "total": total})
+                    bar.write(f"--steps auto: re-planned at step {step} from the run's pace since step "
+                              f"{paced_from[0]} ({1e3 * pace:.1f} ms a step with its checks): {total} steps")
+                    # A run cut before its next checkpoint resumes with this plan, not the one before.
+                    save_checkpoint(ckpt_path, trainer, step, prev_seconds + time.perf_counter() - t_start)
+                paced_from = (step, time.perf_counter())
     bar.close()
     if window:  # steps after the last log line
         final = rounded({"step": step, "lr": trainer.lr_at(step - 1),
@@ -526,7 +550,7 @@ def loop(args, trainer: Trainer, order: EpochOrder, eval_batches: list[Batch], s
     final.setdefault("step", step)
     if device.type == "cuda":
         final["max_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    return final, evals, stop_reason
+    return final, evals, stop_reason, replans
 
 
 # ---- drafter, checkpoint, command --------------------------------------------------------

@@ -47,6 +47,7 @@ class Trainer:
         self.rope = rope_cos_sin(drafter.cfg.as_model_config, self.device)
         self.lr, self.total_steps, self.min_lr_ratio = lr, total_steps, min_lr_ratio
         self.warmup_steps = int(warmup if warmup >= 1 else round(warmup * total_steps))
+        self.replanned: tuple[int, float] | None = None  # (step, progress through the cosine) of the last replan
         self.gamma, self.anchors, self.grad_clip, self.seed = gamma, anchors, grad_clip, seed
         self.greedy_path, self.soft_weight = greedy_path, soft_weight
         self.refine = refine  # the share of blocks trained as a refine pass sees them
@@ -64,9 +65,19 @@ class Trainer:
     def lr_at(self, step: int) -> float:
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
-        span = max(1, self.total_steps - self.warmup_steps)
-        cos = 0.5 * (1 + math.cos(math.pi * min(1.0, (step - self.warmup_steps) / span)))
+        cos = 0.5 * (1 + math.cos(math.pi * self.progress(step)))
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cos)
+
+    def progress(self, step: int) -> float:
+        """How far the cosine after the warmup is at `step` (0-1); after a replan, the rest of it
+        spread over the steps from there to the new total."""
+        begin, done = (self.warmup_steps, 0.0) if self.replanned is None else self.replanned
+        return min(1.0, done + (1 - done) * (step - begin) / max(1, self.total_steps - begin))
+
+    def replan(self, step: int, total: int) -> None:
+        """Go on to `total` steps from `step` (after the warmup), the learning rate going on from
+        where it is: no jump, and it anneals as the new total ends."""
+        self.replanned, self.total_steps = (step, self.progress(step)), total
 
     def forward(self, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.loss(batch, self.capture(batch), generator)
@@ -196,7 +207,7 @@ class EpochOrder:
 
 
 def save_checkpoint(path: str, trainer: Trainer, step: int, seconds: float) -> None:
-    state = {"step": step, "seconds": seconds, "total_steps": trainer.total_steps,
+    state = {"step": step, "seconds": seconds, "total_steps": trainer.total_steps, "replanned": trainer.replanned,
              "drafter_config": asdict(trainer.drafter.cfg), "model": trainer.drafter.state_dict(),
              "optim": trainer.opt.state_dict(), "refine": trainer.refine}
     torch.save(state, path + ".tmp")
@@ -219,6 +230,7 @@ def load_checkpoint(path: str, trainer: Trainer, cfg: DrafterConfig, total: int)
     if state["total_steps"] != total:
         print(f"note: the checkpoint planned {state['total_steps']} steps, now {total}: the lr schedule changes",
               flush=True)
+    trainer.replanned = tuple(state["replanned"]) if state.get("replanned") else None
     trainer.drafter.load_state_dict(state["model"])
     trainer.opt.load_state_dict(state["optim"])
     return int(state["step"]), float(state["seconds"])
