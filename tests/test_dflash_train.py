@@ -1148,6 +1148,13 @@ def test_feature_cache_trains_the_drafter_trained_without_it(target, dataset, tm
     gib = (len(seqs[1].ids) + 0.5) * per / 2**30
     cache = feature_cache(parse("--feature-cache", repr(gib)), runner, cfg, EpochOrder(seqs + seqs[1:], 2, seed=0))
     assert set(cache.places.start) == {id(seqs[1])}
+    # Among sequences met as often, the shortest first (here the second in data order): room for
+    # the longer one holds the shorter one only.
+    every = dataset[0].sequences(dataset[1])
+    short, long = sorted([every[0], next(s for s in every if len(s.ids) != len(every[0].ids))], key=lambda s: len(s.ids))
+    room = len(long.ids) * per / 2**30
+    cache = feature_cache(parse("--feature-cache", repr(room)), runner, cfg, EpochOrder([long, short], 2, seed=0))
+    assert set(cache.places.start) == {id(short)}
     assert feature_cache(parse("--feature-cache", "auto"), runner, cfg, EpochOrder(seqs, 2, seed=0)) is None  # CPU
 
     with pytest.raises(ValueError, match="--feature-cache: want GiB"):

@@ -6,8 +6,9 @@ On a GPU that pass is a large part of a step (the drafter's own work depends on 
 the sequence's length), so a sequence captured once is read back afterwards.
 
 Places are given before training, whole sequences in order of how often an epoch meets them
-(`--source-repeat` makes some come twice, others every other epoch): each goes where it still
-fits, so that smaller ones fill what a larger one left. A sequence is stored the first time it
+(`--source-repeat` makes some come twice, others every other epoch), then shortest first (a batch
+is of like lengths, so it is then mostly read back whole or captured whole): each goes where it
+still fits. A sequence is stored the first time it
 is captured; the others are captured every time they come. `Places` is the plan alone, so that
 the step planner can replay it. Sequences are keyed by object identity: the run's EpochOrder
 holds them for the whole run, so a key is never reused. A batch's sequences not read back are
