@@ -40,8 +40,8 @@ from common.tools.drafter.objective import (
     refine_prefix,
     sample_anchors,
 )
-from common.tools.drafter.train import (GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, feature_cache, held_out,
-                                        repeated, run, train)
+from common.tools.drafter.train import (GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, feature_cache,
+                                        format_replans, held_out, parse_replans, repeated, run, train)
 from common.tools.drafter.plan import (StepCost, fit_cost, new_shape_cost, read_back_cost, replan_points, replanned_total,
                                        shape_of, steps_that_fit)
 from common.tools.drafter.trainer import EpochOrder, Trainer
@@ -297,7 +297,8 @@ def test_partial_captures_run_few_shapes():
         order, StepCost(1.0, 0.0), 20.0, save_every=100, save_s=0.0, seen=seen,
         cached=(held, Places([(id(s), 10) for s in seqs], 480)))
     held, cold = StepCost(0.25, 0.0), StepCost(0.25, 0.0, new_shape=5.0)
-    assert walk(cold) < walk(held) == walk(cold, seen={(8, 32)})
+    assert walk(cold) < walk(held) == walk(cold, seen={("capture", 8, 32)})
+    assert walk(cold, seen={(8, 32)}) == walk(cold)  # a batch shape is not a capture shape
 
 
 def test_generation_prefill_steps_default_by_device():
@@ -1260,8 +1261,8 @@ def test_replan_goes_on_from_the_learning_rate_it_has(target, tmp_path):
 
     runner, _ = target
     drafter = Drafter(drafter_config(parse("--layers", "1", "--block-size", "4"), runner))
-    make = lambda total: Trainer(runner, drafter, lr=1.0, total_steps=total, warmup=10, min_lr_ratio=0.1)  # noqa: E731
-    trainer = make(100)
+    make = lambda total: Trainer(runner, drafter, lr=1.0, total_steps=total, warmup=0.1, min_lr_ratio=0.1)  # noqa: E731
+    trainer = make(100)  # 10 warmup steps
     before = [trainer.lr_at(s) for s in range(101)]
     trainer.replan(30, 200)
     assert trainer.lr_at(30) == pytest.approx(before[30]) and trainer.lr_at(5) == before[5]  # no jump; warmup as was
@@ -1270,38 +1271,56 @@ def test_replan_goes_on_from_the_learning_rate_it_has(target, tmp_path):
     assert trainer.lr_at(100) > before[100] + 0.3  # the old total's end is about mid-way now
     path = str(tmp_path / "checkpoint.pt")
     save_checkpoint(path, trainer, 40, 1.0)
-    resumed = make(200)  # as `dflash train --resume` makes it: with the checkpoint's total
+    resumed = make(200)  # as `dflash train --resume` makes it: with the checkpoint's total (and 20 warmup steps)
     assert load_checkpoint(path, resumed, drafter.cfg, 200) == (40, 1.0)
     assert [resumed.lr_at(s) for s in range(0, 201, 5)] == [trainer.lr_at(s) for s in range(0, 201, 5)]
+    assert (resumed.first_total, resumed.replans) == (100, [(30, 200)])
     at_60 = trainer.lr_at(60)
     trainer.replan(60, 120)  # shorter
     assert trainer.lr_at(60) == pytest.approx(at_60) and trainer.lr_at(120) == pytest.approx(0.1)
     assert trainer.lr_at(90) < at_60
 
+    early = make(100)
+    early.replan(5, 300)  # in the warmup: only the total changes
+    assert early.lr_at(5) == before[5] and early.lr_at(10) == 1.0 and early.lr_at(300) == pytest.approx(0.1)
+
     assert replan_points(1000) == [150, 300, 600] and replan_points(300) == []  # 45 steps to 15%: too few
     assert replanned_total(300, 100.0, 0.1) == 300 + 970 and replanned_total(10, 0.0, 1.0) == 11
+    assert parse_replans("900:7000,1800:7400") == [(900, 7000), (1800, 7400)] and parse_replans(None) == []
+    assert format_replans([(900, 7000), (1800, 7400)]) == "900:7000,1800:7400"
+    for bad in ("900", "900:800", "1800:7400,900:7000", "a:b"):
+        with pytest.raises(ValueError, match="--replans"):
+            parse_replans(bad)
 
 
 def test_steps_auto_re_plans_from_the_runs_own_pace(target, dataset, tmp_path, monkeypatch):
     """A plan from a probe that says a step takes 1 s (far slower than these steps): the run takes
-    its own pace and re-plans at its points, to more steps, in the same --time-limit."""
+    its own pace and re-plans at its points, to more steps, in the same --time-limit; its command,
+    with --replans, trains the same drafter."""
     from common.tools.drafter import plan
 
     runner, tok = target
     monkeypatch.setattr(plan, "measure_cost", lambda probe, order: (StepCost(1.0, 0.0), None, set()))
     monkeypatch.setattr(plan, "REPLAN_POINTS", (0.25, 0.5, 0.75))
     monkeypatch.setattr(plan, "REPLAN_MIN_STEPS", 1)
-    out = str(tmp_path / "auto")
-    assert train(parse("--data", dataset[0].folder, "--max-seqs", "3", "--gen-max-new-tokens", str(NEW_TOKENS),
-                       "--shots", "2", "--sample-temperatures", "0.8,1.1", "--layers", "1", "--block-size", "4",
-                       "--anchors", "4", "--batch-size", "2", "--warmup", "1", "--save-every", "1000",
-                       "--steps", "auto", "--time-limit", "9", "--out", out), runner, tok) == 0
+    common = ["--data", dataset[0].folder, "--max-seqs", "3", "--gen-max-new-tokens", str(NEW_TOKENS), "--shots", "2",
+              "--sample-temperatures", "0.8,1.1", "--layers", "1", "--block-size", "4", "--anchors", "4",
+              "--batch-size", "2", "--warmup", "1", "--save-every", "1000"]
+    out, again = str(tmp_path / "auto"), str(tmp_path / "again")
+    assert train(parse(*common, "--steps", "auto", "--time-limit", "9", "--out", out), runner, tok) == 0
     info = json.load(open(os.path.join(out, "train_info.json")))
     planned = info["steps"]["planned"]
     replans = planned["replans"]
     assert [r["step"] for r in replans] == replan_points(planned["steps"])[1:]
     assert replans[0]["total"] > planned["steps"] and info["steps"]["total"] == replans[-1]["total"]
-    assert f"--steps {replans[-1]['total']}" in info["command"]
+    given = format_replans([(r["step"], r["total"]) for r in replans])
+    assert f"--steps {planned['steps']} --replans {given}" in info["command"]
+    assert train(parse(*common, "--steps", str(planned["steps"]), "--replans", given, "--out", again), runner, tok) == 0
+    want = Drafter.load(os.path.join(out, "drafter")).state_dict()
+    for name, w in Drafter.load(os.path.join(again, "drafter")).state_dict().items():
+        assert torch.equal(w, want[name]), name
+    with pytest.raises(ValueError, match="--replans re-plans a schedule of --steps N"):
+        train(parse(*common, "--steps", "auto", "--time-limit", "9", "--replans", given, "--out", again), runner, tok)
 
 
 def test_eval_command(target, tmp_path, monkeypatch):

@@ -41,7 +41,7 @@ from common.tools.drafter.feature_cache import Places, capture_shape
 from common.tools.drafter.objective import Batch, make_batch, padded_length
 from common.tools.drafter.trainer import EpochOrder, Trainer, save_checkpoint
 
-TIMED_STEPS = 16  # batches timed twice each, after WARM_STEPS untimed ones
+TIMED_STEPS = 16  # batches timed twice each (four times with a feature cache), after WARM_STEPS untimed ones
 WARM_STEPS = 3  # the first allocations and kernel choices
 MARGIN = 0.03  # of the time left: the fit is an estimate
 # The run itself re-plans at these shares of the planned steps, from its own pace since the
@@ -107,7 +107,8 @@ def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every
     cost.new_shape for each batch shape not in `seen` (those the process ran already) the first
     time it comes, stays within `seconds`. cached: the step's cost when a feature cache holds
     every sequence (its new_shape: the extra of a partial capture's shape the first time), and
-    (a copy of) that cache's places as the run starts; `seen` holds capture shapes too."""
+    (a copy of) that cache's places as the run starts; `seen` holds capture shapes too, as
+    ("capture", rows, length)."""
     if cost.seconds(1) <= 0:
         raise ValueError(f"--steps auto: a step timed at {cost.seconds(1)} s")
     used, step, seen = 0.0, 0, set(seen)
@@ -122,7 +123,7 @@ def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every
             places.store(id(s) for s in new)
             used += held.seconds(tokens) + len(new) / len(seqs) * (cost.seconds(tokens) - held.seconds(tokens))
             if 0 < len(new) < len(seqs):  # a whole batch captures in its own shape, counted below
-                captured = capture_shape([len(s.ids) for s in new], len(seqs))
+                captured = ("capture", *capture_shape([len(s.ids) for s in new], len(seqs)))
                 if captured not in seen:
                     seen.add(captured)
                     used += held.new_shape
@@ -198,11 +199,17 @@ def measure_cost(trainer: Trainer, order: EpochOrder) -> tuple[StepCost, StepCos
         read_first = time_steps(trainer, order, ran[WARM_STEPS:])
         read = time_steps(trainer, order, ran[WARM_STEPS:])
         held = read_back_cost(read, [t for _, t in again], shares)
-        partial = [i for i, m in enumerate(missing) if 0 < len(m) < len(batches[i])]
-        if held is not None and partial:
-            extra = new_shape_cost([read_first[i][1] for i in partial], [read[i][1] for i in partial])
+        # The extra of a capture shape's first run, from the batches that ran one first (a shape
+        # met again in the probe, or a whole batch's, costs about nothing more the first time).
+        first_runs = []
+        for i, m in enumerate(missing):
+            shape = ("capture", *capture_shape([len(s.ids) for s in m], len(batches[i]))) if m else None
+            if 0 < len(m) < len(batches[i]) and shape not in seen:
+                seen.add(shape)
+                first_runs.append(i)
+        if held is not None and first_runs:
+            extra = new_shape_cost([read_first[i][1] for i in first_runs], [read[i][1] for i in first_runs])
             held = replace(held, new_shape=extra)
-        seen |= {capture_shape([len(s.ids) for s in missing[i]], len(batches[i])) for i in partial}
     cost = replace(fit_cost(again), new_shape=new_shape_cost([t for _, t in first], [t for _, t in again]))
     return cost, held, seen
 

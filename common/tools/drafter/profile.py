@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         if args.feature_cache:  # the same batch again, (a share of) its features read back from a cache
             row["read_back"] = []
             for share in shares:
-                held = round(share * seqs)  # the first rows; the rest are captured every step
+                held = max(1, round(share * seqs))  # the first rows; the rest are captured every step
                 sizes = list(zip(batch.keys, batch.lengths.tolist()))[:held]
                 places = Places(sizes, sum(n for _, n in sizes))
                 trainer.cache = FeatureCache(places, drafter.cfg.capture_layers, cfg.hidden_size, runner.dtype,

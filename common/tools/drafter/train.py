@@ -45,7 +45,7 @@ from common.tools.drafter.data import (DataStore, GenSettings, Part, Sequence, c
 from common.tools.drafter.feature_cache import FeatureCache, Places
 from common.tools.drafter.objective import SOFT_TOP_K, Batch, make_batch
 from common.tools.drafter.plan import plan_steps, replan_points, replanned_total
-from common.tools.drafter.trainer import (DRAFTING_ONLY, EpochOrder, Trainer, checkpoint_total, load_checkpoint, rounded,
+from common.tools.drafter.trainer import (DRAFTING_ONLY, EpochOrder, Trainer, checkpoint_schedule, load_checkpoint, rounded,
                                           save_checkpoint, save_drafter)
 
 # Flags that steer one invocation but not what it produces: left out of the reproduce command.
@@ -132,7 +132,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="total optimizer steps (overrides --epochs); auto: as many as fit in --time-limit, planned "
                         "before training from timed steps on its first batches and re-planned at 30%% and 60%% of "
                         "them from the run's own pace, so that the learning rate anneals as the time ends (a "
-                        "--resume keeps the plan; train_info.json records the re-plans)")
+                        "--resume keeps the plan; the command in train_info.json gives the re-plans as --replans)")
+    t.add_argument("--replans", default=None, metavar="STEP:TOTAL[,...]",
+                   help="at each STEP, go on to TOTAL steps, the learning rate's cosine spread over the steps left "
+                        "from where it is: the schedule of a --steps auto run that re-planned (its command says so)")
     t.add_argument("--batch-size", type=int, default=32, help="sequences per step")
     t.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
     t.add_argument("--gamma", type=float, default=7.0, help="loss weight exp(-(k-1)/gamma) of block position k")
@@ -328,8 +331,10 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
     ckpt_path = os.path.join(args.out, "checkpoint.pt")
     resuming = _resuming(args)
     planned = args.steps == "auto" and not resuming
-    if args.steps == "auto" and resuming:  # the plan of the run it resumes
-        total = args.steps = checkpoint_total(ckpt_path)
+    if resuming and (args.steps == "auto" or args.replans):  # the schedule of the run it resumes
+        total, first, replans = checkpoint_schedule(ckpt_path)
+        if args.steps == "auto":
+            args.steps, args.replans = first, format_replans(replans) or None
     elif not planned:
         total = args.steps or max(1, round(args.epochs * order.steps_per_epoch))
     torch.manual_seed(train_seed)
@@ -375,12 +380,14 @@ def train(args: argparse.Namespace, runner: ModelRunner, tok, gen: dict | None =
           f"block {cfg.block_size}, mask id {cfg.mask_token_id}; {total} steps of {args.batch_size} sequences x "
           f"{args.anchors} anchors ({order.steps_per_epoch} steps/epoch), amp={'bf16' if amp else 'off'}", flush=True)
 
-    seconds_left = (lambda: args.time_limit - (time.perf_counter() - t_start)) if plan else None
+    # What --time-limit leaves for steps, the last checkpoint and held-out check kept out.
+    seconds_left = (lambda: args.time_limit - (time.perf_counter() - t_start) - plan["save_and_check_s"]
+                    ) if plan else None
     final, evals, stop_reason, replans = loop(args, trainer, order, eval_batches, start, total, ckpt_path,
                                               prev_seconds, t_start, seconds_left)
+    total = trainer.total_steps
     if replans:
         plan["replans"] = replans
-        args.steps = total = trainer.total_steps  # the lr schedule's re-plans: train_info.json
     train_seconds = prev_seconds + (time.perf_counter() - t_start)
 
     # ---- 3. output ----------------------------------------------------------------------
@@ -482,8 +489,9 @@ def _generates(args) -> bool:
 def loop(args, trainer: Trainer, order: EpochOrder, eval_batches: list[Batch], start: int, total: int,
          ckpt_path: str, prev_seconds: float, t_start: float,
          seconds_left: Callable[[], float] | None = None) -> tuple[dict, list[dict], str, list[dict]]:
-    """Train from `start` to `total` steps. seconds_left (a run that --steps auto planned): the
-    run re-plans its total at replan_points from its own pace."""
+    """Train from `start` to `total` steps, re-planning where --replans says, and where
+    seconds_left is given (a run that --steps auto planned) at replan_points from its own pace.
+    Returns the last log line, the held-out checks, why it stopped and the re-plans it made."""
     from tqdm import tqdm
 
     device = trainer.device
@@ -494,6 +502,7 @@ def loop(args, trainer: Trainer, order: EpochOrder, eval_batches: list[Batch], s
     stop_reason, step = "done", start
     t_log, seqs_since = time.perf_counter(), 0
     points, paced_from, replans = (replan_points(total) if seconds_left else []), None, []
+    given = dict(parse_replans(args.replans))  # a schedule's re-plans, as a --steps auto run made them
     bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=args.no_progress)
     with open(log_path, "a") as log:
         while step < total:
@@ -525,13 +534,18 @@ def loop(args, trainer: Trainer, order: EpochOrder, eval_batches: list[Batch], s
                     evals.append({"step": step, **trainer.evaluate(eval_batches)})
                     log.write(json.dumps({"eval": evals[-1]}) + "\n")
                     bar.write(f"eval @ {step}: {_fmt(evals[-1])}")
+            if step in given:
+                total = given[step]
+                trainer.replan(step, total)
+                bar.total = total
             if points and step == points[0]:
                 points.pop(0)
                 now = time.perf_counter()
-                if paced_from is not None and step >= trainer.warmup_steps:
+                if paced_from is not None:
                     pace = (now - paced_from[1]) / (step - paced_from[0])
                     total = replanned_total(step, seconds_left(), pace)
                     trainer.replan(step, total)
+                    args.replans = format_replans(trainer.replans)  # what the command (and a snapshot's) says
                     bar.total = total
                     replans.append({"step": step, "ms_per_step": round(1e3 * pace, 2), "total": total})
                     bar.write(f"--steps auto: re-planned at step {step} from the run's pace since step "
@@ -724,6 +738,25 @@ def _repeats(text: str) -> dict[str, float]:
     return repeats
 
 
+def parse_replans(text: str | None) -> list[tuple[int, int]]:
+    """--replans STEP:TOTAL,...: (step, total) pairs, steps rising, each total past its step."""
+    if not text:
+        return []
+    try:
+        pairs = [tuple(int(x) for x in item.split(":")) for item in text.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or not 0 < p[0] < p[1] for p in pairs) or \
+            any(a[0] >= b[0] for a, b in zip(pairs, pairs[1:])):
+        raise ValueError(f"--replans {text!r}: want STEP:TOTAL pairs, steps rising, each total past its step "
+                         "(e.g. 900:7000,1800:7400)")
+    return pairs
+
+
+def format_replans(replans: list[tuple[int, int]]) -> str:
+    return ",".join(f"{step}:{total}" for step, total in replans)
+
+
 def _steps(text: str) -> int | str:
     if text == "auto":
         return text
@@ -767,6 +800,8 @@ def _check_args(args) -> None:
         raise ValueError("--steps auto plans the steps that fit in --time-limit: give one")
     if args.steps is not None and args.steps != "auto" and args.steps <= 0:
         raise ValueError("--steps must be positive")
+    if parse_replans(args.replans) and not isinstance(args.steps, int):
+        raise ValueError("--replans re-plans a schedule of --steps N (a --steps auto run makes its own)")
     if args.samples_per_prompt < 0 or args.eval_prompts < 0:
         raise ValueError("--samples-per-prompt and --eval-prompts must be >= 0")
     if args.feature_cache not in ("auto", "off"):

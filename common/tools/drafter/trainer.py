@@ -47,7 +47,9 @@ class Trainer:
         self.rope = rope_cos_sin(drafter.cfg.as_model_config, self.device)
         self.lr, self.total_steps, self.min_lr_ratio = lr, total_steps, min_lr_ratio
         self.warmup_steps = int(warmup if warmup >= 1 else round(warmup * total_steps))
-        self.replanned: tuple[int, float] | None = None  # (step, progress through the cosine) of the last replan
+        self.first_total = total_steps  # as planned, before any re-plan
+        self.replans: list[tuple[int, int]] = []  # (step, new total) of each re-plan, in order
+        self.replanned: tuple[int, float] | None = None  # (step, progress through the cosine) of the last one
         self.gamma, self.anchors, self.grad_clip, self.seed = gamma, anchors, grad_clip, seed
         self.greedy_path, self.soft_weight = greedy_path, soft_weight
         self.refine = refine  # the share of blocks trained as a refine pass sees them
@@ -75,9 +77,12 @@ class Trainer:
         return min(1.0, done + (1 - done) * (step - begin) / max(1, self.total_steps - begin))
 
     def replan(self, step: int, total: int) -> None:
-        """Go on to `total` steps from `step` (after the warmup), the learning rate going on from
-        where it is: no jump, and it anneals as the new total ends."""
-        self.replanned, self.total_steps = (step, self.progress(step)), total
+        """Go on to `total` steps from `step`, the learning rate going on from where it is: no
+        jump, and it anneals as the new total ends (during the warmup, only the total changes)."""
+        if step >= self.warmup_steps:
+            self.replanned = (step, self.progress(step))
+        self.total_steps = total
+        self.replans.append((step, total))
 
     def forward(self, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.loss(batch, self.capture(batch), generator)
@@ -207,16 +212,22 @@ class EpochOrder:
 
 
 def save_checkpoint(path: str, trainer: Trainer, step: int, seconds: float) -> None:
-    state = {"step": step, "seconds": seconds, "total_steps": trainer.total_steps, "replanned": trainer.replanned,
+    state = {"step": step, "seconds": seconds, "total_steps": trainer.total_steps,
+             "schedule": {"first_total": trainer.first_total, "warmup_steps": trainer.warmup_steps,
+                          "replans": trainer.replans, "replanned": trainer.replanned},
              "drafter_config": asdict(trainer.drafter.cfg), "model": trainer.drafter.state_dict(),
              "optim": trainer.opt.state_dict(), "refine": trainer.refine}
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # a kill mid-write leaves the previous checkpoint intact
 
 
-def checkpoint_total(path: str) -> int:
-    """The steps the checkpointed run planned, without reading its tensors (memory-mapped)."""
-    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["total_steps"])
+def checkpoint_schedule(path: str) -> tuple[int, int, list[tuple[int, int]]]:
+    """The checkpointed run's total steps now, as first planned, and its re-plans (step, total),
+    without reading its tensors (memory-mapped)."""
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    schedule = state.get("schedule", {})  # checkpoints from before re-plans have none
+    return (int(state["total_steps"]), int(schedule.get("first_total", state["total_steps"])),
+            [tuple(r) for r in schedule.get("replans", [])])
 
 
 def load_checkpoint(path: str, trainer: Trainer, cfg: DrafterConfig, total: int) -> tuple[int, float]:
@@ -230,7 +241,11 @@ def load_checkpoint(path: str, trainer: Trainer, cfg: DrafterConfig, total: int)
     if state["total_steps"] != total:
         print(f"note: the checkpoint planned {state['total_steps']} steps, now {total}: the lr schedule changes",
               flush=True)
-    trainer.replanned = tuple(state["replanned"]) if state.get("replanned") else None
+    if "schedule" in state:  # the warmup as it ran (a fraction of the first total), and the re-plans
+        schedule = state["schedule"]
+        trainer.first_total, trainer.warmup_steps = schedule["first_total"], schedule["warmup_steps"]
+        trainer.replans = [tuple(r) for r in schedule["replans"]]
+        trainer.replanned = tuple(schedule["replanned"]) if schedule["replanned"] else None
     trainer.drafter.load_state_dict(state["model"])
     trainer.opt.load_state_dict(state["optim"])
     return int(state["step"]), float(state["seconds"])
