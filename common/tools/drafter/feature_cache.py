@@ -23,9 +23,9 @@ import torch
 from common.tools.drafter.objective import Batch, Targets, padded_length, select_rows
 
 # The rows of a partial capture (a batch's sequences not read back) are rounded up to a multiple of
-# this, at most the batch's: a capture shape's first run costs about 145 ms more than the same
-# shape again on an H100, and with every count from 1 to 64 a run of 2026-12-07 met new shapes
-# in most steps of its second and third passes, which then ran slower than capturing everything.
+# this, at most the batch's: a batch shape's first run costs about 145 ms more than the same
+# shape again on an H100, and with every count from 1 to 64 a run of 2026-12-07 most likely met
+# new capture shapes in most steps of its second and third passes, which ran slower than its first.
 ROW_MULTIPLE = 8
 
 
