@@ -1246,6 +1246,15 @@ def test_steps_auto_fills_the_time_limit_and_leaves_the_run_as_planned(target, d
                  runner, tok) == 0
     info = json.load(open(os.path.join(split, "train_info.json")))
     assert info["steps"] == {"done": 5, "total": 5, "stopped": "done"} and len(timed) == 2  # not planned again
+    # --stop-after ends a call (here before its first step) and leaves the plan for --time-limit.
+    cut = str(tmp_path / "cut")
+    assert train(parse(*common, "--steps", "auto", "--time-limit", "600", "--stop-after", "0", "--out", cut),
+                 runner, tok) == 0
+    info = json.load(open(os.path.join(cut, "train_info.json")))
+    assert info["steps"]["done"] == 0 and info["steps"]["total"] == 5 and info["steps"]["stopped"] == "--stop-after"
+    assert train(parse(*common, "--steps", "auto", "--time-limit", "600", "--resume", "--out", cut), runner, tok) == 0
+    for name, w in Drafter.load(os.path.join(cut, "drafter")).state_dict().items():
+        assert torch.equal(w, planned_w[name]), name
 
     with pytest.raises(ValueError, match="not one step fits"):
         train(parse(*common, "--steps", "auto", "--time-limit", "90", "--out", str(tmp_path / "short")), runner, tok)

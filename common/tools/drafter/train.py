@@ -49,8 +49,8 @@ from common.tools.drafter.trainer import (DRAFTING_ONLY, EpochOrder, Trainer, ch
                                           save_checkpoint, save_drafter)
 
 # Flags that steer one invocation but not what it produces: left out of the reproduce command.
-RUN_CONTROL = {"resume", "stop_at", "time_limit", "no_progress", "log_every", "save_every", "stage", "gen_time_limit",
-               "gen_workers", "compile", "feature_cache"}
+RUN_CONTROL = {"resume", "stop_at", "stop_after", "time_limit", "no_progress", "log_every", "save_every", "stage",
+               "gen_time_limit", "gen_workers", "compile", "feature_cache"}
 PATHS = {"prompts", "data", "pool", "out", "model", "init"}
 # Prefill tokens a step while generating on CUDA. Answering 7,473 few-shot GSM8K prompts on the
 # H200 (bf16): 3,002 tok/s with steps of 8,192 tokens, 5,052 with 32,768 (docs/PERFORMANCE.md,
@@ -175,6 +175,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     t.add_argument("--stop-at", type=int, default=None, help="stop (checkpointed) at this step; --resume continues")
+    t.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                   help="stop (checkpointed) after this many seconds of this command, leaving --steps auto's plan "
+                        "for --time-limit as it is: one call of a run split into calls; --resume continues")
     t.add_argument("--time-limit", type=float, default=None,
                    help="stop (checkpointed) after this many seconds of this command, counted from its start")
     t.add_argument("--snapshot-every", type=int, default=None,
@@ -512,6 +515,9 @@ def loop(args, trainer: Trainer, order: EpochOrder, eval_batches: list[Batch], s
             if args.time_limit is not None and time.perf_counter() - t_start > args.time_limit:
                 stop_reason = "--time-limit"
                 break
+            if args.stop_after is not None and time.perf_counter() - t_start > args.stop_after:
+                stop_reason = "--stop-after"
+                break
             seqs = order.batch(step)
             window.append(trainer.step(make_batch(seqs, device), step))
             seqs_since += len(seqs)
@@ -800,6 +806,8 @@ def _check_args(args) -> None:
         raise ValueError("--steps auto plans the steps that fit in --time-limit: give one")
     if args.steps is not None and args.steps != "auto" and args.steps <= 0:
         raise ValueError("--steps must be positive")
+    if args.stop_after is not None and args.stop_after < 0:
+        raise ValueError("--stop-after must be >= 0 seconds")
     if parse_replans(args.replans) and not isinstance(args.steps, int):
         raise ValueError("--replans re-plans a schedule of --steps N (a --steps auto run makes its own)")
     if args.samples_per_prompt < 0 or args.eval_prompts < 0:
