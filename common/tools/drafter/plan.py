@@ -99,6 +99,12 @@ def padded_tokens(seqs: list[Sequence]) -> int:
     return n * length
 
 
+def capture_key(seqs: list[Sequence], size: int) -> tuple[str, int, int]:
+    """The key of the shape that capturing these sequences out of a batch of `size` runs, apart
+    from batch shapes (a batch shape also runs the drafter)."""
+    return ("capture", *capture_shape([len(s.ids) for s in seqs], size))
+
+
 def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every: int, save_s: float,
                    snapshot_every: int | None = None, seen: set[Shape] = frozenset(),
                    cached: tuple[StepCost, Places] | None = None) -> int:
@@ -123,7 +129,7 @@ def steps_that_fit(order: EpochOrder, cost: StepCost, seconds: float, save_every
             places.store(id(s) for s in new)
             used += held.seconds(tokens) + len(new) / len(seqs) * (cost.seconds(tokens) - held.seconds(tokens))
             if 0 < len(new) < len(seqs):  # a whole batch captures in its own shape, counted below
-                captured = ("capture", *capture_shape([len(s.ids) for s in new], len(seqs)))
+                captured = capture_key(new, len(seqs))
                 if captured not in seen:
                     seen.add(captured)
                     used += held.new_shape
@@ -203,9 +209,9 @@ def measure_cost(trainer: Trainer, order: EpochOrder) -> tuple[StepCost, StepCos
         # met again in the probe, or a whole batch's, costs about nothing more the first time).
         first_runs = []
         for i, m in enumerate(missing):
-            shape = ("capture", *capture_shape([len(s.ids) for s in m], len(batches[i]))) if m else None
-            if 0 < len(m) < len(batches[i]) and shape not in seen:
-                seen.add(shape)
+            key = capture_key(m, len(batches[i])) if 0 < len(m) < len(batches[i]) else None
+            if key is not None and key not in seen:
+                seen.add(key)
                 first_runs.append(i)
         if held is not None and first_runs:
             extra = new_shape_cost([read_first[i][1] for i in first_runs], [read[i][1] for i in first_runs])

@@ -214,7 +214,7 @@ class EpochOrder:
 def save_checkpoint(path: str, trainer: Trainer, step: int, seconds: float) -> None:
     state = {"step": step, "seconds": seconds, "total_steps": trainer.total_steps,
              "schedule": {"first_total": trainer.first_total, "warmup_steps": trainer.warmup_steps,
-                          "replans": trainer.replans, "replanned": trainer.replanned},
+                          "replans": trainer.replans},
              "drafter_config": asdict(trainer.drafter.cfg), "model": trainer.drafter.state_dict(),
              "optim": trainer.opt.state_dict(), "refine": trainer.refine}
     torch.save(state, path + ".tmp")
@@ -241,11 +241,13 @@ def load_checkpoint(path: str, trainer: Trainer, cfg: DrafterConfig, total: int)
     if state["total_steps"] != total:
         print(f"note: the checkpoint planned {state['total_steps']} steps, now {total}: the lr schedule changes",
               flush=True)
-    if "schedule" in state:  # the warmup as it ran (a fraction of the first total), and the re-plans
+    if "schedule" in state:  # the warmup as it ran (a fraction of the first total), and the re-plans again
         schedule = state["schedule"]
         trainer.first_total, trainer.warmup_steps = schedule["first_total"], schedule["warmup_steps"]
-        trainer.replans = [tuple(r) for r in schedule["replans"]]
-        trainer.replanned = tuple(schedule["replanned"]) if schedule["replanned"] else None
+        trainer.total_steps, trainer.replans, trainer.replanned = trainer.first_total, [], None
+        for step_at, new_total in schedule["replans"]:
+            trainer.replan(step_at, new_total)
+        trainer.total_steps = total
     trainer.drafter.load_state_dict(state["model"])
     trainer.opt.load_state_dict(state["optim"])
     return int(state["step"]), float(state["seconds"])
