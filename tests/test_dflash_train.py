@@ -1324,7 +1324,9 @@ def test_steps_auto_re_plans_from_the_runs_own_pace(target, dataset, tmp_path, m
     assert replans[0]["total"] > planned["steps"] and info["steps"]["total"] == replans[-1]["total"]
     given = format_replans([(r["step"], r["total"]) for r in replans])
     assert f"--steps {planned['steps']} --replans {given}" in info["command"]
-    assert train(parse(*common, "--steps", str(planned["steps"]), "--replans", given, "--out", again), runner, tok) == 0
+    # The same schedule to the step the run reached (the last may not fit the time on a busy machine).
+    assert train(parse(*common, "--steps", str(planned["steps"]), "--replans", given,
+                       "--stop-at", str(info["steps"]["done"]), "--out", again), runner, tok) == 0
     want = Drafter.load(os.path.join(out, "drafter")).state_dict()
     for name, w in Drafter.load(os.path.join(again, "drafter")).state_dict().items():
         assert torch.equal(w, want[name]), name
