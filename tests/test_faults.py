@@ -322,8 +322,24 @@ def test_transfer_fails_when_decode_dies_under_it(stack: Stack, reference: list[
     freeze(pid)
     wait_until("P writing to D", lambda: transferring(health(stack, "prefill")), DEADLINE_S, stack, every=0.2)
     time.sleep(1)
-    os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
+    # pdflash up restarts a dead D at once: held until the checks of a dead D below are done, so
+    # that a quick restart cannot serve the request meant to find D dead.
+    freeze(stack.proc.pid)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _decode_found_dead(stack, d, prefill, generate, streamed, streaming, killed)
+    finally:
+        os.kill(stack.proc.pid, signal.SIGCONT)
+
+    wait_until("a new D process", lambda: _new_pid(stack, d, pid), 30, stack, every=0.5)
+    _wait_serving(stack, d)
+    serves_next_request(stack, reference)
+
+
+def _decode_found_dead(stack: Stack, d, prefill: concurrent.futures.Future, generate: concurrent.futures.Future,
+                       streamed: Response, streaming: concurrent.futures.Future, killed: float) -> None:
+    """What P, D's requests and the router say once D is dead (and not yet restarted)."""
     reply = prefill.result(timeout=DEADLINE_S)
     assert not reply.ok and "Mooncake write" in reply.error, reply.error
     print(f"P reported, {time.monotonic() - killed:.1f} s after D died: {reply.error}")
@@ -338,15 +354,11 @@ def test_transfer_fails_when_decode_dies_under_it(stack: Stack, reference: list[
         and f"decode {d.addr}" in streamed.error, streamed.error
     wait_until("P's pages back", lambda: all_free(health(stack, "prefill")), 30, stack)
 
-    # D dead (until pdflash up has restarted it): a request through the router fails cleanly and
-    # names D: 502 if the router still tried D, 503 once its health polling took D out of service.
+    # A request through the router fails cleanly and names D: 502 if the router still tried D,
+    # 503 once its health polling took D out of service.
     resp = post(stack.url, SHORT, timeout=60)
     assert resp.status_code in (502, 503) and d.addr in resp.text, resp.text
     wait_until("P's pages back", lambda: all_free(health(stack, "prefill")), 30, stack)
-
-    wait_until("a new D process", lambda: _new_pid(stack, d, pid), 30, stack, every=0.5)
-    _wait_serving(stack, d)
-    serves_next_request(stack, reference)
 
 
 def stream_in_background(url: str, ids: list[int]) -> tuple[Response, concurrent.futures.Future]:
