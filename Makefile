@@ -56,7 +56,7 @@ run: setup
 # after the suite, when both cores are free, and an interpreting process keeps one busy: two
 # workers (on the 2-core machine 21 s, against 29 s in one process).
 TRITON_SPEC ?= triton==3.9.0
-KERNEL_TESTS := tests/test_cross_entropy.py tests/test_fused_gemv.py tests/test_verdict.py
+KERNEL_TESTS := tests/test_cross_entropy.py tests/test_fused_gemv.py tests/test_verdict.py tests/test_draw.py
 
 $(BIN)/.kernel-tests: $(BIN)/.installed
 	@$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/uv pip install -q --python $(BIN)/python "$(TRITON_SPEC)" || \

@@ -16,6 +16,7 @@ from enum import IntEnum
 
 import torch
 
+from common.engine.draw import draw
 from common.engine.sampling import SamplingParams, new_seed
 from common.model import fused
 
@@ -67,6 +68,11 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows | None, mode: Mode) -> 
     assert rows is not None
     temp = rows.temperature.clamp(min=1e-5)[:, None]
     scaled = logits / temp
+    if fused.runs_on(logits):  # one kernel draws from the kept tokens alone (common.engine.draw)
+        filters = mode == Mode.FULL
+        drawn = draw(scaled, noise_key(rows.seed, rows.step), rows.temperature,
+                     rows.top_k if filters else None, rows.top_p if filters else None)
+        return torch.where(rows.temperature > 0, drawn, greedy)
     noise = gumbel(rows.seed, rows.step, logits.shape[-1])
     if mode == Mode.TEMPERATURE:
         drawn = fused.argmax(scaled + noise)
@@ -102,10 +108,15 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+def noise_key(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Each row's key [R] of its noise at this output position."""
+    lo, hi = seed & _M32, (seed >> 32) & _M32
+    return _mix32(_mix32(lo ^ _mix32(hi + 0x3C6EF372)) ^ (step & _M32))
+
+
 def gumbel(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
     """Gumbel noise [R, vocab] float32, a function of (seed, step, token id) alone."""
-    lo, hi = seed & _M32, (seed >> 32) & _M32
-    key = _mix32(_mix32(lo ^ _mix32(hi + 0x3C6EF372)) ^ (step & _M32))  # [R]
+    key = noise_key(seed, step)  # [R]
     token = _mix32(torch.arange(vocab, device=seed.device, dtype=torch.int64) + 0x1B873593)  # [V]
     h = _mix32(key[:, None] ^ token[None, :])
     u = ((h.float() + 0.5) * 2.0 ** -32).clamp(1e-7, 1.0 - 1e-7)

@@ -23,6 +23,9 @@ Parts (each runs on its own: a failure prints its error and the next part goes o
              saved, then with two refine passes at 0.5, then drafting ahead (--spec-ahead) with
              steps cycling through blocks of 4, 16, plain and 8; must be identical
   speculative-ahead  the same, drafting ahead only
+  sampler    the sampler's draw kernel (common.engine.draw) against the PyTorch path at the
+             embedded vocabulary, batch 64 and 256, T 0.7 with top-p 0.95 and without: tokens equal
+             over 32 positions, and ms per draw for peaked and flat rows (common/tools/gpu/sampler_check.py)
   gemv       the decode GEMV kernels (common.model.gemv) against cuBLAS at the embedded and 8B
              shapes, M 1, 4, 8 and 16, fp32 and bf16: results, and microseconds per product in CUDA graphs
              and in plain launches (common/tools/gpu/gemv_check.py; several minutes: 226 s on the
@@ -99,6 +102,7 @@ from common.tools.gpu.moe_shapes import moe_shapes
 from common.tools.gpu.local_copy import local_copy
 from common.tools.gpu.pd_local import pd_local, summary_lines
 from common.tools.gpu import spec_overhead
+from common.tools.gpu.sampler_check import sampler_check
 
 TARGET_TOK_S_B1 = 1000.0  # embedded model, batch 1, decode tok/s
 TARGET_X_FLOOR = 1.25  # Llama-3-8B shape, decode step / floor
@@ -326,6 +330,9 @@ def _summary(results: dict) -> list[str]:
     for r in _rows(results, "speculative") + _rows(results, "speculative-ahead"):
         lines.append(f"spec     {r['case']}, concurrency {r['concurrency']}: {r['identical']}/{r['requests']} identical "
                      f"to plain decoding (accept length {r['accept_length_weighted']:.2f})")
+    for r in _rows(results, "sampler"):
+        lines.append(f"sampler  {r['rows']} batch {r['batch']:3} {r['mode']}: {r['tokens_differing']}/{r['of']} tokens "
+                     f"differ; kernel {r['kernel_ms']:.3f} ms, plain {r['plain_ms']:.3f} ms (x{r['speedup']:.2f})")
     lines += gemv_check.summary_lines(_rows(results, "gemv"))
     lines += gemv_check.split_summary_lines(_rows(results, "gemv-split"))
     if isinstance(results.get("flashinfer"), dict):
@@ -409,6 +416,7 @@ def run(args: argparse.Namespace) -> int:
         "greedy": lambda: _greedy(args.model),
         "speculative": lambda: _speculative(args.model),
         "speculative-ahead": lambda: _speculative(args.model, variants=("ahead",)),
+        "sampler": sampler_check,
         "gemv": gemv_check.gemv_check,
         "gemv-split": gemv_check.split_repeats,
         "flashinfer": flashinfer_check.flashinfer_check,
