@@ -10,6 +10,7 @@ probability softmax(logits / T)[t].
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -19,6 +20,12 @@ import torch
 from common.engine.draw import draw
 from common.engine.sampling import SamplingParams, new_seed
 from common.model import fused
+
+
+# PDFLASH_SAMPLER=torch keeps the PyTorch path where the draw kernel could run (an A/B of the two).
+SAMPLER = os.environ.get("PDFLASH_SAMPLER", "kernel")
+if SAMPLER not in ("kernel", "torch"):
+    raise ValueError(f"PDFLASH_SAMPLER={SAMPLER!r}: expected kernel or torch")
 
 
 class Mode(IntEnum):
@@ -68,7 +75,7 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows | None, mode: Mode) -> 
     assert rows is not None
     temp = rows.temperature.clamp(min=1e-5)[:, None]
     scaled = logits / temp
-    if fused.runs_on(logits):  # one kernel draws from the kept tokens alone (common.engine.draw)
+    if SAMPLER == "kernel" and fused.runs_on(logits):  # one kernel draws from the kept tokens alone (common.engine.draw)
         filters = mode == Mode.FULL
         drawn = draw(scaled, noise_key(rows.seed, rows.step), rows.temperature,
                      rows.top_k if filters else None, rows.top_p if filters else None)
