@@ -87,3 +87,36 @@ def test_kept_tokens_are_the_most_likely():
         seen[1].add(kernel[1])
     assert seen[0] == {3, 9}
     assert seen[1] <= allowed and len(seen[1]) > 40
+
+
+@KERNEL_RUNS
+def test_each_row_reads_its_own_strided_inputs():
+    """A plain decode step hands top_k, seed and step over as columns of its packed int64 inputs
+    (StepView.sampling), so they are strided: each row must still read its own."""
+    logits = logits_of([0.5] * 6, 11)
+    differ = 0
+    for step in range(32):
+        want = rows_of([1.0] * 6, [5, 0, 0, 40, 0, 3], [1.0, 0.9, 0.95, 1.0, 0.5, 1.0], seed=1, step=step)
+        packed = torch.stack([want.top_k, want.seed, want.step, torch.full_like(want.top_k, 2)], 1)
+        strided = SamplingRows(want.temperature, want.top_p, packed[:, 0], packed[:, 1], packed[:, 2])
+        assert not strided.top_k.is_contiguous()
+        kernel = sample_rows(logits, strided, Mode.FULL).tolist()
+        with fused.disabled():
+            plain = sample_rows(logits, want, Mode.FULL).tolist()
+        differ += sum(a != b for a, b in zip(kernel, plain))
+    assert differ == 0
+
+
+@KERNEL_RUNS
+def test_small_and_masked_vocabularies():
+    """A vocabulary smaller than the head, and rows whose most tokens are masked to -inf."""
+    small = logits_of([2.0, 0.3], 21)[:, :100]
+    masked = logits_of([0.2, 0.2], 22)
+    masked[0, 300:] = float("-inf")
+    masked[1, 5:] = float("-inf")
+    for logits in (small, masked):
+        for step in range(8):
+            rows = rows_of([1.0, 0.9], [0, 50], [0.9, 0.95], seed=3, step=step)
+            kernel, plain = both(logits, rows, Mode.FULL)
+            assert kernel == plain
+            assert all(logits[i, t] > float("-inf") for i, t in enumerate(kernel))

@@ -6,16 +6,20 @@ them (docs/PERFORMANCE.md). The kernel makes noise only for the tokens a row can
 
 - a row without top-k and top-p: one pass over the row, the argmax of logits / T + noise;
 - otherwise its HEAD most likely tokens (torch.topk, in order) are walked, and only those get
-  noise, when the row's kept tokens end inside them (top_k <= HEAD, or the head holds more than
-  top_p of the mass), as at T <= 1 nearly every decode step's do;
+  noise, when the row's kept tokens end among them (top_k <= HEAD, or the head holds more than
+  top_p of the mass), as they do at nearly every decode step at T <= 1;
 - a row whose kept tokens do not end there (a flat distribution, or top_k > HEAD) is drawn over
-  the whole vocabulary, its thresholds found by bisection: 32 passes over the row for top-k and 32
+  the whole vocabulary, its thresholds found by bisection: 32 passes over the row for top-k and 33
   for top-p. Only such rows pay for them.
 
 The kept tokens are the PyTorch path's: the top_k most likely, then those whose more likely
-tokens hold at most top_p of the top_k's probability (the most likely always). Apart from ties
-and the order of sums, the two draw the same token from the same noise (tests compare them
-under Triton's interpreter; `pdflash gpu check` on a GPU).
+tokens hold at most top_p of the top_k's probability (the most likely always). Apart from the
+order of sums, the two draw the same token from the same noise (tests compare them under
+Triton's interpreter; `pdflash gpu-check --parts sampler` on a GPU), except at ties, which the
+bisection keeps whole: a top_k past the head keeps every token equal to the k-th (fp32 logits of
+a bf16 model tie often: a few more than k, each as unlikely as the k-th), and top-p keeps a group
+of equal tokens at its edge whole where the sorted path keeps part of it. top_k < 0 counts as
+off (SamplingParams refuses it).
 """
 from __future__ import annotations
 
@@ -33,17 +37,20 @@ def draw(scaled: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor, top
     rows' noise keys (sampler.noise_key); top_k / top_p [R], or None where no row has either.
     Returns tokens [R] int64; a row with temperature 0 gets 0 (the caller takes greedy's)."""
     R, V = scaled.shape
-    scaled = scaled.contiguous()
+    # The kernel indexes each input by row: a column of the decoder's packed inputs is strided.
+    scaled, key, temperature = scaled.contiguous(), key.contiguous(), temperature.contiguous()
     out = torch.empty(R, dtype=torch.int64, device=scaled.device)
     filters = top_k is not None
     head = min(HEAD, V)
     if filters:
+        top_k, top_p = top_k.contiguous(), top_p.contiguous()
         values, index = scaled.topk(head, dim=-1)
-        lse = torch.logsumexp(scaled, -1)
-    else:  # not read
-        values, index, lse = scaled, key, temperature
-        top_k, top_p = key, temperature
-    _draw_kernel[(R,)](scaled, values, index, lse, key, temperature, top_k, top_p, out, V, head,
+        # The whole row's mass against its largest value, as the PyTorch path's softmax sums it
+        # (a logsumexp, subtracted back, loses digits as the logits grow).
+        mass = (scaled - values[:, :1]).exp().sum(-1)
+    else:  # the kernel reads none of these without FILTERS
+        values, index, mass, top_k, top_p = scaled, key, temperature, key, temperature
+    _draw_kernel[(R,)](scaled, values, index, mass, key, temperature, top_k, top_p, out, V, head,
                        FILTERS=filters, BLOCK=min(BLOCK, triton.next_power_of_2(V)),
                        HEAD_BLOCK=triton.next_power_of_2(head), num_warps=8)
     return out
@@ -78,6 +85,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _count_at_least(s_row, V, c, BLOCK: tl.constexpr):
+        """How many of the row's tokens have an order key >= c."""
         n = tl.zeros((), tl.int64)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -114,7 +122,7 @@ if HAS_TRITON:
         return best_i
 
     @triton.jit
-    def _draw_kernel(s_ptr, hv_ptr, hi_ptr, lse_ptr, key_ptr, temp_ptr, k_ptr, p_ptr, out_ptr, V, head,
+    def _draw_kernel(s_ptr, hv_ptr, hi_ptr, mass_ptr, key_ptr, temp_ptr, k_ptr, p_ptr, out_ptr, V, head,
                      FILTERS: tl.constexpr, BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         s_row = s_ptr + row * V
@@ -134,8 +142,7 @@ if HAS_TRITON:
                     hv = tl.load(hv_ptr + row * head + j, mask=in_head, other=float("-inf"))
                     m = tl.max(hv, 0)
                     e = tl.where(in_head, tl.exp(hv - m), 0.0)
-                    z = tl.where(k_eff <= head, tl.sum(tl.where(j < k_eff, e, 0.0), 0),
-                                 tl.exp(tl.load(lse_ptr + row) - m))
+                    z = tl.where(k_eff <= head, tl.sum(tl.where(j < k_eff, e, 0.0), 0), tl.load(mass_ptr + row))
                     p = e / z
                     before = tl.cumsum(p, 0) - p
                     # Without top-k, z is the whole row's; with a top-k past the head it is not

@@ -26,9 +26,12 @@ def _logits(kind: str, batch: int, g: torch.Generator) -> torch.Tensor:
 
 
 def _rows(batch: int, top_p: float, step: int) -> SamplingRows:
+    """The rows as a plain decode step hands them over: top_k, seed and step are columns of one
+    packed int64 tensor (StepView.sampling), so strided."""
     full = lambda v, dtype: torch.full((batch,), v, dtype=dtype, device="cuda")  # noqa: E731
-    return SamplingRows(full(0.7, torch.float32), full(top_p, torch.float32), full(0, torch.int64),
-                        torch.arange(batch, device="cuda", dtype=torch.int64) + 1000, full(step, torch.int64))
+    packed = torch.stack([full(0, torch.int64), torch.arange(batch, device="cuda", dtype=torch.int64) + 1000,
+                          full(step, torch.int64)], 1)
+    return SamplingRows(full(0.7, torch.float32), full(top_p, torch.float32), packed[:, 0], packed[:, 1], packed[:, 2])
 
 
 def _ms(fn, reps: int = 50) -> float:
