@@ -6,7 +6,8 @@ position i of a request depends only on the logits, the request's seed and i (a 
 hash, not a generator's state), so a request sampled partly on P and partly on D, or verified in
 blocks by speculative decoding, draws exactly what plain decoding alone draws. Drawing is
 Gumbel-max: argmax(logits / T + g) with g = -log(-log(u)), u uniform, picks token t with
-probability softmax(logits / T)[t].
+probability softmax(logits / T)[t]. On CUDA one Triton kernel draws (common.engine.draw): the same
+kept tokens and the same noise, made only for the tokens a row keeps.
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows | None, mode: Mode) -> 
     assert rows is not None
     temp = rows.temperature.clamp(min=1e-5)[:, None]
     scaled = logits / temp
-    if SAMPLER == "kernel" and fused.runs_on(logits):  # one kernel draws from the kept tokens alone (common.engine.draw)
+    if SAMPLER == "kernel" and fused.runs_on(logits):  # one kernel, noise for the kept tokens alone
         filters = mode == Mode.FULL
         drawn = draw(scaled, noise_key(rows.seed, rows.step), rows.temperature,
                      rows.top_k if filters else None, rows.top_p if filters else None)
