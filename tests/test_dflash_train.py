@@ -41,7 +41,8 @@ from common.tools.drafter.objective import (
     sample_anchors,
 )
 from common.tools.drafter.train import (GEN_CHUNK_SIZE, _chunk_size, add_args, drafter_config, feature_cache,
-                                        format_replans, held_out, parse_replans, repeated, run, train)
+                                        format_replans, held_out, parse_replans, repeated, reproduce_command, run,
+                                        train)
 from common.tools.drafter.plan import (StepCost, fit_cost, new_shape_cost, read_back_cost, replan_points, replanned_total,
                                        shape_of, steps_that_fit)
 from common.tools.drafter.trainer import EpochOrder, Trainer
@@ -522,6 +523,23 @@ def test_fewshot_and_self_written_sources(target, tmp_path, monkeypatch, capsys)
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("generate: ")]
     stages = [line.split("; ")[1].split(" at ")[0] for line in notes]
     assert stages[0] == "self-math-q" and stages[-1] == "fewshot+self-math" and all(" tok/s" in n for n in notes)
+
+
+def test_source_samples_set_a_sources_sampled_answers(target):
+    """--source-samples gives one source its own number of sampled answers (here more of the chat
+    answers, fewer of the few-shot ones), the other sources keeping --samples-per-prompt."""
+    _, tok = target
+    rows = read_prompts(WORKED, "question", 3)
+    items = [gsm8k_data.Item(r["question"], r["answer"]) for r in rows]
+    srcs = sources.build(tok, [r["question"] for r in rows], items, formats=("chat", "fewshot"), shots=1, samples=3,
+                         self_math=2, self_chat=0, seed=0, source_samples={"fewshot": 1, "self-math": 0})
+    ks = {s.name: sorted({k for _, k in s.keys}) for s in srcs}
+    assert ks == {"chat": [0, 1, 2, 3], "fewshot": [0, 1], "self-math-q": [1], "self-math": [0]}
+    assert len(srcs[0].keys) == 3 * 4 and len(srcs[1].keys) == 3 * 2
+    for bad in ("poetry=2", "self-math-q=1", "chat=-1", "chat", "chat=x", "chat=1.5"):
+        with pytest.raises(ValueError, match="source-samples"):
+            train(parse("--source-samples", bad), None, None)
+    assert "--source-samples fewshot=1" in reproduce_command(parse("--source-samples", "fewshot=1"))
 
 
 def test_refine_flags_set_how_the_saved_drafter_drafts(target):

@@ -13,9 +13,10 @@ A source is a numbered list of prompts and how to ask them. Sources:
   self-chat    ... and answers them
 
 Every prompt gets a greedy answer (k = 0) and `samples` sampled ones (k >= 1, temperatures
-cycling through a list, a seed per (source, prompt, k)). The "-q" sources write prompts: one
-draw each (k = 1 at temperature 1.0), generated before the sources that answer them. Prompt i of
-a source is a pure function of (settings, i), so a resumed or extended run asks the same.
+cycling through a list, a seed per (source, prompt, k)), or as many as `source_samples` gives its
+source. The "-q" sources write prompts: one draw each (k = 1 at temperature 1.0), generated
+before the sources that answer them. Prompt i of a source is a pure function of (settings, i), so
+a resumed or extended run asks the same.
 """
 from __future__ import annotations
 
@@ -123,24 +124,27 @@ def instruction(asks: tuple[str, ...], topics: tuple[str, ...], i: int) -> str:
 
 def build(tok: Tokenizer, questions: list[str], items: list[gsm8k_data.Item] | None, *, formats: tuple[str, ...],
           shots: int, samples: int, self_math: int, self_chat: int, seed: int,
-          written: Callable[[str, int], str | None] = lambda name, i: None) -> list[Source]:
+          written: Callable[[str, int], str | None] = lambda name, i: None,
+          source_samples: dict[str, int] | None = None) -> list[Source]:
     """The sources these settings ask for. items: the prompt file as worked examples (the few-shot
     format needs their answers); written(name, i): the text that stage-1 source `name` wrote
-    for prompt i, or None while it is not there (or unusable)."""
+    for prompt i, or None while it is not there (or unusable); source_samples: sampled answers
+    per prompt of the sources it names, instead of `samples`."""
+    n = lambda name: (source_samples or {}).get(name, samples)
     sources: list[Source] = []
     if "chat" in formats:
-        sources.append(Source("chat", len(questions), samples, lambda i: Prompt(chat_ids(tok, questions[i]))))
+        sources.append(Source("chat", len(questions), n("chat"), lambda i: Prompt(chat_ids(tok, questions[i]))))
     if "fewshot" in formats:
         if not items:
             raise ValueError("the few-shot format needs worked examples: a prompt file with 'question' and 'answer'")
-        sources.append(Source("fewshot", len(items), samples, lambda i: Prompt(
+        sources.append(Source("fewshot", len(items), n("fewshot"), lambda i: Prompt(
             tok.encode(fewshot_text(items, i, shots, seed)), tuple(gsm8k_data.STOP))))
     for name, count, asks, topics in (("self-math", self_math, MATH_ASKS, MATH_TOPICS),
                                       ("self-chat", self_chat, CHAT_ASKS, CHAT_TOPICS)):
         if count:
             sources.append(Source(f"{name}-q", count, 0,
                                   lambda i, a=asks, t=topics: Prompt(chat_ids(tok, instruction(a, t, i)))))
-            sources.append(Source(name, count, samples, lambda i, n=name: _answer(tok, written(f"{n}-q", i))))
+            sources.append(Source(name, count, n(name), lambda i, q=f"{name}-q": _answer(tok, written(q, i))))
     return sources
 
 

@@ -86,6 +86,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "Nth prompt: on a GPU one's host work overlaps the others' device work (each holds its own "
                         "KV pages for --gen-max-running requests)")
     d.add_argument("--samples-per-prompt", type=int, default=0, help="K sampled answers per prompt besides the greedy one")
+    d.add_argument("--source-samples", default=None, metavar="SOURCE=K[,...]",
+                   help="K sampled answers for that source's prompts instead of --samples-per-prompt (e.g. "
+                        "--samples-per-prompt 4 --source-samples fewshot=1: more samples of the chat answers, "
+                        "without four times the few-shot prompts' prefill)")
     d.add_argument("--sample-temperatures", default="0.8",
                    help="comma-separated; sampled answer k uses the ((k-1) mod n)-th")
     d.add_argument("--sample-top-p", type=float, default=0.95)
@@ -449,7 +453,8 @@ def data_sources(args: argparse.Namespace, model_name: str, tok, part: Part = Pa
     store = DataStore(_data_dir(args), settings, part)
     items = [Item(r[args.prompt_field], r["answer"]) for r in rows] if "fewshot" in _formats(args) else None
     srcs = sources.build(tok, [str(r[args.prompt_field]) for r in rows], items, formats=_formats(args),
-                         shots=args.shots, samples=args.samples_per_prompt, self_math=args.self_math,
+                         shots=args.shots, samples=args.samples_per_prompt,
+                         source_samples=_source_samples(args.source_samples), self_math=args.self_math,
                          self_chat=args.self_chat, seed=args.seed, written=lambda name, i: store.written(name, i, tok))
     return rows, settings, store, srcs
 
@@ -744,6 +749,17 @@ def _repeats(text: str) -> dict[str, float]:
     return repeats
 
 
+def _source_samples(text: str | None) -> dict[str, int]:
+    samples = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        name, _, n = part.partition("=")
+        if name not in sources.NAMES or name.endswith("-q") or not n.strip().isdigit():
+            raise ValueError(f"--source-samples {part!r}: want SOURCE=K with K >= 0, SOURCE one of "
+                             f"{', '.join(x for x in sources.NAMES if not x.endswith('-q'))}")
+        samples[name] = int(n)
+    return samples
+
+
 def parse_replans(text: str | None) -> list[tuple[int, int]]:
     """--replans STEP:TOTAL,...: (step, total) pairs, steps rising, each total past its step."""
     if not text:
@@ -796,6 +812,7 @@ def _check_args(args) -> None:
     if args.greedy_repeat < 1:
         raise ValueError("--greedy-repeat must be at least 1")
     _repeats(args.source_repeat or "")
+    _source_samples(args.source_samples)
     for name in ("batch_size", "anchors", "block_size", "layers", "gen_max_new_tokens", "gen_chunk_size", "log_every",
                  "save_every", "gen_workers"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
