@@ -1321,12 +1321,27 @@ def test_replan_goes_on_from_the_learning_rate_it_has(target, tmp_path):
 
 
 def test_steps_auto_re_plans_from_the_runs_own_pace(target, dataset, tmp_path, monkeypatch):
-    """A plan from a probe that says a step takes 1 s (far slower than these steps): the run takes
-    its own pace and re-plans at its points, to more steps, in the same --time-limit; its command,
-    with --replans, trains the same drafter."""
+    """A plan from a probe that says a step takes 1 s, where the run's steps take 0.75 s: the run
+    takes its own pace and re-plans at its points, to more steps, in the same --time-limit; its
+    command, with --replans, trains the same drafter. The clock is the test's (it moves 0.75 s a
+    step and stands still otherwise), so that the plan does not depend on this machine's speed."""
+    import types
+
+    import common.tools.drafter.train as train_command
     from common.tools.drafter import plan
 
     runner, tok = target
+    now = [1000.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: now[0])
+    monkeypatch.setattr(train_command, "time", clock)
+    monkeypatch.setattr(plan, "time", clock)
+    step = Trainer.step
+
+    def timed_step(self, batch, i):
+        now[0] += 0.75
+        return step(self, batch, i)
+
+    monkeypatch.setattr(Trainer, "step", timed_step)
     monkeypatch.setattr(plan, "measure_cost", lambda probe, order: (StepCost(1.0, 0.0), None, set()))
     monkeypatch.setattr(plan, "REPLAN_POINTS", (0.25, 0.5, 0.75))
     monkeypatch.setattr(plan, "REPLAN_MIN_STEPS", 1)
@@ -1339,6 +1354,7 @@ def test_steps_auto_re_plans_from_the_runs_own_pace(target, dataset, tmp_path, m
     planned = info["steps"]["planned"]
     replans = planned["replans"]
     assert [r["step"] for r in replans] == replan_points(planned["steps"])[1:]
+    assert [r["ms_per_step"] for r in replans] == [750.0] * len(replans)
     assert replans[0]["total"] > planned["steps"] and info["steps"]["total"] == replans[-1]["total"]
     given = format_replans([(r["step"], r["total"]) for r in replans])
     assert f"--steps {planned['steps']} --replans {given}" in info["command"]
