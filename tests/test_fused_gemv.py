@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model import cpu_packed, fused, gemv
+from common.model import cpu_packed, fused, gemv, transformer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNELS_RUN = pytest.mark.skipif(
@@ -232,7 +232,10 @@ def test_an_eager_prefill_times_no_product(monkeypatch, embedded_runner):
     seen = []
     choice = gemv._choice
     monkeypatch.setattr(gemv, "_choice", lambda *a, **k: seen.append(gemv._timing) or choice(*a, **k))
-    monkeypatch.setattr(cpu_packed, "_AVAILABLE", False)  # a CPU's few-row path; CUDA products go through gemv
+    # A CPU's few-row paths (packed copies; W @ x.T where this CPU times it faster, which a busy VM
+    # sometimes does) would take the products: on CUDA they go through gemv.
+    monkeypatch.setattr(cpu_packed, "_AVAILABLE", False)
+    monkeypatch.setattr(transformer, "cpu_fp32_transposed", lambda: False)
     seqs = [SeqCache(), SeqCache()]
     try:
         for s in seqs:
