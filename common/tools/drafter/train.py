@@ -735,29 +735,28 @@ def repeated(seqs: list, source_repeat: dict[str, float], greedy_repeat: int) ->
 
 
 def _repeats(text: str) -> dict[str, float]:
-    repeats = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, n = part.partition("=")
-        try:
-            times = float(n)
-        except ValueError:
-            times = -1.0
-        if name not in sources.NAMES or not 0 <= times < math.inf:
-            raise ValueError(f"--source-repeat {part!r}: want SOURCE=N with N >= 0 (a fraction draws that share of "
-                             f"the source each epoch), SOURCE one of {', '.join(sources.NAMES)}")
-        repeats[name] = times
-    return repeats
+    return _per_source(text, "--source-repeat", sources.NAMES, float,
+                       "N with N >= 0 (a fraction draws that share of the source each epoch)")
 
 
 def _source_samples(text: str | None) -> dict[str, int]:
-    samples = {}
+    return _per_source(text, "--source-samples", tuple(x for x in sources.NAMES if not x.endswith("-q")), int,
+                       "K with K >= 0")
+
+
+def _per_source(text: str | None, option: str, names: tuple[str, ...], kind: type, want: str) -> dict:
+    """OPTION SOURCE=V,...: V of `kind` (int or float), finite and >= 0, for the sources in `names`."""
+    out = {}
     for part in filter(None, (p.strip() for p in (text or "").split(","))):
         name, _, n = part.partition("=")
-        if name not in sources.NAMES or name.endswith("-q") or not n.strip().isdigit():
-            raise ValueError(f"--source-samples {part!r}: want SOURCE=K with K >= 0, SOURCE one of "
-                             f"{', '.join(x for x in sources.NAMES if not x.endswith('-q'))}")
-        samples[name] = int(n)
-    return samples
+        try:
+            v = kind(n)
+        except ValueError:
+            v = -1
+        if name not in names or not 0 <= v < math.inf:
+            raise ValueError(f"{option} {part!r}: want SOURCE={want}, SOURCE one of {', '.join(names)}")
+        out[name] = v
+    return out
 
 
 def parse_replans(text: str | None) -> list[tuple[int, int]]:
