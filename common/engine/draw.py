@@ -45,12 +45,9 @@ def draw(scaled: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor, top
     if filters:
         top_k, top_p = top_k.contiguous(), top_p.contiguous()
         values, index = scaled.topk(head, dim=-1)
-        # The whole row's mass against its largest value, as the PyTorch path's softmax sums it
-        # (a logsumexp, subtracted back, loses digits as the logits grow).
-        mass = (scaled - values[:, :1]).exp().sum(-1)
     else:  # the kernel reads none of these without FILTERS
-        values, index, mass, top_k, top_p = scaled, key, temperature, key, temperature
-    _draw_kernel[(R,)](scaled, values, index, mass, key, temperature, top_k, top_p, out, V, head,
+        values, index, top_k, top_p = scaled, key, key, temperature
+    _draw_kernel[(R,)](scaled, values, index, key, temperature, top_k, top_p, out, V, head,
                        FILTERS=filters, BLOCK=min(BLOCK, triton.next_power_of_2(V)),
                        HEAD_BLOCK=triton.next_power_of_2(head), num_warps=8)
     return out
@@ -122,7 +119,7 @@ if HAS_TRITON:
         return best_i
 
     @triton.jit
-    def _draw_kernel(s_ptr, hv_ptr, hi_ptr, mass_ptr, key_ptr, temp_ptr, k_ptr, p_ptr, out_ptr, V, head,
+    def _draw_kernel(s_ptr, hv_ptr, hi_ptr, key_ptr, temp_ptr, k_ptr, p_ptr, out_ptr, V, head,
                      FILTERS: tl.constexpr, BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         s_row = s_ptr + row * V
@@ -142,7 +139,12 @@ if HAS_TRITON:
                     hv = tl.load(hv_ptr + row * head + j, mask=in_head, other=float("-inf"))
                     m = tl.max(hv, 0)
                     e = tl.where(in_head, tl.exp(hv - m), 0.0)
-                    z = tl.where(k_eff <= head, tl.sum(tl.where(j < k_eff, e, 0.0), 0), tl.load(mass_ptr + row))
+                    if k_eff <= head:
+                        z = tl.sum(tl.where(j < k_eff, e, 0.0), 0)
+                    elif k_eff == V:  # the whole row's mass against its largest value, as softmax sums it
+                        z = _mass_above(s_row, V, m, lowest, lowest - 1, BLOCK)
+                    else:  # a top-k past the head: drawn by bisection below, which needs no z
+                        z = tl.sum(e, 0)
                     p = e / z
                     before = tl.cumsum(p, 0) - p
                     # Without top-k, z is the whole row's; with a top-k past the head it is not
