@@ -28,11 +28,17 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "The capital of France is"
 NEW_TOKENS = 12
-# The router's request timeout, which it also hands P and D as the room's bootstrap + transfer
-# deadline: a failed transfer must reach the client within it. It also bounds a prompt's prefill
-# over P's two hosts before its KV starts to flow, with the other worker's stacks on the same two
-# cores.
+# The room's bootstrap + transfer deadline (DEADLINE: the router hands it to P and D): a failed
+# transfer must reach the client within it. It also bounds a prompt's prefill over P's two hosts
+# before its KV starts to flow, with the other worker's stacks on the same two cores.
 DEADLINE_S = 25
+# The router's timeout of a whole request, decoding included (REQUEST_TIMEOUT): longer, so that
+# what a cut fails is ended by P's and D's own deadline, and a request that has its KV is not
+# failed by how slowly the loaded cores decode. At DEADLINE_S it once failed one of the requests
+# after the links were back (a full-suite run): "decode ...: Stream removed (Deadline Exceeded)",
+# gRPC's words for a deadline passed while D was already streaming tokens, so its KV had come.
+# Below smoke_from_router's 60 s: a hang still ends in the router's 504.
+REQUEST_TIMEOUT_S = 2 * DEADLINE_S
 STARTS_OVER = "starts over in place"  # a node process re-forming its instance (common.parallel.rejoin)
 # A clear failure: the router's 5xx naming the P or D that failed ("decode 10.200.0.3:32000: ...")
 NAMES_A_BACKEND = re.compile(r"HTTP 5\d\d: .*\b(prefill|decode) 10\.200\.0\.\d+:\d+")
@@ -88,7 +94,7 @@ def netns_settings(ns: Namespaces, results: Path) -> list[str]:
         f"PREFILL_NODES_PER_INSTANCE={len(ns.prefill)}", f"DECODE_NODES_PER_INSTANCE={len(ns.decode)}",
         f"ROUTER_NODE=netns:{ns.r}={ns.ip[ns.r]}", f"RESULTS_DIR={results}",
         "MODEL_NAME=", "DRAFT_MODEL_NAME=", "DTYPE=fp32", "DEVICE=cpu", "KV_PAGES=64", "CHUNK_SIZE=512",
-        f"DEADLINE={DEADLINE_S}", f"REQUEST_TIMEOUT={DEADLINE_S}",
+        f"DEADLINE={DEADLINE_S}", f"REQUEST_TIMEOUT={REQUEST_TIMEOUT_S}",
         "MOONCAKE_PROTOCOL=tcp", "RDMA_DEVICES=", "MC_TRANSFER_TIMEOUT=5", "COMPOSE_OVERLAYS=",
         # Each of pd.sh's health probes starts a Python process: every 0.5 s they took most of a
         # core from the start-ups they waited for.
