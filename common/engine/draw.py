@@ -165,7 +165,10 @@ if HAS_TRITON:
                                 hi_c = tl.where(up, hi_c, mid - 1)
                         c = c_k
                         if top_p < 1.0:  # the smallest c whose tokens above hold at most top_p
-                            budget = top_p * _mass_above(s_row, V, m, c_k, c_k - 1, BLOCK)
+                            if k_eff == V:  # every token is kept: z is their mass
+                                budget = top_p * z
+                            else:
+                                budget = top_p * _mass_above(s_row, V, m, c_k, c_k - 1, BLOCK)
                             hi_c = _order_key(m)
                             for _ in range(32):
                                 mid = c + (hi_c - c) // 2
