@@ -34,6 +34,18 @@ def test_the_choice_is_timed_once_per_process():
     assert transformer.cpu_fp32_transposed.cache_info().hits >= 1
 
 
+def test_the_environment_pins_the_choice(monkeypatch):
+    """How a worker rank takes the choice of the process that started it (WorkerSpec): untimed,
+    whatever this CPU's timing says."""
+    try:
+        for value in (True, False):
+            monkeypatch.setenv(transformer.CPU_FP32_TRANSPOSED_ENV, "1" if value else "0")
+            transformer.cpu_fp32_transposed.cache_clear()
+            assert transformer.cpu_fp32_transposed() is value
+    finally:
+        transformer.cpu_fp32_transposed.cache_clear()  # the next caller times it again
+
+
 @needs_packing
 def test_packed_products_equal_f_linear_and_keep_to_their_rows():
     g = torch.Generator().manual_seed(0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import timeit
 from collections.abc import Callable
 
@@ -98,14 +99,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return gemv.linear(x, weight, bias)
 
 
+CPU_FP32_TRANSPOSED_ENV = "PDFLASH_CPU_FP32_TRANSPOSED"  # "1" / "0": cpu_fp32_transposed() without timing
+
+
 @functools.cache
 def cpu_fp32_transposed() -> bool:
     """Whether this CPU computes fp32 products of a few rows much faster as W @ x.T than as x @ W.T
     (F.linear). It depends on the BLAS and the CPU: on a 2-core AMD EPYC VM the LM head (49152 x
     576) at two rows took 25 ms through F.linear and 4.6 ms as W @ x.T; on a 2-core Intel Xeon VM
     with AMX 2.4 ms against 7.3 ms, and 2.3 against 7.3 ms at one row. Timed once per process on a
-    product of that kind (about 70 ms); only a clear win (1.5x) leaves F.linear, so that every
-    process on one machine chooses alike and their sums agree."""
+    product of that kind (about 70 ms); only a clear win (1.5x) leaves F.linear.
+
+    On a busy machine that timing is noise, and ranks of one instance that chose differently would
+    hold replicated products that differ by rounding (the MLA latent each TP rank writes into its
+    own cache, in steps of under CPU_FEW_ROWS rows): a transfer's checksums, read from one rank's
+    copy on each side, then disagree. So the worker ranks of a parallel instance take the choice
+    of the process that starts them (WorkerSpec) through CPU_FP32_TRANSPOSED_ENV ("1" or "0"),
+    which pins it in any process."""
+    forced = os.environ.get(CPU_FP32_TRANSPOSED_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(16384, 576, generator=g), torch.randn(2, 576, generator=g)
 

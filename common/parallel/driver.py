@@ -36,6 +36,7 @@ from common.dflash.drafter import Drafter
 from common.kv.buffers import RankEndpoint
 from common.model.config import ModelConfig
 from common.model.static_attention import StaticAttn
+from common.model.transformer import cpu_fp32_transposed
 from common.parallel.cluster import STARTUP_TIMEOUT_S, Nodes, local_device
 from common.parallel.local_ranks import LocalRanks
 from common.parallel.node_link import Link, RemoteWrite, accept_nodes, instance_key, lost_grace_s
@@ -99,9 +100,10 @@ class ParallelRunner(ModelRunner):
             self._links = accept_nodes(  # heartbeats from each join on: the start-up below takes a while
                 nodes, instance_key(nodes, layout, cfg.name, num_pages), startup_timeout_s,
                 lambda node, conn, ip: Link(conn, f"node {node} ({ip})", self._deliver, self._node_lost, nodes.timeout_s))
+        transposed = backend == "gloo" and cpu_fp32_transposed()  # ours, for every rank (WorkerSpec)
         self._local = LocalRanks([
             WorkerSpec(layout.with_rank(r), cfg, packed, dtype, local_device(device, r - nodes.ranks(layout.world).start), num_pages, page_size,
-                       init_method, backend, state_slots, nodes.host_ip, shared_kv)
+                       init_method, backend, state_slots, nodes.host_ip, shared_kv, transposed)
             for r in nodes.ranks(layout.world) if r])
         threading.Thread(target=self._read_replies, name="rank-replies", daemon=True).start()
         if self._local.procs:

@@ -14,6 +14,7 @@ import threading
 import torch
 
 from common.model.config import ModelConfig
+from common.model.transformer import cpu_fp32_transposed
 from common.parallel.cluster import Nodes, local_device
 from common.parallel.local_ranks import LocalRanks
 from common.parallel.node_link import Link, RemoteWrite, connect_head, instance_key
@@ -43,9 +44,12 @@ class NodeAgent:
         self._link = Link(conn, f"node 0 ({nodes.control_addr[0]})", self._on_message, self._lost, nodes.timeout_s)
         self._link.start()
         backend = "nccl" if device.startswith("cuda") else "gloo"
+        # This host's ranks choose alike (common.model.transformer.cpu_fp32_transposed); another
+        # host's BLAS may round differently anyway.
+        transposed = backend == "gloo" and cpu_fp32_transposed()
         self._local = LocalRanks([
             WorkerSpec(layout.with_rank(r), cfg, packed, dtype, local_device(device, r - self.ranks.start), num_pages,
-                       page_size, nodes.init_method, backend, state_slots, nodes.host_ip, shared_kv)
+                       page_size, nodes.init_method, backend, state_slots, nodes.host_ip, shared_kv, transposed)
             for r in self.ranks])
         threading.Thread(target=self._relay_replies, name="rank-replies", daemon=True).start()
         threading.Thread(target=self._watch_workers, name="rank-watch", daemon=True).start()

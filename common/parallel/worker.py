@@ -23,6 +23,7 @@ from common.dflash.drafter import Drafter
 from common.dflash.proposer import DFlashProposer, to_device
 from common.kv.buffers import RankEndpoint
 from common.model.config import ModelConfig
+from common.model.transformer import CPU_FP32_TRANSPOSED_ENV, cpu_fp32_transposed
 from common.parallel.stage import init_ranks, stage_forward
 from common.runner.layout import RankLayout
 from common.runner.model_runner import ModelRunner, StepBatch
@@ -74,6 +75,9 @@ class WorkerSpec:
     state_slots: int  # KDA state slots, as many as the driver's: the batch names them by index
     host: str  # this host's address for peers: its Mooncake segments
     shared_kv: bool  # transfer buffers in memory a P on this host can open (a decode instance's)
+    # The starting process's common.model.transformer.cpu_fp32_transposed(): every rank of an
+    # instance computes its replicated few-row products alike (timed per rank, they may not).
+    cpu_fp32_transposed: bool = False
 
 
 @dataclass
@@ -178,6 +182,8 @@ def worker_main(spec: WorkerSpec, commands, writes, replies) -> None:
 
 def _serve(spec: WorkerSpec, commands, writes, replies) -> None:
     layout = spec.layout
+    os.environ[CPU_FP32_TRANSPOSED_ENV] = "1" if spec.cpu_fp32_transposed else "0"
+    cpu_fp32_transposed.cache_clear()  # before any product: the forkserver may have chosen already
     if spec.backend == "gloo":  # ranks compute in lock step: share the cores, don't oversubscribe them
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, (os.cpu_count() or 1) // layout.world))
     reduce = init_ranks(layout, spec.init_method, spec.backend, spec.device)
