@@ -9,12 +9,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.transfer.writer import Moved
+from protos import pdflash_pb2 as pb
 
 
 @dataclass
 class RoomWrites:
     sent: int = 0  # prompt tokens whose target KV pages have been submitted
+    boot: pb.BootstrapRequest | None = None  # D's bootstrap (where the writes go), once the room has claimed it
     _writes: list[asyncio.Future] = field(default_factory=list)
+
+    @property
+    def in_flight(self) -> bool:
+        return any(not w.done() for w in self._writes)
 
     @property
     def early(self) -> int:

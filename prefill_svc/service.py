@@ -66,7 +66,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         try:
             await self.loop.call(lambda e: e.add(req))
             out = await self._prefill(req, outputs, writes, deadline)
-            boot = await self.sender.wait_bootstrap(req.rid, deadline)
+            boot = writes.boot = await self.sender.wait_bootstrap(req.rid, deadline)
             self._check_abort(req.rid)
             # If this handler is cancelled (the router gave up), the writes go on in their
             # threads, and our pages must not return to the pool before they have finished.
@@ -164,4 +164,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def Health(self, request, context) -> pb.HealthReply:
         return pb.HealthReply(ok=self.loop.out_of_service is None, role="prefill",
                               running=len(self.loop.engine.prefilling), model=self.model_name,
-                              mooncake_session=self.sender.ranks.mooncake.session_id, **pool_health(self.loop.engine))
+                              mooncake_session=self.sender.ranks.mooncake.session_id,
+                              # a bootstrap held for a room still prefilling is not claimed yet
+                              awaiting_bootstrap=sum(w.boot is None and self.sender.held_bootstrap(room) is None
+                                                     for room, w in self._sends.items()),
+                              writing=sum(w.in_flight for w in self._sends.values()),
+                              **pool_health(self.loop.engine))

@@ -183,7 +183,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("ok", "role", "free_pages", "total_pages", "running", "model", "mooncake_session", "free_draft_pages", "total_draft_pages", "free_state_slots", "total_state_slots")
+    __slots__ = ("ok", "role", "free_pages", "total_pages", "running", "model", "mooncake_session", "free_draft_pages", "total_draft_pages", "free_state_slots", "total_state_slots", "awaiting_bootstrap", "writing")
     OK_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,8 @@ class HealthReply(_message.Message):
     TOTAL_DRAFT_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_BOOTSTRAP_FIELD_NUMBER: _ClassVar[int]
+    WRITING_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     role: str
     free_pages: int
@@ -206,7 +208,9 @@ class HealthReply(_message.Message):
     total_draft_pages: int
     free_state_slots: int
     total_state_slots: int
-    def __init__(self, ok: _Optional[bool] = ..., role: _Optional[str] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., model: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., free_draft_pages: _Optional[int] = ..., total_draft_pages: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ...) -> None: ...
+    awaiting_bootstrap: int
+    writing: int
+    def __init__(self, ok: _Optional[bool] = ..., role: _Optional[str] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running: _Optional[int] = ..., model: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., free_draft_pages: _Optional[int] = ..., total_draft_pages: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., awaiting_bootstrap: _Optional[int] = ..., writing: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("room", "input_ids", "sampling", "prefill_addr", "deadline_s")

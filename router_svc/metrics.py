@@ -152,6 +152,12 @@ class Metrics:
                                  ["role", "backend"], registry=r)
         self.running = Gauge("pdflash_backend_running_requests", "Running requests (from Health)",
                              ["role", "backend"], registry=r)
+        # A handoff stuck on its D shows here before its deadline fails it.
+        self.awaiting_bootstrap = Gauge("pdflash_backend_rooms_awaiting_bootstrap", "Rooms on a prefill backend "
+                                        "whose decode instance has not bootstrapped yet (from Health)",
+                                        ["role", "backend"], registry=r)
+        self.writing = Gauge("pdflash_backend_rooms_writing", "Rooms on a prefill backend writing their KV into "
+                             "decode (from Health)", ["role", "backend"], registry=r)
         # Derived, set at render time from the counters above (fleet) and below (per backend).
         self.accept_weighted = Gauge("pdflash_spec_accept_length_weighted", "1 + accepted drafts / verify steps, "
                                      "from the summed accept histograms (fleet)", registry=r)
@@ -254,6 +260,9 @@ class Metrics:
                 self.free_pages.labels(*labels).set(h.reply.free_pages)
                 self.total_pages.labels(*labels).set(h.reply.total_pages)
                 self.running.labels(*labels).set(h.reply.running)
+                if h.role == "prefill":
+                    self.awaiting_bootstrap.labels(*labels).set(h.reply.awaiting_bootstrap)
+                    self.writing.labels(*labels).set(h.reply.writing)
 
     def snapshot(self) -> dict[str, Any]:
         """{"fleet": figures, "backends": {(role, addr): figures}} (Served.as_dict)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import random
@@ -110,9 +111,16 @@ def prefilling(stack: Stack) -> bool:
     return p.running == 1 and d.free_pages < d.total_pages
 
 
+def bootstrapped(stack: Stack) -> bool:
+    """P is computing a prompt whose D has reserved pages and sent P its bootstrap (where to write):
+    from here on, a frozen D blocks P's writes instead of P's wait for the bootstrap."""
+    p = health(stack, "prefill")
+    return prefilling(stack) and p.awaiting_bootstrap == 0
+
+
 def transferring(p: pb.HealthReply) -> bool:
-    """P (its Health) has finished the prompt and still holds its pages: it is writing them to D."""
-    return p.running == 0 and p.free_pages < p.total_pages
+    """P (its Health) has finished the prompt and is writing its KV to D."""
+    return p.running == 0 and p.writing > 0
 
 
 def all_free(worker_health: pb.HealthReply) -> bool:
@@ -168,6 +176,10 @@ def test_client_leaving_during_prefill_frees_both_sides(stack: Stack, reference:
     stack.wait_all_pages_free(timeout=DEADLINE_S)
     metrics = requests.get(stack.url + "/metrics", timeout=30).text
     assert 'pdflash_requests_total{endpoint="generate",status="cancelled"} 1.0' in metrics
+    # P's handoffs as its Health reports them (none stuck here).
+    p = stack.worker("prefill").addr
+    for gauge in ("pdflash_backend_rooms_awaiting_bootstrap", "pdflash_backend_rooms_writing"):
+        assert f'{gauge}{{backend="{p}",role="prefill"}} 0.0' in metrics, metrics
     serves_next_request(stack, reference)
 
 
@@ -317,23 +329,25 @@ def test_transfer_fails_when_decode_dies_under_it(stack: Stack, reference: list[
     streamed, streaming = stream_in_background(stack.url, SHORT)  # decoding on D when it dies
     wait_until("the streamed request's first tokens", lambda: streamed.ttft is not None, 60, stack)
     room, prefill, generate = direct_room(stack, LONG)
-    wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
-    time.sleep(1)  # D's Bootstrap (sent right after its reservation) has reached P
+    wait_until("P prefilling the long prompt with D's bootstrap", lambda: bootstrapped(stack), 60, stack)
     freeze(pid)
-    wait_until("P writing to D", lambda: transferring(health(stack, "prefill")), DEADLINE_S, stack, every=0.2)
-    time.sleep(1)
-    # pdflash up restarts a dead D at once: held until the checks of a dead D below are done, so
-    # that a quick restart cannot serve the request meant to find D dead.
-    freeze(stack.proc.pid)
     try:
-        os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        _decode_found_dead(stack, d, prefill, generate, streamed, streaming, killed)
-    finally:
-        os.kill(stack.proc.pid, signal.SIGCONT)
-
-    wait_until("a new D process", lambda: _new_pid(stack, d, pid), 30, stack, every=0.5)
-    _wait_serving(stack, d)
+        wait_until("P writing to D", lambda: transferring(health(stack, "prefill")), DEADLINE_S, stack, every=0.2)
+        time.sleep(1)
+        # pdflash up restarts a dead D at once: held until the checks of a dead D below are done, so
+        # that a quick restart cannot serve the request meant to find D dead.
+        freeze(stack.proc.pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            _decode_found_dead(stack, d, prefill, generate, streamed, streaming, killed)
+        finally:
+            os.kill(stack.proc.pid, signal.SIGCONT)
+    finally:  # also when a check failed: the tests after this one get a D that serves
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        wait_until("a new D process", lambda: _new_pid(stack, d, pid), 30, stack, every=0.5)
+        _wait_serving(stack, d)
     serves_next_request(stack, reference)
 
 
@@ -476,7 +490,8 @@ def test_write_past_its_deadline_ends_before_any_page_is_reused(stack: Stack, re
     p2, log = second_prefill
     d = stack.worker("decode")
     room, prefill, generate = direct_room(stack, LONG, prefill_addr=p2.addr)
-    wait_until("P2 prefilling the long prompt", lambda: p2.health(timeout=5).running == 1, 60, stack)
+    wait_until("P2 prefilling the long prompt with D's bootstrap",
+               lambda: (h := p2.health(timeout=5)).running == 1 and h.awaiting_bootstrap == 0, 60, stack)
     b = pool.submit(stack.generate, SHORT, max_new_tokens=B_TOKENS, ignore_eos=True)
     wait_until("B decoding on D", lambda: health(stack, "decode").running == 1, 60, stack)
     pid = stack.pid(d)
