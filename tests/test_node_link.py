@@ -27,14 +27,19 @@ REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 1.0
 
 PEER = """
-import multiprocessing.connection as mpc, sys, threading
+import multiprocessing.connection as mpc, sys, threading, time
 from common.parallel import node_link
 role, host, port, silence = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 addr = (host, port)
 if role == "listen":
     conn = mpc.Listener(addr, authkey=node_link._AUTHKEY).accept()
 else:
-    conn = mpc.Client(addr, authkey=node_link._AUTHKEY)
+    for attempt in range(600):  # until A listens (a loaded machine starts it late)
+        try:
+            conn = mpc.Client(addr, authkey=node_link._AUTHKEY)
+            break
+        except ConnectionRefusedError:
+            time.sleep(0.1)
 block = lambda msg: threading.Event().wait()  # a handler that never returns
 link = node_link.Link(conn, "peer", block, lambda why: print("lost:", why, flush=True), silence)
 link.start()
@@ -61,7 +66,6 @@ def test_a_loaded_node_is_not_lost_a_stuck_one_is():
     a = peer("listen", port)
     b = None
     try:
-        time.sleep(0.5)  # A listens
         b = peer("connect", port)
         assert said(a, 60) == "up" and said(b, 60) == "up"
         # A's handler is stuck on B's command: A still hears B's beats
@@ -100,7 +104,6 @@ def test_a_cut_link_is_lost_within_the_timeout(two_hosts):
     a = peer("listen", 45000, ns.ip[ns.p], ns.p)
     b = None
     try:
-        time.sleep(0.5)
         b = peer("connect", 45000, ns.ip[ns.p], ns.d)
         assert said(a, 60) == "up" and said(b, 60) == "up"
         t0 = time.monotonic()
