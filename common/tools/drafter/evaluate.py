@@ -95,10 +95,14 @@ def eval_prompts(tok: Tokenizer, name: str, num: int, offset: int = 0, shots: in
     raise ValueError(f"unknown evaluation set {name!r} (known: {', '.join(SETS)})")
 
 
-def _run(engine: Engine, tok: Tokenizer, prompts, max_new_tokens: int, concurrency: int) -> list[Request]:
+def _run(engine: Engine, tok: Tokenizer, prompts, max_new_tokens: int, concurrency: int, desc: str) -> list[Request]:
+    from tqdm import tqdm
+
     reqs = [Request(uuid.uuid4().hex, ids, SamplingParams(max_new_tokens=max_new_tokens, stop=stop),
                     decoder=IncrementalDecoder(tok, stop) if stop else None) for ids, stop in prompts]
-    engine.run_all(reqs, concurrency)
+    with tqdm(total=len(reqs), desc=desc, unit="prompt", mininterval=2, file=sys.stderr) as bar:
+        for outputs in engine.run(reqs, concurrency):
+            bar.update(sum(o.finished for o in outputs))
     return reqs
 
 
@@ -112,11 +116,11 @@ def spec_engine(runner: ModelRunner, tok: Tokenizer, drafter: Drafter, concurren
 
 @torch.inference_mode()
 def evaluate(engine: Engine, tok: Tokenizer, prompts, *, max_new_tokens: int = 256, concurrency: int = 16,
-             plain: list[list[int]] | None = None) -> dict:
+             plain: list[list[int]] | None = None, desc: str = "speculative") -> dict:
     """Weighted accept length of a speculating engine's drafter on these prompts; with `plain`
     (the outputs of plain decoding), also how many outputs are identical."""
     start = time.perf_counter()
-    reqs = _run(engine, tok, prompts, max_new_tokens, concurrency)
+    reqs = _run(engine, tok, prompts, max_new_tokens, concurrency, desc)
     seconds = time.perf_counter() - start
     verify = sum(r.spec.verify_ct for r in reqs)
     accepted = sum(r.spec.accepted_drafts for r in reqs)
@@ -134,7 +138,7 @@ def plain_outputs(runner: ModelRunner, tok: Tokenizer, prompts: dict[str, list],
                   concurrency: int) -> dict[str, list[list[int]]]:
     """Each set's outputs of plain decoding, from one engine."""
     engine = Engine(runner, tok.eos_token_ids, max_running=concurrency)
-    return {name: [r.output_ids for r in _run(engine, tok, p, max_new_tokens, concurrency)]
+    return {name: [r.output_ids for r in _run(engine, tok, p, max_new_tokens, concurrency, f"plain: {name}")]
             for name, p in prompts.items()}
 
 
@@ -162,7 +166,8 @@ def measure(args: argparse.Namespace, runner: ModelRunner, tok: Tokenizer, sets:
         engine = spec_engine(runner, tok, drafter, args.concurrency)  # one for every set: its graphs captured once
         for name, p in prompts.items():
             row["sets"][name] = evaluate(engine, tok, p, max_new_tokens=args.max_new_tokens,
-                                         concurrency=args.concurrency, plain=plain.get(name))
+                                         concurrency=args.concurrency, plain=plain.get(name),
+                                         desc=f"{os.path.basename(path.rstrip('/'))} ({label}): {name}")
             r = row["sets"][name]
             same = f", identical {r['identical']}/{r['prompts']}" if "identical" in r else ""
             print(f"{path} ({label}): {name}: accept length {r['accept_length_weighted']:.2f} over "
