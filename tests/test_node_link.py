@@ -34,7 +34,7 @@ addr = (host, port)
 if role == "listen":
     conn = mpc.Listener(addr, authkey=node_link._AUTHKEY).accept()
 else:
-    for attempt in range(600):  # until A listens (a loaded machine starts it late)
+    for _ in range(600):  # until A listens (a loaded machine starts it late)
         try:
             conn = mpc.Client(addr, authkey=node_link._AUTHKEY)
             break
