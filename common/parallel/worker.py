@@ -77,7 +77,7 @@ class WorkerSpec:
     shared_kv: bool  # transfer buffers in memory a P on this host can open (a decode instance's)
     # The starting process's common.model.transformer.cpu_fp32_transposed(): every rank of an
     # instance computes its replicated few-row products alike (timed per rank, they may not).
-    cpu_fp32_transposed: bool = False
+    cpu_fp32_transposed: bool
 
 
 @dataclass
