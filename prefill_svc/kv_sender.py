@@ -98,8 +98,8 @@ class KVSender:
         fut = self._future(room)
         try:
             return await asyncio.wait_for(asyncio.shield(fut), deadline - time.monotonic())
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"room {room}: no bootstrap from decode before the deadline")
+        except TimeoutError:
+            raise TimeoutError("decode's bootstrap (where to write) never came") from None
         finally:
             self._boots.pop(room, None)
 

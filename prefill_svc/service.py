@@ -84,8 +84,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             return pb.PrefillReply(ok=True)
         except Exception as e:  # every failure is reported to D and to the router, never dropped
             self.failures += 1
-            if isinstance(e, asyncio.TimeoutError):
-                error = "prefill deadline exceeded"
+            if isinstance(e, TimeoutError):  # asyncio's is this one: the message says which wait it ended
+                error = f"prefill deadline exceeded: {e}"
             elif isinstance(e, grpc.aio.AioRpcError):  # TransferDone to D: its code and details, not its repr
                 error = f"TransferDone to decode {request.decode_addr} failed: {e.code().name}: {e.details()}"
             else:
@@ -109,7 +109,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         """The engine's output that ends the room's prefill (its first token). After each chunk
         before it, the target KV pages that are whole are sent on, if D's bootstrap is here."""
         while True:
-            out = await asyncio.wait_for(outputs.get(), deadline - time.monotonic())
+            try:
+                out = await asyncio.wait_for(outputs.get(), deadline - time.monotonic())
+            except TimeoutError:
+                raise TimeoutError(f"{req.cache.length} of {req.prompt_len} prompt tokens prefilled") from None
             if isinstance(out, EngineFailure):
                 raise out
             self._check_abort(req.rid)

@@ -112,10 +112,12 @@ def prefilling(stack: Stack) -> bool:
 
 
 def bootstrapped(stack: Stack) -> bool:
-    """P is computing a prompt whose D has reserved pages and sent P its bootstrap (where to write):
-    from here on, a frozen D blocks P's writes instead of P's wait for the bootstrap."""
+    """P is computing a prompt whose D has sent P its bootstrap (where to write): from here on, a
+    frozen D blocks P's writes instead of P's wait for the bootstrap. One Health reply answers
+    both: from two, the first could predate the room's arrival (no room, none awaiting) and the
+    second show it prefilling with its bootstrap still to come."""
     p = health(stack, "prefill")
-    return prefilling(stack) and p.awaiting_bootstrap == 0
+    return p.running == 1 and p.awaiting_bootstrap == 0
 
 
 def transferring(p: pb.HealthReply) -> bool:
@@ -249,6 +251,25 @@ def test_prefill_abort_during_prefill(stack: Stack, reference: list[int]) -> Non
     serves_next_request(stack, reference)
 
 
+@pytest.mark.parametrize("ids, says", [
+    (SHORT, "prefill deadline exceeded: decode's bootstrap (where to write) never came"),
+    (LONG, f"of {len(LONG)} prompt tokens prefilled"),
+], ids=["no-bootstrap", "mid-prefill"])
+def test_prefill_deadline_says_what_it_waited_for(stack: Stack, ids: list[int], says: str) -> None:
+    """P alone (no D ever hears of the room), with a 2 s deadline: the short prompt ends waiting
+    for D's bootstrap, the long one (seconds of prefill) while prefilling. P's reply says which,
+    within seconds of the deadline, and its pages return."""
+    room = uuid.uuid4().hex
+    start = time.monotonic()
+    with grpc.insecure_channel(stack.worker("prefill").addr) as ch:
+        reply = pb_grpc.PrefillServiceStub(ch).Prefill(pb.PrefillRequest(
+            room=room, input_ids=ids, sampling=pb.SamplingParams(max_new_tokens=4),
+            decode_addr=stack.worker("decode").addr, deadline_s=2.0), timeout=60)
+    assert not reply.ok and says in reply.error, reply.error
+    assert time.monotonic() - start < 2.0 + 10
+    stack.wait_all_pages_free()
+
+
 def test_decode_abort_while_waiting_for_the_transfer(stack: Stack, reference: list[int]) -> None:
     room, prefill, generate = direct_room(stack, LONG)
     wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
@@ -288,7 +309,7 @@ def test_transfer_timeout(stack: Stack, short_router: RouterProcess, reference: 
     pid = stack.pid(stack.worker("prefill"))
     start = time.monotonic()
     call = pool.submit(post, short_router.url, LONG, timeout=60)
-    wait_until("P prefilling the long prompt", lambda: prefilling(stack), 60, stack)
+    wait_until("P prefilling the long prompt with D's bootstrap", lambda: bootstrapped(stack), 60, stack)
     freeze(pid)
     try:
         resp = call.result(timeout=60)
