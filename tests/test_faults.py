@@ -36,6 +36,7 @@ import requests
 from test_router_process import RouterProcess
 
 from common.parallel.ports import free_port
+from common.service.grpc_process import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from common.tools.bench.client import Response, post_generate
 from protos import pdflash_pb2 as pb
 from protos import pdflash_pb2_grpc as pb_grpc
@@ -48,6 +49,7 @@ pytestmark = pytest.mark.slow
 DEADLINE_S = 120.0  # the stack's transfer deadline
 PEER_ABORT_TIMEOUT_S = 2.0  # D's attempts at P's Abort (10 s by default): short, so the test waits less
 SHORT_DEADLINE_S = 5.0  # the second router's
+PEER_KEEPALIVE_S = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000  # a hung peer's calls fail within it
 # Prefill takes seconds (~8 s of one core): long enough to be seen prefilling, frozen or aborted
 # mid-way, and for a short room to start decoding before it ends; three tests compute it whole.
 LONG = [random.Random(1).randrange(100, 49000) for _ in range(1500)]
@@ -372,6 +374,31 @@ def test_transfer_fails_when_decode_dies_under_it(stack: Stack, reference: list[
     serves_next_request(stack, reference)
 
 
+def test_stream_from_a_hung_decode_ends_without_waiting_for_the_request_timeout(stack: Stack,
+                                                                               reference: list[int]) -> None:
+    """D hangs mid-stream (SIGSTOP: it neither answers nor closes its connections, as behind a
+    network cut). The router's keepalive pings on its channel to D go unanswered: the client's
+    stream ends with an error naming D within the keepalive's window, not at the request timeout
+    (300 s here). Once D resumes, the room it was decoding is gone and its pages are back."""
+    d = stack.worker("decode")
+    pid = stack.pid(d)
+    streamed, streaming = stream_in_background(stack.url, SHORT)
+    wait_until("the streamed request's first tokens", lambda: streamed.ttft is not None, 60, stack)
+    freeze(pid)
+    frozen = time.monotonic()
+    try:
+        streaming.result(timeout=120)
+        took = time.monotonic() - frozen
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert streamed.error is not None and streamed.error.startswith("error mid-stream: ") \
+        and f"decode {d.addr}" in streamed.error, streamed.error
+    print(f"the stream ended {took:.1f} s after D hung: {streamed.error}")
+    assert took < PEER_KEEPALIVE_S + 15, took
+    stack.wait_all_pages_free()
+    serves_next_request(stack, reference)
+
+
 def _decode_found_dead(stack: Stack, d, prefill: concurrent.futures.Future, generate: concurrent.futures.Future,
                        streamed: Response, streaming: concurrent.futures.Future, killed: float) -> None:
     """What P, D's requests and the router say once D is dead (and not yet restarted)."""
@@ -513,7 +540,9 @@ def test_write_past_its_deadline_ends_before_any_page_is_reused(stack: Stack, re
     room, prefill, generate = direct_room(stack, LONG, prefill_addr=p2.addr)
     wait_until("P2 prefilling the long prompt with D's bootstrap",
                lambda: (h := p2.health(timeout=5)).running == 1 and h.awaiting_bootstrap == 0, 60, stack)
-    b = pool.submit(stack.generate, SHORT, max_new_tokens=B_TOKENS, ignore_eos=True)
+    # B over the test's own channel to D: the router's, which pings, would end B's stream once D
+    # has been frozen past its keepalive (test_stream_from_a_hung_decode_...), as it should.
+    _, b_prefill, b_generate = direct_room(stack, SHORT, max_new_tokens=B_TOKENS, ignore_eos=True)
     wait_until("B decoding on D", lambda: health(stack, "decode").running == 1, 60, stack)
     pid = stack.pid(d)
     freeze(pid)
@@ -537,7 +566,9 @@ def test_write_past_its_deadline_ends_before_any_page_is_reused(stack: Stack, re
     print("room A " + ("landed late" if reply.ok else f"failed: {reply.error}"))
     # C starts while B still decodes: the pool hands it the pages A freed last.
     c = stack.generate(SHORT, max_new_tokens=B_TOKENS, ignore_eos=True)["output_ids"]
-    assert b.result(timeout=300)["output_ids"] == long_reference and c == long_reference
+    assert b_prefill.result(timeout=30).ok
+    assert [t for chunk in b_generate.result(timeout=300) for t in chunk.token_ids] == long_reference
+    assert c == long_reference
     wait_until("P2's pages back", lambda: all_free(p2.health(timeout=5)), 30, stack)
     stack.wait_all_pages_free()
     serves_next_request(stack, reference)

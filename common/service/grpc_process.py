@@ -18,7 +18,21 @@ from common.service.tls import Tls
 # Channels between our own services (router -> P/D, D -> P, P -> D). gRPC's default reconnect
 # backoff grows to 120 s, so a peer restarted by `pdflash up` would be refused for tens of seconds
 # after it is back; between our processes, retrying every second at most is cheap.
-PEER_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
+# A peer that hangs or sits behind a network cut neither answers nor closes the connection: without
+# keepalive a call to it waits out its whole timeout (a decode stream: the router's request
+# timeout, 10 minutes by default). With it, a call in flight pings every KEEPALIVE_TIME_MS, also
+# while no data flows (a stalled stream), and fails UNAVAILABLE once a ping goes unanswered for
+# KEEPALIVE_TIMEOUT_MS. gRPC's own threads answer pings, so a peer busy in a long step still does.
+KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS = 20_000, 20_000
+PEER_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000),
+                        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+                        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # else 60 s bounds the keepalive ping too
+                        ("grpc.http2.max_pings_without_data", 0)]
+# Our servers let those pings in: by default a server answers a client that pings more often than
+# every 5 minutes without data with GOAWAY (too many pings), which would end a long stream.
+SERVER_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+                  ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2)]
 
 
 def peer_channel(addr: str, tls: Tls | None) -> grpc.aio.Channel:
@@ -44,8 +58,7 @@ async def serve_grpc(host: str, port: int, add_servicers, tls: Tls | None = None
     """Start a grpc.aio server with our servicers and the standard health service (SERVING, or
     NOT_SERVING until the caller says otherwise); with `tls`, only peers with a certificate
     signed by its CA get through the handshake."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20),
-                                      ("grpc.max_send_message_length", 256 << 20)])
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicers(server)
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
