@@ -253,22 +253,22 @@ def test_prefill_abort_during_prefill(stack: Stack, reference: list[int]) -> Non
     serves_next_request(stack, reference)
 
 
-@pytest.mark.parametrize("ids, says", [
-    (SHORT, "prefill deadline exceeded: decode's bootstrap (where to write) never came"),
-    (LONG, f"of {len(LONG)} prompt tokens prefilled"),
+@pytest.mark.parametrize("ids, deadline_s, says", [
+    (SHORT, 10.0, "prefill deadline exceeded: decode's bootstrap (where to write) never came"),
+    (LONG, 2.0, f"of {len(LONG)} prompt tokens prefilled"),
 ], ids=["no-bootstrap", "mid-prefill"])
-def test_prefill_deadline_says_what_it_waited_for(stack: Stack, ids: list[int], says: str) -> None:
-    """P alone (no D ever hears of the room), with a 2 s deadline: the short prompt ends waiting
-    for D's bootstrap, the long one (seconds of prefill) while prefilling. P's reply says which,
-    within seconds of the deadline, and its pages return."""
-    room = uuid.uuid4().hex
+def test_prefill_deadline_says_what_it_waited_for(stack: Stack, ids: list[int], deadline_s: float, says: str) -> None:
+    """P alone (no D ever hears of the room): the short prompt, prefilled well within its 10 s
+    even on loaded cores, ends waiting for D's bootstrap; the long one (seconds of one core) ends
+    mid-prefill at 2 s. P's reply says which, once the step in progress has ended (a chunk of the
+    long prompt: seconds on loaded cores), not at the stack's 120 s, and its pages return."""
     start = time.monotonic()
     with grpc.insecure_channel(stack.worker("prefill").addr) as ch:
         reply = pb_grpc.PrefillServiceStub(ch).Prefill(pb.PrefillRequest(
-            room=room, input_ids=ids, sampling=pb.SamplingParams(max_new_tokens=4),
-            decode_addr=stack.worker("decode").addr, deadline_s=2.0), timeout=60)
+            room=uuid.uuid4().hex, input_ids=ids, sampling=pb.SamplingParams(max_new_tokens=4),
+            decode_addr=stack.worker("decode").addr, deadline_s=deadline_s), timeout=60)
     assert not reply.ok and says in reply.error, reply.error
-    assert time.monotonic() - start < 2.0 + 10
+    assert time.monotonic() - start < deadline_s + 30
     stack.wait_all_pages_free()
 
 
