@@ -113,12 +113,11 @@ def prefilling(stack: Stack) -> bool:
     return p.running == 1 and d.free_pages < d.total_pages
 
 
-def bootstrapped(stack: Stack) -> bool:
-    """P is computing a prompt whose D has sent P its bootstrap (where to write): from here on, a
-    frozen D blocks P's writes instead of P's wait for the bootstrap. One Health reply answers
+def bootstrapped(p: pb.HealthReply) -> bool:
+    """P (its Health) is computing a prompt whose D has sent P its bootstrap (where to write): from
+    here on, a frozen D blocks P's writes instead of P's wait for the bootstrap. One reply answers
     both: from two, the first could predate the room's arrival (no room, none awaiting) and the
     second show it prefilling with its bootstrap still to come."""
-    p = health(stack, "prefill")
     return p.running == 1 and p.awaiting_bootstrap == 0
 
 
@@ -311,7 +310,8 @@ def test_transfer_timeout(stack: Stack, short_router: RouterProcess, reference: 
     pid = stack.pid(stack.worker("prefill"))
     start = time.monotonic()
     call = pool.submit(post, short_router.url, LONG, timeout=60)
-    wait_until("P prefilling the long prompt with D's bootstrap", lambda: bootstrapped(stack), 60, stack)
+    wait_until("P prefilling the long prompt with D's bootstrap",
+               lambda: bootstrapped(health(stack, "prefill")), 60, stack)
     freeze(pid)
     try:
         resp = call.result(timeout=60)
@@ -352,7 +352,8 @@ def test_transfer_fails_when_decode_dies_under_it(stack: Stack, reference: list[
     streamed, streaming = stream_in_background(stack.url, SHORT)  # decoding on D when it dies
     wait_until("the streamed request's first tokens", lambda: streamed.ttft is not None, 60, stack)
     room, prefill, generate = direct_room(stack, LONG)
-    wait_until("P prefilling the long prompt with D's bootstrap", lambda: bootstrapped(stack), 60, stack)
+    wait_until("P prefilling the long prompt with D's bootstrap",
+               lambda: bootstrapped(health(stack, "prefill")), 60, stack)
     freeze(pid)
     try:
         wait_until("P writing to D", lambda: transferring(health(stack, "prefill")), DEADLINE_S, stack, every=0.2)
@@ -539,7 +540,7 @@ def test_write_past_its_deadline_ends_before_any_page_is_reused(stack: Stack, re
     d = stack.worker("decode")
     room, prefill, generate = direct_room(stack, LONG, prefill_addr=p2.addr)
     wait_until("P2 prefilling the long prompt with D's bootstrap",
-               lambda: (h := p2.health(timeout=5)).running == 1 and h.awaiting_bootstrap == 0, 60, stack)
+               lambda: bootstrapped(p2.health(timeout=5)), 60, stack)
     # B over the test's own channel to D: the router's, which pings, would end B's stream once D
     # has been frozen past its keepalive (test_stream_from_a_hung_decode_...), as it should.
     _, b_prefill, b_generate = direct_room(stack, SHORT, max_new_tokens=B_TOKENS, ignore_eos=True)
